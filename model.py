@@ -1,0 +1,667 @@
+"""The decoder-only transformer every method compresses with and decodes with, written from scratch.
+
+One `Transformer` covers the four Hugging Face families the papers use (Llama, Qwen2, Qwen3, Mistral).
+Module names are HF's (`model.layers.3.self_attn.q_proj`, ...), so a checkpoint loads by identity.
+
+    h_0 = embed(x)                                   (or inputs_embeds: ICAE/GMSA soft tokens)
+    h   = h + Attn(RMSNorm(h))                       RoPE on q, k; causal or a given boolean mask
+    h   = h + SwiGLU(RMSNorm(h))                     SwiGLU(x) = down(silu(gate(x)) * up(x))
+    logits = lm_head(RMSNorm(h_L))
+    RMSNorm(x) = w * x / sqrt(mean(x^2) + eps)       computed in fp32, like HF
+
+Three switches serve the compression methods:
+- `mlp="aoc"`: AOC Eq. (3), the MLP becomes the identity, so  h = LN_post(h) + h  (LN_post is kept,
+  exactly what HF's LlamaDecoderLayer computes with `mlp = nn.Identity()`); `mlp="none"` removes the
+  whole second sub-block (the ablation).
+- `past_kv` / `return_kv`: the per-layer K/V carrier (500xCompressor, AOC). Cached keys keep the RoPE
+  of the positions they were computed at.
+- `num_layers=k`: run only the first k layers (GMSA encoder).
+
+Also here: LoRA (ICAE, 500x, EPL, CompLLM, GMSA encoders), the tokenizer wrapper, strict loading of
+HF safetensors checkpoints (single or sharded, tied embeddings), and a tiny random model for tests.
+Positions are explicit inputs everywhere: EPL moves them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "mistral": "MistralForCausalLM"}
+
+
+# ---------------------------------------------------------------------------- config
+
+
+@dataclass
+class ModelConfig:
+    arch: str                     # HF model_type: "llama" | "qwen2" | "qwen3" | "mistral"
+    vocab_size: int               # rows of embed_tokens and lm_head (may exceed the tokenizer's vocabulary)
+    hidden_size: int              # d, width of the residual stream
+    intermediate_size: int        # width of the SwiGLU MLP
+    num_hidden_layers: int        # L, number of blocks
+    num_attention_heads: int      # H, query heads
+    num_key_value_heads: int      # Hkv, key/value heads (GQA: H is a multiple of Hkv)
+    head_dim: int                 # D, explicit: Qwen3 has D != d / H, so never derive it when it is given
+    rms_norm_eps: float           # eps inside every RMSNorm
+    rope_theta: float             # RoPE base
+    rope_scaling: dict | None     # None, or {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
+                                  #           original_max_position_embeddings}
+    max_position_embeddings: int  # context the checkpoint was trained for (informative: positions are not capped)
+    tie_word_embeddings: bool     # lm_head.weight is the same Parameter as embed_tokens.weight
+    attention_bias: bool          # q/k/v projections carry a bias (Qwen2 always; others when set, o_proj too)
+    qk_norm: bool                 # Qwen3: RMSNorm over D on every query and key head, before RoPE
+    bos_token_id: int | None      # from config.json (the tokenizer resolves its own, see Tokenizer)
+    eos_token_id: int | None      # first one if config.json lists several
+    pad_token_id: int | None      # padding id, if the checkpoint declares one
+    mlp: str = "swiglu"           # "swiglu" | "aoc" (AOC Eq. 3: MLP = identity, LN_post kept)
+                                  # | "none" (the whole second sub-block removed: the ablation)
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Build from a parsed HF config.json (transformers v4 or v5 layout); fills in HF's defaults."""
+        arch = hf.get("model_type")
+        if arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"unsupported architecture {arch!r} ({', '.join(hf.get('architectures') or [])}); "
+                             f"supported model_type: {', '.join(SUPPORTED_ARCHS)}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}: only SwiGLU (silu) MLPs are implemented")
+        # Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not implemented: it equals
+        # full attention as long as a sequence fits in the window (4096+), which every setup here does.
+        # transformers v5 keeps theta and scaling together in rope_parameters; v4 has rope_theta + rope_scaling.
+        rope = hf.get("rope_parameters")
+        if rope is not None:
+            theta = rope.get("rope_theta", 10000.0)
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        else:
+            theta, scaling = hf.get("rope_theta", 10000.0), hf.get("rope_scaling")
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        return cls(
+            arch=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,  # absent = plain multi-head attention
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=_rope_scaling(scaling),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            # Qwen2's q/k/v biases are hard-wired in HF (no config field); the others read attention_bias.
+            attention_bias=hf.get("attention_bias", arch == "qwen2"),
+            qk_norm=arch == "qwen3",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            pad_token_id=hf.get("pad_token_id"),
+            mlp=hf.get("mlp", "swiglu"),  # not an HF field: written by to_hf() for AOC encoders
+        )
+
+    def to_hf(self) -> dict:
+        """An HF config.json dict (v4 layout, which transformers v5 reads too)."""
+        hf = dict(architectures=[HF_CLASSES[self.arch]], model_type=self.arch, hidden_act="silu",
+                  vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                  num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+                  num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+                  rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+                  max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=self.tie_word_embeddings,
+                  bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
+        if self.arch != "qwen2":  # Qwen2 has no such field (see from_hf)
+            hf["attention_bias"] = self.attention_bias
+        if self.mlp != "swiglu":
+            hf["mlp"] = self.mlp
+        return hf
+
+
+def _rope_scaling(scaling: dict | None) -> dict | None:
+    """Normalise an HF rope_scaling dict: None for plain RoPE, the llama3 parameters, or a clear error."""
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))  # v4 configs may say "type"
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope_type {rope_type!r}: only 'default' and 'llama3' RoPE are implemented")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+
+
+# ---------------------------------------------------------------------------- RoPE
+
+
+def rope_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
+    """inv_freq[i] = theta^(-2i/D), i < D/2, in fp32 (rescaled for llama3); same op order as HF, bit for bit."""
+    D = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32, device=device) / D))
+    if config.rope_scaling is None:
+        return inv_freq
+    # Llama 3.1 "llama3" scaling: long wavelengths are slowed down by `factor`, short ones kept, and the
+    # band in between is interpolated smoothly.
+    s = config.rope_scaling
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    # HF's layout pairs dimension i with i + D/2 (not 2i with 2i+1 like Meta's complex-number RoPE);
+    # checkpoints converted to HF have their q/k rows permuted to match, so we must pair the same way.
+    x1, x2 = x.chunk(2, dim=-1)  # (..., D/2) each
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # the 2-D rotation of each pair (x_i, x_{i+D/2}) by angle pos * inv_freq[i], in real arithmetic
+    return x * cos + rotate_half(x) * sin
+
+
+# ---------------------------------------------------------------------------- blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics even for bf16 activations (as HF): mean(x^2) in bf16 loses too much precision.
+        # The cast back happens *before* the weight multiply, again as HF, so bf16 numerics match.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention.  Notation: B batch, T new tokens, P cached prefix, S = P + T keys,
+    H query heads, Hkv key/value heads, D head_dim.  Each group of H/Hkv query heads reads one K/V head:
+
+        q heads:  q0 q1 | q2 q3 | q4 q5 | q6 q7      (H = 8)
+        kv heads:   k0  |   k1  |   k2  |   k3       (Hkv = 4)
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d, H, Hkv, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.n_head, self.n_kv_head, self.head_dim = H, Hkv, D
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(d, H * D, bias=bias)
+        self.k_proj = nn.Linear(d, Hkv * D, bias=bias)
+        self.v_proj = nn.Linear(d, Hkv * D, bias=bias)
+        # Qwen2 biases only q/k/v; Llama's attention_bias also covers o_proj (HF does the same).
+        self.o_proj = nn.Linear(H * D, d, bias=bias and config.arch != "qwen2")
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(D, config.rms_norm_eps)
+            self.k_norm = RMSNorm(D, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, past=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)      # (B, T, H, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)   # (B, T, Hkv, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)   # (B, T, Hkv, D)
+        if self.qk_norm:  # Qwen3: normalise each head over D, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
+        v = v.transpose(1, 2)                        # (B, Hkv, T, D)
+        if past is not None:
+            # the prefix keys were rotated at their own positions when they were computed; never re-rotate
+            k = torch.cat([past[0], k], dim=2)  # (B, Hkv, S, D)
+            v = torch.cat([past[1], v], dim=2)  # (B, Hkv, S, D)
+        # mask: a boolean (.., T, S) mask, True = may attend; or None = plain causal (the fast kernel), which
+        # forward() only passes with no prefix, or for a single new token (it may see every key: no mask at all).
+        # enable_gqa lets each K/V head serve its H/Hkv query heads without copying it.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                           enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, H*D)
+        return self.o_proj(y), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.mlp_kind = config.mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        if config.mlp != "none":
+            self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.mlp == "swiglu":
+            self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, mask, past=None):
+        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+        x = x + a
+        if self.mlp_kind == "swiglu":
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        elif self.mlp_kind == "aoc":
+            x = x + self.post_attention_layernorm(x)  # AOC Eq. (3): the MLP becomes the identity, LN_post stays
+        return x, kv  # mlp == "none": the second sub-block is gone entirely
+
+
+# ---------------------------------------------------------------------------- transformer
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None       # (B, T, V), None when compute_logits=False
+    last_hidden: torch.Tensor         # (B, T, d): output of the last layer run, after the final norm model.norm
+    hidden_states: list | None        # [embeddings, after layer 1, ..., after layer n], raw residual stream;
+                                      # unlike HF, the last entry has NO final norm (HF's last entry is normed)
+    kv: list | None                   # per layer run: (k, v), each (B, Hkv, P+T, D), keys RoPE-rotated, prefix included
+
+
+class Transformer(nn.Module):
+    """Weight init (only for models trained from scratch; `load_pretrained` overwrites everything):
+
+    | parameter                    | init                                      |
+    |------------------------------|-------------------------------------------|
+    | Linear and Embedding weights | normal(0, 0.02), HF's initializer_range   |
+    | Linear biases                | 0                                         |
+    | RMSNorm weights              | 1                                         |
+    | tied lm_head                 | the embedding itself (one Parameter)      |
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.mlp not in ("swiglu", "aoc", "none"):
+            raise ValueError(f"mlp must be 'swiglu', 'aoc' or 'none', got {config.mlp!r}")
+        self.config = config
+        # the `model.` level exists only so parameter names equal HF's (model.layers.0...., lm_head.weight)
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),
+            layers=nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers)),
+            norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
+        ))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight  # one Parameter, two names
+        # non-persistent: not in the state dict, re-derived from the config (HF checkpoints do not store it)
+        self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def _apply(self, fn, recurse=True):
+        # `model.to(torch.bfloat16)` casts every floating buffer; a bf16 inv_freq is off by ~0.4%, which at
+        # position 1000 turns into whole radians of RoPE angle. So re-derive it in fp32 after any cast or move.
+        super()._apply(fn, recurse)
+        self.inv_freq = rope_frequencies(self.config, self.inv_freq.device)
+        return self
+
+    def forward(self, input_ids=None, *, inputs_embeds=None, position_ids=None, attn_mask=None, past_kv=None,
+                num_layers=None, output_hidden_states=False, return_kv=False, compute_logits=True) -> ModelOutput:
+        """input_ids (B, T) or inputs_embeds (B, T, d), exactly one.
+        position_ids: (B, T) or (T,), any integers (gaps, repeats, any order); default P + arange(T).
+        attn_mask: bool, True = may attend, (T, S), (B, T, S) or (B, 1, T, S) with S = P + T; key j < P is
+            prefix slot j, key P + i is new token i. Default: the whole prefix plus causal over the new tokens.
+        past_kv: one (k, v) per layer, each (B, Hkv, P, D), e.g. the `kv` of another forward (the 500x/AOC carrier).
+        num_layers: run only the first k layers (GMSA encoder); last_hidden is then norm(h after layer k)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, d)
+        B, T, _ = h.shape
+        if num_layers is not None and not 1 <= num_layers <= len(self.model.layers):
+            raise ValueError(f"num_layers must be in 1..{len(self.model.layers)}, got {num_layers}")
+        layers = self.model.layers[:num_layers]  # None = all
+        if past_kv is not None and len(past_kv) < len(layers):
+            raise ValueError(f"past_kv has {len(past_kv)} layers but {len(layers)} layers run; "
+                             "pass one (k, v) per layer (or run fewer layers with num_layers)")
+        P = 0 if past_kv is None else past_kv[0][0].shape[2]
+
+        # RoPE angles for exactly these positions (not a table lookup: EPL positions can be anything)
+        if position_ids is None:
+            position_ids = torch.arange(P, P + T, device=h.device)
+        pos = position_ids.reshape(-1, T)                        # (B or 1, T)
+        freqs = pos[..., None].float() * self.inv_freq           # (B or 1, T, D/2), fp32
+        emb = torch.cat((freqs, freqs), dim=-1)                  # (B or 1, T, D): dims i and i + D/2 share an angle
+        cos = emb.cos().to(h.dtype)[:, None]                     # (B or 1, 1, T, D), broadcast over heads
+        sin = emb.sin().to(h.dtype)[:, None]
+
+        if attn_mask is not None:
+            if attn_mask.dtype != torch.bool or attn_mask.shape[-2:] != (T, P + T):
+                raise ValueError(f"attn_mask must be a bool tensor ending in (T, P+T) = ({T}, {P + T}), "
+                                 f"got {attn_mask.dtype} {tuple(attn_mask.shape)}")
+            mask = attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask  # (B, 1, T, S) or (T, S)
+        elif P > 0 and T > 1:
+            # SDPA's is_causal aligns the triangle top-left (query i sees keys 0..i), but new token i sits at
+            # key slot P + i: it must see the whole prefix and new tokens 0..i, i.e. keys 0..P+i.
+            mask = torch.ones(T, P + T, dtype=torch.bool, device=h.device).tril(diagonal=P)  # (T, S)
+        else:
+            mask = None  # plain causal (P == 0), or one new token that sees the whole cache
+
+        hidden_states = [h] if output_hidden_states else None
+        kv = [] if return_kv else None
+        for i, layer in enumerate(layers):
+            h, layer_kv = layer(h, cos, sin, mask, None if past_kv is None else past_kv[i])
+            if output_hidden_states:
+                hidden_states.append(h)
+            if return_kv:
+                kv.append(layer_kv)
+        h = self.model.norm(h)
+        logits = self.lm_head(h) if compute_logits else None
+        return ModelOutput(logits=logits, last_hidden=h, hidden_states=hidden_states, kv=kv)
+
+    @torch.no_grad()
+    def generate(self, input_ids=None, *, inputs_embeds=None, position_ids=None, attn_mask=None, past_kv=None,
+                 max_new_tokens=32, eos_id=None) -> torch.LongTensor:
+        """Greedy decoding -> (B, n), n <= max_new_tokens. The prompt (ids or embeddings, optional KV prefix,
+        positions and mask) is prefilled in one forward; each new token then attends to everything before it
+        and takes position (last prompt position + 1, + 2, ...) per row. eos_id: an id or a list of ids
+        (None = never stop early); a finished row is padded with the (first) eos id."""
+        out = self(input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, attn_mask=attn_mask,
+                   past_kv=past_kv, return_kv=True, compute_logits=False)
+        B, T = out.last_hidden.shape[:2]
+        P = 0 if past_kv is None else past_kv[0][0].shape[2]
+        device = out.last_hidden.device
+        if position_ids is None:
+            pos = torch.full((B,), P + T - 1, device=device)  # (B,)
+        else:
+            pos = position_ids.reshape(-1, T)[:, -1].expand(B) # (B,)
+        stop = None if eos_id is None else torch.tensor(eos_id, device=device).view(-1)  # (n_eos,)
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        # the cache grows by concatenation inside forward(): one copy of it per step, small next to the step's
+        # matmuls at the lengths used here, and it keeps a single code path for prefixes, prompts and decoding
+        kv, tokens = out.kv, []
+        h_last = out.last_hidden[:, -1]  # (B, d): only the last position's logits are needed
+        for step in range(max_new_tokens):
+            nxt = self.lm_head(h_last).argmax(-1)  # (B,)
+            if stop is not None:
+                nxt = torch.where(done, stop[0], nxt)  # finished rows keep emitting eos
+                done |= torch.isin(nxt, stop)
+            tokens.append(nxt)
+            if step == max_new_tokens - 1 or (stop is not None and bool(done.all())):
+                break
+            pos = pos + 1
+            # no mask needed: a single new token may attend to every cached key
+            out = self(nxt[:, None], position_ids=pos[:, None], past_kv=kv, return_kv=True, compute_logits=False)
+            kv, h_last = out.kv, out.last_hidden[:, -1]
+        return torch.stack(tokens, dim=1)  # (B, n)
+
+
+# ---------------------------------------------------------------------------- LoRA
+
+
+class LoRALinear(nn.Linear):
+    """y = x W^T + b + scale * (x A^T) B^T,  A (r, in), B (out, r), scale = alpha / r (Hu et al., 2021).
+    A subclass of nn.Linear holding the *same* weight/bias tensors, so the base keys stay `...q_proj.weight`."""
+
+    lora_enabled: bool = True  # lora_disabled() flips it: the module then acts as its base linear (ICAE decoder)
+
+    def __init__(self, base: nn.Linear, r: int = 8, alpha: float = 16):
+        # built on meta so nn.Linear allocates (and randomly inits) nothing; the base tensors are reused below
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
+        self.weight, self.bias = base.weight, base.bias
+        w = base.weight
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=w.device, dtype=w.dtype))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=w.device, dtype=w.dtype))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # PEFT's default; B = 0 makes the start exact
+        self.r, self.scale = r, alpha / r
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)  # (..., out): the frozen base
+        if self.lora_enabled:
+            # through the rank-r bottleneck, never forming B A: (..., in) -> (..., r) -> (..., out)
+            y = y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+        return y
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, r={self.r}, scale={self.scale}"
+
+
+def _swap_module(model: nn.Module, name: str, new: nn.Module):
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, new)
+
+
+def add_lora(model: nn.Module, targets=("q_proj", "v_proj"), r: int = 8, alpha: float = 16) -> list[str]:
+    """Wrap every nn.Linear whose name ends in one of `targets` with LoRA (in place, weights shared, not
+    copied); freeze everything else in `model`. Returns the names of the LoRA parameters."""
+    names = [n for n, m in model.named_modules()
+             if n.rpartition(".")[2] in targets and type(m) is nn.Linear]  # type(): skip existing LoRALinear
+    if not names:
+        raise ValueError(f"add_lora: no nn.Linear named {targets} in the model")
+    for n in names:
+        _swap_module(model, n, LoRALinear(model.get_submodule(n), r, alpha))
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+    return [n for n, _ in model.named_parameters() if "lora_" in n]
+
+
+@contextmanager
+def lora_disabled(model: nn.Module):
+    """Inside the block every LoRALinear of `model` computes its base linear only (the frozen LLM)."""
+    mods = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    before = [m.lora_enabled for m in mods]
+    for m in mods:
+        m.lora_enabled = False
+    try:
+        yield model
+    finally:
+        for m, b in zip(mods, before):
+            m.lora_enabled = b
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module):
+    """W <- W + scale * B A, then replace each LoRALinear by a plain nn.Linear holding that weight.
+    The weight is updated in place: anything sharing it (e.g. a decoder run under lora_disabled) changes too."""
+    for n, m in list(model.named_modules()):
+        if isinstance(m, LoRALinear):
+            m.weight += (m.lora_B @ m.lora_A) * m.scale  # (out, r) @ (r, in) -> (out, in)
+            plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+            plain.weight, plain.bias = m.weight, m.bias
+            _swap_module(model, n, plain)
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the special ids. bos_id may be None (Qwen has no BOS);
+    pad_id falls back to eos_id; eos_ids keeps every stop id a checkpoint lists (eos_id is the first)."""
+
+    def __init__(self, tk: HFTokenizer, bos_id: int | None, eos_id: int | None, pad_id: int | None = None,
+                 eos_ids: list[int] | None = None):
+        self.tk = tk
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.pad_id = eos_id if pad_id is None else pad_id
+        self.eos_ids = eos_ids or ([] if eos_id is None else [eos_id])
+        self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, folder: str | Path) -> "Tokenizer":
+        """Special ids as HF resolves them: generation_config.json, then config.json, then tokenizer_config.json."""
+        folder = Path(folder)
+        if not (folder / "tokenizer.json").exists():
+            raise FileNotFoundError(f"no tokenizer.json in {folder} (only fast tokenizers load; write one with "
+                                    f"transformers' AutoTokenizer.from_pretrained(...).save_pretrained)")
+        tk = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        configs = [_read_json(folder / "generation_config.json"), _read_json(folder / "config.json")]
+        tok_cfg = _read_json(folder / "tokenizer_config.json")
+
+        def special(kind):  # -> list of ids (eos may be a list), [] if none is declared
+            # the generation config wins, as in HF's generate(); tokenizer_config.json names tokens, not ids
+            for c in configs:
+                if c.get(f"{kind}_token_id") is not None:
+                    v = c[f"{kind}_token_id"]
+                    return v if isinstance(v, list) else [v]
+            tok = tok_cfg.get(f"{kind}_token")
+            tok = tok.get("content") if isinstance(tok, dict) else tok  # older files store an AddedToken dict
+            return [] if tok is None or tk.token_to_id(tok) is None else [tk.token_to_id(tok)]
+
+        bos, eos, pad = special("bos"), special("eos"), special("pad")
+        return cls(tk, bos[0] if bos else None, eos[0] if eos else None, pad[0] if pad else None, eos)
+
+    def encode(self, text: str, bos: bool = False) -> list[int]:
+        # add_special_tokens=False: some tokenizer.json files carry a post-processor that would add BOS/EOS
+        ids = self.tk.encode(text, add_special_tokens=False).ids
+        if bos:
+            if self.bos_id is None:
+                raise ValueError("this tokenizer has no BOS token; call encode(text) without bos=True")
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids) -> str:
+        ids = ids.tolist() if torch.is_tensor(ids) else list(ids)
+        return self.tk.decode(ids, skip_special_tokens=True)
+
+
+def byte_tokenizer() -> HFTokenizer:
+    """256 byte tokens (id = byte value) + <|bos|> 256, <|eos|> 257, <|pad|> 258: round-trips any UTF-8."""
+    # byte-level BPE shows byte b as a printable character (GPT-2's bytes_to_unicode); no merges = one token per byte
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    char_of = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    tk = HFTokenizer(models.BPE(vocab={char_of[b]: b for b in range(256)}, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(["<|bos|>", "<|eos|>", "<|pad|>"])
+    return tk
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+TINY_CONFIG = dict(  # a small Llama: 4 layers, d=64, GQA 4:2, byte-level vocabulary
+    model_type="llama", vocab_size=259, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+    max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+
+
+def build_tiny(seed: int = 0) -> tuple[Transformer, Tokenizer]:
+    """A random tiny Llama and a byte tokenizer, no download; same weights for the same seed."""
+    with torch.random.fork_rng(devices=[]):  # seed locally: the caller's RNG stream is left untouched
+        torch.manual_seed(seed)
+        model = Transformer(ModelConfig.from_hf(TINY_CONFIG))
+    return model, Tokenizer(byte_tokenizer(), bos_id=256, eos_id=257, pad_id=258)
+
+
+def load_pretrained(name_or_path: str, dtype=torch.float32, device="cpu",
+                    mlp="swiglu") -> tuple[Transformer, Tokenizer]:
+    """An HF checkpoint (local folder or hub id) -> (model, tokenizer); "tiny" -> build_tiny().
+    mlp="aoc"/"none" builds the AOC encoder from a full checkpoint: its MLP tensors are skipped."""
+    if name_or_path == "tiny":
+        model, tok = build_tiny()
+        if mlp != "swiglu":  # as for a real checkpoint: same weights, minus the dropped sub-block
+            full, model = model, Transformer(replace(model.config, mlp=mlp))
+            model.load_state_dict({k: v for k, v in full.state_dict().items() if k in model.state_dict()})
+        return model.to(dtype=dtype, device=device), tok
+    folder = _resolve(name_or_path)
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"no config.json in {folder} (pass a Hugging Face model folder, "
+                                f"as written by save_pretrained)")
+    config = replace(ModelConfig.from_hf(_read_json(folder / "config.json")), mlp=mlp)
+    with torch.device("meta"):  # no memory, no init: every tensor comes from the checkpoint
+        model = Transformer(config)
+    _load_weights(model, folder, dtype, device)
+    if config.tie_word_embeddings:  # assign=True replaced embed_tokens.weight; re-point lm_head at it
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_frequencies(config, device)  # the buffer is still on meta
+    return model.eval(), Tokenizer.from_dir(folder)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _resolve(name_or_path: str) -> Path:
+    """A local folder as is; an 'org/name' hub id through huggingface_hub (config, safetensors, tokenizer only)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    # anything that is not shaped like "org/name" cannot be a hub id: report the missing folder right away
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", name_or_path):
+        raise FileNotFoundError(f"model directory not found: {name_or_path} (pass an existing folder with "
+                                f"config.json + *.safetensors, a hub id like 'HuggingFaceTB/SmolLM2-135M', or 'tiny')")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import LocalEntryNotFoundError
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import; honour it when set later (tests, notebooks) too
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    try:
+        local = snapshot_download(name_or_path, local_files_only=offline, allow_patterns=[
+            "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+            "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
+    except LocalEntryNotFoundError:
+        raise OSError(f"cannot fetch {name_or_path!r}: the Hugging Face hub is unreachable (offline or no "
+                      f"network) and it is not cached; pass a local directory with config.json + *.safetensors "
+                      f"instead") from None
+    return Path(local)
+
+
+def _load_weights(model: Transformer, folder: Path, dtype, device):
+    """Strict: check every name and shape in the file headers first (nothing loaded yet), then load shard by
+    shard with assign=True, so each tensor exists once, already in `dtype` on `device`."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({folder / f for f in _read_json(index)["weight_map"].values()})
+    elif (folder / "model.safetensors").exists():
+        files = [folder / "model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no safetensors weights in {folder} (expected model.safetensors or "
+                                f"model.safetensors.index.json; re-save .bin checkpoints with save_pretrained)")
+    cfg = model.config
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        del expected["lm_head.weight"]  # tied: the embedding serves as lm_head
+
+    def ignorable(name):  # in the file, deliberately not loaded
+        return ("rotary_emb.inv_freq" in name                                # old Llama files saved the RoPE buffer
+                or name == "lm_head.weight"                                  # a tied copy some checkpoints store
+                or (cfg.mlp != "swiglu" and ".mlp." in name)                 # AOC: the MLPs are dropped
+                or (cfg.mlp == "none" and ".post_attention_layernorm." in name))
+
+    found = {}
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            found |= {k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()}
+    missing = sorted(expected.keys() - found.keys())
+    unexpected = sorted(k for k in found.keys() - expected.keys() if not ignorable(k))
+    wrong = [f"{k} {found[k]} (model wants {expected[k]})" for k in sorted(expected.keys() & found.keys())
+             if found[k] != expected[k]]
+    if missing or unexpected or wrong:
+        problems = [f"{what}: {', '.join(names[:8])}{f' ... ({len(names) - 8} more)' if len(names) > 8 else ''}"
+                    for what, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
+                    if names]
+        raise ValueError(f"checkpoint {folder} does not fit a {cfg.arch} model with mlp={cfg.mlp!r}: "
+                         + "; ".join(problems) + " (check config.json matches the weights)")
+    for f in files:
+        with safe_open(f, framework="pt", device=str(device)) as sf:
+            shard = {k: sf.get_tensor(k).to(dtype) for k in sf.keys() if k in expected}
+        model.load_state_dict(shard, strict=False, assign=True)  # strict was checked above, across all shards

@@ -1,0 +1,424 @@
+"""model.py against transformers (the reference) on tiny random checkpoints, plus the properties the
+compression methods rely on: KV prefixes, free positions, masks, truncation, the AOC block, LoRA, loading."""
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model import (ModelConfig, Transformer, add_lora, build_tiny, load_pretrained, lora_disabled, merge_lora,
+                   rope_frequencies)
+
+SPECIALS = dict(vocab_size=300, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+LLAMA3 = dict(  # untied, llama3 RoPE scaling with a short original context so all three frequency bands occur
+    model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, rope_theta=500000.0, tie_word_embeddings=False,
+    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=64), **SPECIALS)
+QWEN2 = dict(  # q/k/v biases, tied embeddings
+    model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=True, **SPECIALS)
+QWEN3 = dict(  # per-head q/k RMSNorm, head_dim 32 != 64 / 4
+    model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False, **SPECIALS)
+CONFIGS = {"llama3": LLAMA3, "qwen2": QWEN2, "qwen3": QWEN3}
+
+
+@pytest.fixture(scope="module")
+def pairs(hf_checkpoint):
+    """name -> (folder, hf_model, our_model); the llama checkpoint is sharded."""
+    out = {}
+    for name, cfg in CONFIGS.items():
+        folder, hf = hf_checkpoint(cfg, max_shard_size="100KB" if name == "llama3" else None)
+        ours, _ = load_pretrained(str(folder))
+        out[name] = (folder, hf, ours)
+    return out
+
+
+def ids_(B=2, T=24, seed=0):
+    return torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def close(a, b, atol=1e-4):
+    torch.testing.assert_close(a, b, atol=atol, rtol=0)
+
+
+# ---------------------------------------------------------------------------- parity with transformers
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_logits_match_transformers(pairs, name):
+    folder, hf, ours = pairs[name]
+    ids = ids_()
+    with torch.no_grad():
+        close(ours(ids).logits, hf(ids).logits)
+
+
+def test_checkpoints_exercise_what_they_claim(pairs):
+    assert len(list(pairs["llama3"][0].glob("model-*.safetensors"))) > 1                  # sharded
+    assert "lm_head.weight" not in load_file(pairs["qwen2"][0] / "model.safetensors")     # tied, absent from file
+    q2 = pairs["qwen2"][2]
+    assert q2.lm_head.weight is q2.model.embed_tokens.weight
+    assert q2.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0 and q2.model.layers[0].self_attn.o_proj.bias is None
+    assert pairs["qwen3"][2].model.layers[0].self_attn.q_proj.weight.shape == (4 * 32, 64)
+    # the llama3 scaling changes some frequencies, keeps others (so the parity test covers the rescaling)
+    cfg = pairs["llama3"][2].config
+    scaled, plain = rope_frequencies(cfg), rope_frequencies(replace(cfg, rope_scaling=None))
+    assert (scaled == plain).any() and (scaled != plain).any()
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_hidden_states_match_transformers(pairs, name):
+    _, hf, ours = pairs[name]
+    ids = ids_()
+    with torch.no_grad():
+        o, ref = ours(ids, output_hidden_states=True), hf(ids, output_hidden_states=True).hidden_states
+        assert len(o.hidden_states) == len(ref) == ours.config.num_hidden_layers + 1
+        for a, b in zip(o.hidden_states[:-1], ref[:-1]):
+            close(a, b)
+        # HF's last entry is after the final norm; ours is the raw residual stream (last_hidden is normed)
+        close(ours.model.norm(o.hidden_states[-1]), ref[-1])
+        close(o.last_hidden, ref[-1])
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_custom_position_ids_match_transformers(pairs, name):
+    _, hf, ours = pairs[name]
+    ids = ids_(T=8)
+    pos = torch.tensor([[0, 1, 2, 7, 7, 30, 12, 300],       # gap, repeat, going back, far out
+                        [5, 5, 5, 6, 100, 101, 102, 3]])
+    with torch.no_grad():
+        # an explicit all-ones attention_mask stops transformers v5 from reading non-consecutive positions as
+        # packed sequences (it would then block attention across the "sequence boundaries")
+        ref = hf(ids, position_ids=pos, attention_mask=torch.ones_like(ids)).logits
+        close(ours(ids, position_ids=pos).logits, ref)
+        # (T,) positions are shared by every row
+        ref1 = hf(ids, position_ids=pos[:1].expand(2, -1), attention_mask=torch.ones_like(ids)).logits
+        close(ours(ids, position_ids=pos[0]).logits, ref1)
+
+
+def test_greedy_generation_matches_transformers(pairs):
+    _, hf, ours = pairs["llama3"]
+    ids = ids_(T=10)
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                      eos_token_id=None, pad_token_id=258)[:, ids.shape[1]:]
+    assert ref.shape == (2, 32)
+    assert torch.equal(ours.generate(ids, max_new_tokens=32), ref)
+
+
+# ---------------------------------------------------------------------------- KV prefix, cache, masks
+
+
+def test_incremental_decoding_equals_full_forward(pairs):
+    ours = pairs["qwen3"][2]
+    ids = ids_(T=12)
+    with torch.no_grad():
+        full = ours(ids).logits
+        out = ours(ids[:, :5], return_kv=True)
+        steps = [out.logits]
+        for t in range(5, 12):
+            out = ours(ids[:, t:t + 1], past_kv=out.kv, return_kv=True)
+            steps.append(out.logits)
+        close(torch.cat(steps, dim=1), full)
+        assert out.kv[0][0].shape == (2, 2, 12, 32)  # (B, Hkv, P+T, D): the prefix is included
+
+
+@pytest.mark.parametrize("custom_positions", [False, True])
+def test_kv_prefix_from_separate_forward(pairs, custom_positions):
+    folder, _, ours = pairs["llama3"]
+    other, _ = load_pretrained(str(folder))  # another module instance of the same shape produces the prefix
+    ids = ids_(T=14)
+    pos = torch.tensor([3, 9, 9, 20, 21, 22, 50, 51, 52, 53, 54, 55, 56, 57]) if custom_positions else torch.arange(14)
+    with torch.no_grad():
+        full = ours(ids, position_ids=pos).logits
+        prefix = other(ids[:, :6], position_ids=pos[:6], return_kv=True).kv
+        rest = ours(ids[:, 6:], position_ids=pos[6:] if custom_positions else None, past_kv=prefix).logits
+        close(rest, full[:, 6:])
+
+
+def test_explicit_causal_mask_equals_default(pairs):
+    ours = pairs["qwen2"][2]
+    ids = ids_(T=10)
+    causal = torch.ones(10, 10, dtype=torch.bool).tril()
+    with torch.no_grad():
+        ref = ours(ids).logits
+        for mask in (causal, causal.expand(2, 10, 10), causal.expand(2, 1, 10, 10)):
+            close(ours(ids, attn_mask=mask).logits, ref)
+        # with a prefix of P = 4: every new token sees the whole prefix, then causal (T, P+T)
+        prefix = ours(ids[:, :4], return_kv=True).kv
+        mask = torch.ones(6, 10, dtype=torch.bool).tril(diagonal=4)
+        close(ours(ids[:, 4:], past_kv=prefix, attn_mask=mask).logits, ref[:, 4:])
+        # and a mask really is applied: hiding the prefix changes the output
+        blind = mask.clone()
+        blind[:, :4] = False
+        assert not torch.allclose(ours(ids[:, 4:], past_kv=prefix, attn_mask=blind).logits, ref[:, 4:])
+
+
+def test_num_layers_equals_truncated_model(pairs):
+    folder, _, ours = pairs["llama3"]
+    config = json.loads((folder / "config.json").read_text())
+    short = Transformer(replace(ModelConfig.from_hf(config), num_hidden_layers=2))
+    short.load_state_dict({k: v for k, v in ours.state_dict().items() if ".layers.2." not in k})
+    ids = ids_()
+    with torch.no_grad():
+        a, b = ours(ids, num_layers=2, return_kv=True, output_hidden_states=True), short(ids)
+        close(a.logits, b.logits)
+        close(a.last_hidden, b.last_hidden)
+        assert len(a.kv) == 2 and len(a.hidden_states) == 3
+
+
+def test_past_kv_too_short_is_an_error(pairs):
+    ours = pairs["llama3"][2]
+    prefix = ours(ids_(T=4), num_layers=2, return_kv=True).kv
+    with pytest.raises(ValueError, match="past_kv has 2 layers but 3 layers run"):
+        ours(ids_(T=3), past_kv=prefix)
+
+
+def test_generate_with_prefix_positions_and_mask_equals_uncached_greedy(pairs):
+    """The carrier case: KV prefix from another forward, custom prompt positions and mask; each generated token
+    continues at (last prompt position + 1) and sees everything before it."""
+    ours = pairs["qwen3"][2]
+    ctx, prompt = ids_(T=6, seed=1), ids_(T=5, seed=2)
+    ctx_pos, prompt_pos = torch.tensor([1, 3, 5, 7, 9, 11]), torch.tensor([0, 20, 21, 22, 23])
+    mask = torch.ones(5, 11, dtype=torch.bool).tril(diagonal=6)
+    mask[:, 2] = False  # the prompt may not see context token 2
+    with torch.no_grad():
+        prefix = ours(ctx, position_ids=ctx_pos, return_kv=True).kv
+        got = ours.generate(prompt, position_ids=prompt_pos, attn_mask=mask, past_kv=prefix, max_new_tokens=6)
+        # reference: no cache, one full forward over [prompt, generated so far] per step
+        seq, pos, m = prompt, prompt_pos, mask
+        for _ in range(6):
+            nxt = ours(seq, position_ids=pos, attn_mask=m, past_kv=prefix).logits[:, -1].argmax(-1)
+            seq, pos = torch.cat([seq, nxt[:, None]], 1), torch.cat([pos, pos[-1:] + 1])
+            m = torch.cat([torch.cat([m, torch.zeros(m.shape[0], 1, dtype=torch.bool)], 1),
+                           torch.ones(1, m.shape[1] + 1, dtype=torch.bool)], 0)  # the new row sees everything
+        assert torch.equal(got, seq[:, 5:])
+
+
+def test_generate_stops_and_pads_with_eos(pairs):
+    ours = pairs["llama3"][2]
+    ids = ids_(T=6)
+    with torch.no_grad():
+        free = ours.generate(ids, max_new_tokens=12)
+        eos = int(free[0, 2])  # declare row 0's third token the eos
+        pad = next(i for i in range(256, 300) if i not in free)  # a second stop id that never comes up
+        got = ours.generate(ids, max_new_tokens=12, eos_id=[pad, eos])  # several stop ids are allowed
+        alone = ours.generate(ids[:1], max_new_tokens=12, eos_id=eos)
+    first = [next((i for i, t in enumerate(row.tolist()) if t == eos), None) for row in free]
+    assert first[0] <= 2 and alone.shape == (1, first[0] + 1)  # the only row is done -> stop right there
+    n = 12 if first[1] is None else max(first) + 1                # stop when every row is done
+    assert got.shape == (2, n)
+    for row, f in enumerate(first):
+        kept = n if f is None else f + 1
+        assert torch.equal(got[row, :kept], free[row, :kept])
+        assert (got[row, kept:] == pad).all()  # a finished row is padded with the first eos id
+
+
+# ---------------------------------------------------------------------------- AOC blocks
+
+
+def test_aoc_block_is_identity_mlp(pairs):
+    folder, _, full = pairs["llama3"]
+    aoc, _ = load_pretrained(str(folder), mlp="aoc")  # a full checkpoint: the MLP tensors are skipped
+    assert not any(".mlp." in k for k in aoc.state_dict())
+    ids = ids_(T=7)
+    with torch.no_grad():
+        # hand computation of AOC Eq. (3) for layer 0: h = LN_pre(h); h = MHA(h) + h; h = LN_post(h) + h
+        layer, h = aoc.model.layers[0], aoc.model.embed_tokens(ids)
+        pos = torch.arange(7)
+        freqs = pos[:, None].float() * aoc.inv_freq
+        emb = torch.cat([freqs, freqs], -1)
+        attn, _ = layer.self_attn(layer.input_layernorm(h), emb.cos(), emb.sin(), None)
+        h = h + attn
+        x = h.float()
+        h = h + layer.post_attention_layernorm.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        close(aoc(ids, output_hidden_states=True).hidden_states[1], h, atol=1e-6)
+        # the attention weights are the full model's: with the MLP, layer 0 would differ by exactly the MLP output
+        f0 = full.model.layers[0]
+        assert torch.equal(f0.self_attn.q_proj.weight, layer.self_attn.q_proj.weight)
+        assert not torch.allclose(full(ids, output_hidden_states=True).hidden_states[1], h)
+
+
+def test_mlp_none_has_no_second_sub_block(pairs):
+    folder = pairs["llama3"][0]
+    bare, _ = load_pretrained(str(folder), mlp="none")
+    assert not any(".mlp." in k or "post_attention_layernorm" in k for k in bare.state_dict())
+    ids = ids_(T=5)
+    with torch.no_grad():
+        layer, h = bare.model.layers[0], bare.model.embed_tokens(ids)
+        emb = torch.cat([torch.arange(5)[:, None].float() * bare.inv_freq] * 2, -1)
+        h = h + layer.self_attn(layer.input_layernorm(h), emb.cos(), emb.sin(), None)[0]  # attention only
+        close(bare(ids, output_hidden_states=True).hidden_states[1], h, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- LoRA
+
+
+@pytest.fixture
+def tiny():
+    return build_tiny(seed=0)[0]
+
+
+def test_lora_zero_init_changes_nothing_and_freezes_the_rest(tiny):
+    ids = ids_()
+    with torch.no_grad():
+        before = tiny(ids).logits
+    q_weight = tiny.model.layers[0].self_attn.q_proj.weight
+    names = add_lora(tiny, r=4, alpha=8)
+    assert tiny.model.layers[0].self_attn.q_proj.weight is q_weight  # shared, not copied
+    assert "model.layers.0.self_attn.q_proj.weight" in tiny.state_dict()  # base keys unchanged
+    assert len(names) == 4 * 2 * 2 and all("lora_" in n for n in names)  # 4 layers x {q, v} x {A, B}
+    assert sorted(n for n, p in tiny.named_parameters() if p.requires_grad) == sorted(names)
+    with torch.no_grad():
+        close(tiny(ids).logits, before, atol=0)
+
+
+def test_lora_merge_and_disable(tiny):
+    ids = ids_()
+    with torch.no_grad():
+        base = tiny(ids).logits
+        add_lora(tiny, targets=("q_proj", "v_proj", "o_proj"), r=4, alpha=8)
+        for n, p in tiny.named_parameters():  # a training-like perturbation of B
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+        adapted = tiny(ids).logits
+        assert not torch.allclose(adapted, base, atol=1e-3)
+        with lora_disabled(tiny):
+            close(tiny(ids).logits, base, atol=0)
+        close(tiny(ids).logits, adapted, atol=0)  # re-enabled on exit
+        merge_lora(tiny)
+        assert not any("lora_" in n for n, _ in tiny.named_parameters())
+        assert type(tiny.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+        close(tiny(ids).logits, adapted, atol=1e-5)
+
+
+def test_lora_trains_only_lora(tiny):
+    add_lora(tiny)
+    tiny(ids_()).logits.logsumexp(-1).mean().backward()
+    grads = {n for n, p in tiny.named_parameters() if p.grad is not None}
+    assert grads and all("lora_" in n for n in grads)
+
+
+# ---------------------------------------------------------------------------- tiny, tokenizer, dtype, config
+
+
+def test_tiny_is_deterministic_and_works():
+    (a, tok), (b, _), (c, _) = build_tiny(0), build_tiny(0), build_tiny(1)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    load_pretrained("tiny")
+    assert torch.equal(state, torch.get_rng_state())  # the caller's RNG is untouched
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k])
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+    text = "Hello, wörld! 你好 🙂\n\ttabs"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and max(ids) < 256
+    assert tok.encode(text, bos=True) == [tok.bos_id] + ids
+    assert tok.decode([tok.bos_id, *ids, tok.eos_id, tok.pad_id]) == text  # specials skipped
+    out = a(torch.tensor([ids]))
+    assert out.logits.shape == (1, len(ids), a.config.vocab_size) and torch.isfinite(out.logits).all()
+    assert tok.vocab_size <= a.config.vocab_size
+
+
+def test_bf16_forward_and_fp32_rope(pairs):
+    folder, _, ours = pairs["qwen3"]
+    model, _ = load_pretrained(str(folder), dtype=torch.bfloat16)
+    assert model.lm_head.weight.dtype == torch.bfloat16 and model.inv_freq.dtype == torch.float32
+    ids = ids_()
+    with torch.no_grad():
+        out = model(ids).logits
+        assert out.dtype == torch.bfloat16
+        ref = ours(ids).logits
+        assert (out.float() - ref).abs().max() < 0.1 * ref.abs().max()
+    model.float().bfloat16()  # a cast of the whole module must not round the RoPE frequencies
+    assert model.inv_freq.dtype == torch.float32
+
+
+def test_config_v4_and_v5_rope_layouts_agree():
+    v4 = dict(LLAMA3)
+    v5 = {k: v for k, v in LLAMA3.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {"rope_theta": 500000.0, **LLAMA3["rope_scaling"]}
+    a, b = ModelConfig.from_hf(v4), ModelConfig.from_hf(v5)
+    assert a == b and a.rope_theta == 500000.0 and a.rope_scaling["factor"] == 8.0
+    assert ModelConfig.from_hf(a.to_hf()) == a
+    q2 = ModelConfig.from_hf(QWEN2)
+    assert q2.attention_bias and not q2.qk_norm and q2.head_dim == 16
+    assert ModelConfig.from_hf(QWEN3).head_dim == 32 and ModelConfig.from_hf(QWEN3).qk_norm
+    aoc = replace(a, mlp="aoc")
+    assert ModelConfig.from_hf(aoc.to_hf()) == aoc
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_error_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model directory not found: .*nope"):
+        load_pretrained(str(tmp_path / "nope"))
+
+
+def test_error_no_weights(tmp_path, pairs):
+    shutil.copy(pairs["qwen3"][0] / "config.json", tmp_path / "config.json")
+    with pytest.raises(FileNotFoundError, match="no safetensors weights in"):
+        load_pretrained(str(tmp_path))
+
+
+def test_error_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match=r"unsupported architecture 'gpt2' \(GPT2LMHeadModel\); supported "
+                                         r"model_type: llama, qwen2, qwen3, mistral"):
+        load_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+        ModelConfig.from_hf({**QWEN3, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_error_wrong_shape_missing_unexpected(tmp_path, pairs):
+    src = pairs["qwen3"][0]
+    for f in ("config.json", "tokenizer.json"):
+        shutil.copy(src / f, tmp_path / f)
+    sd = load_file(src / "model.safetensors")
+    sd["model.layers.1.self_attn.k_proj.weight"] = sd["model.layers.1.self_attn.k_proj.weight"][:32]
+    sd["model.layers.0.mlp.gate.weight"] = sd.pop("model.layers.0.mlp.gate_proj.weight")
+    save_file(sd, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError) as e:
+        load_pretrained(str(tmp_path))
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "missing: model.layers.0.mlp.gate_proj.weight" in msg
+    assert "unexpected: model.layers.0.mlp.gate.weight" in msg
+    assert "wrong shape: model.layers.1.self_attn.k_proj.weight (32, 64) (model wants (64, 64))" in msg
+
+
+def test_error_offline_hub_id(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OSError, match="hub is unreachable .*pass a local directory"):
+        load_pretrained("ctxcomp-tests/surely-not-cached")
+
+
+# ---------------------------------------------------------------------------- a real pretrained model
+
+
+SMOLLM2 = Path("~/.cache/ctxcomp/smollm2-135m").expanduser()
+PROSE = ("The history of the town goes back to the twelfth century, when a small group of farmers settled near "
+         "the river. Over the next two hundred years the village grew into a busy market town. Every week, "
+         "merchants came from the surrounding countryside to sell grain, wool and cattle. In the sixteenth "
+         "century a stone bridge was built across the river, and the town became an important stop on the road "
+         "to the capital.")
+
+
+@pytest.mark.skipif(not (SMOLLM2 / "model.safetensors").exists(), reason="run tools/build_smollm2.sh first")
+def test_smollm2_perplexity_and_parity():
+    import transformers
+
+    model, tok = load_pretrained(str(SMOLLM2))
+    ids = torch.tensor([tok.encode(PROSE)])
+    with torch.no_grad():
+        logits = model(ids).logits
+        nll = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+        assert nll.exp() < 40, f"perplexity {nll.exp():.1f}"
+        hf = transformers.AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32).eval()
+        close(logits, hf(ids).logits)
