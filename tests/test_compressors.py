@@ -1,0 +1,427 @@
+"""Each method's defining property, on the `tiny` model: what may train, what the decoder receives,
+which positions it sees, what must not change. Positions are checked against the EPL paper's numbers
+written out literally, never recomputed with positions.py."""
+
+import math
+import os
+import sys
+from dataclasses import asdict, replace
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import compressors as C  # noqa: E402
+import masks  # noqa: E402
+from model import ModelConfig, Transformer, build_tiny  # noqa: E402
+
+TEXT = ("The quick brown fox jumps over the lazy dog. It was a bright cold day in April! "
+        "Were the clocks striking thirteen? Nobody knew.\nA new line starts here. ") * 2
+
+
+def tiny():
+    torch.manual_seed(0)
+    return build_tiny()
+
+
+def capture(module, name="forward"):
+    """Wrap module.forward (or generate) and record the keyword arguments of every call."""
+    calls, original = [], getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(kwargs if not args else {**kwargs, "input_ids": args[0]})
+        return original(*args, **kwargs)
+    setattr(module, name, wrapper)
+    return calls
+
+
+def step(comp, contexts, lr=1e-2):
+    """One optimiser step on the AE loss; returns a snapshot of every parameter before the step."""
+    before = {n: p.detach().clone() for n, p in comp.named_parameters()}
+    opt = torch.optim.SGD(comp.trainable_parameters(), lr=lr)
+    memory = comp.compress(contexts)
+    loss, _ = comp.lm_loss(memory, "ae", [list(c) + [comp.tok.eos_id] for c in contexts])
+    loss.backward()
+    opt.step()
+    return before
+
+
+def changed(comp, before):
+    return {n for n, p in comp.named_parameters() if not torch.equal(p.detach(), before[n])}
+
+
+# ---------------------------------------------------------------------------- ICAE
+
+
+def test_icae_memory_is_final_norm_hidden_states_of_lora_encoder():
+    dec, tok = tiny()
+    comp = C.build("icae", dec, tok, mem=4, chunk_len=16, lora_r=4, lora_alpha=8)
+    with torch.no_grad():   # LoRA B starts at zero; make it matter so "LoRA on" is visible
+        for n, p in dec.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    ids = tok.encode("Compress this short context.")[:12]
+    memory = comp.compress([ids])
+    # by hand: [context, memory tokens] through the LoRA'd LLM, causal, positions 0..n+m-1 (DPL)
+    x = torch.cat([dec.model.embed_tokens(torch.tensor(ids)), comp.mem_tokens[:4]])[None]
+    out = dec(inputs_embeds=x, output_hidden_states=True)
+    raw = out.hidden_states[-1][0, len(ids):]
+    want = dec.model.norm(raw)   # ICAE: the memory is the *final-norm* output
+    torch.testing.assert_close(memory.embeds[0], want, rtol=0, atol=1e-5)
+    assert (want - raw).abs().max() > 1e-3   # the final norm really is applied
+    # ... and the LoRA really is on in the encoder (without it the memory differs)
+    from model import lora_disabled
+    with lora_disabled(dec):
+        plain = dec.model.norm(dec(inputs_embeds=x, output_hidden_states=True).hidden_states[-1][0, len(ids):])
+    assert (plain - want).abs().max() > 1e-3
+
+
+def test_icae_decoder_is_the_frozen_llm_without_lora_and_only_lora_mem_specials_train():
+    dec, tok = tiny()
+    ref, _ = tiny()                                   # the untouched LLM, same seed
+    comp = C.build("icae", dec, tok, mem=4, chunk_len=16, lora_r=4, lora_alpha=8)
+    trainable = {n for n, p in comp.named_parameters() if p.requires_grad}
+    assert trainable == {n for n in trainable if "lora_" in n} | {"mem_tokens", "ae_embed", "lm_embed"}
+    assert {"mem_tokens", "ae_embed", "lm_embed"} <= trainable and any("lora_A" in n for n in trainable)
+    ctx = [tok.encode("Some context to squeeze. And more of it.")]
+    before = step(comp, ctx)
+    after = changed(comp, before)
+    assert after and all("lora_" in n or n in ("mem_tokens", "ae_embed", "lm_embed") for n in after)
+    # the decoder pass sees exactly the original LLM: same output as a fresh copy of the weights
+    ids = torch.tensor([tok.encode("decoder check")])
+    with comp.decoding():
+        got = dec(ids).logits
+    torch.testing.assert_close(got, ref(ids).logits, rtol=0, atol=0)
+    assert (dec(ids).logits - got).abs().max() > 0   # outside decoding() the LoRA is live
+
+
+# ---------------------------------------------------------------------------- 500x / AOC
+
+
+@pytest.mark.parametrize("method", ["500x", "aoc"])
+def test_kv_carrier_decoder_sees_only_memory_kv_at_encoder_positions(method):
+    dec, tok = tiny()
+    comp = C.build(method, dec, tok, mem=3, chunk_len=32)
+    ids = tok.encode("Only the memory may reach the decoder.")[:20]
+    memory = comp.compress([ids])
+    calls = capture(dec, "generate")
+    comp.generate(memory, "ae", max_new_tokens=3)
+    kw = calls[0]
+    # the decoder's own input is the single regeneration token [BOS] (500x; AOC Eq. 4), no context token
+    assert kw["inputs_embeds"].shape[1] == 1
+    torch.testing.assert_close(kw["inputs_embeds"][0, 0], dec.model.embed_tokens.weight[tok.bos_id])
+    # ... and the K/V prefix holds exactly the 3 memory slots, for every layer
+    assert len(kw["past_kv"]) == dec.config.num_hidden_layers
+    assert all(k.shape[2] == 3 and v.shape[2] == 3 for k, v in kw["past_kv"])
+    # those keys carry the encoder's positions: DPL puts memory at L..L+M-1 = 20, 21, 22 (EPL Table 13)
+    enc = comp.encoder
+    x = torch.cat([enc.model.embed_tokens(torch.tensor(ids)), comp.mem_tokens[:3]])[None]
+    with comp.encoding():
+        out = enc(inputs_embeds=x, position_ids=torch.arange(23)[None], return_kv=True)
+        shifted = enc(inputs_embeds=x, position_ids=torch.arange(23)[None] + 7, return_kv=True)
+    for layer, (k, v) in enumerate(kw["past_kv"]):
+        torch.testing.assert_close(k[0], out.kv[layer][0][0, :, 20:23], rtol=0, atol=1e-5)
+        torch.testing.assert_close(v[0], out.kv[layer][1][0, :, 20:23], rtol=0, atol=1e-5)
+    # (keys do depend on the positions: the same slots computed 7 positions later differ)
+    assert (shifted.kv[0][0][0, :, 20:23] - out.kv[0][0][0, :, 20:23]).abs().max() > 1e-3
+    assert memory.enc_pos.tolist() == [[20, 21, 22]]
+
+
+def test_aoc_encoder_has_no_mlp_and_trains_every_weight():
+    dec, tok = tiny()
+    comp = C.build("aoc", dec, tok, mem=4, chunk_len=32)
+    names = [n for n, _ in comp.encoder.named_parameters()]
+    assert not any(".mlp." in n for n in names)                               # AOC Eq. (3)
+    assert any("post_attention_layernorm" in n for n in names)                # LN_post is kept (Eq. 3, blue)
+    assert all(p.requires_grad for p in comp.encoder.parameters())           # no LoRA: all trained
+    assert not any(p.requires_grad for p in comp.decoder.parameters())       # the decoder is frozen
+    # the encoder is a copy, not the decoder: training it leaves the decoder bit-identical
+    before = step(comp, [tok.encode("attention only")])
+    assert not any(n.startswith("decoder.") for n in changed(comp, before))
+    assert any(n.startswith("encoder.") for n in changed(comp, before))
+    # ablation: the literal removal drops LN_post too
+    lit = C.build("aoc", *tiny(), mem=4, chunk_len=32, mlp="none")
+    assert not any("post_attention_layernorm" in n for n, _ in lit.encoder.named_parameters())
+
+
+def test_aoc_parameter_count_on_llama_3_2_1b_config():
+    # Llama-3.2-1B config.json, built on the meta device (no download, no memory)
+    hf = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+              num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+              rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+              rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                high_freq_factor=4.0, original_max_position_embeddings=8192))
+    count = lambda m: sum(p.numel() for p in m.parameters())   # tied embeddings counted once
+    with torch.device("meta"):
+        full = count(Transformer(ModelConfig.from_hf(hf)))
+        aoc = count(Transformer(ModelConfig.from_hf({**hf, "mlp": "aoc"})))
+    fewer = 1 - aoc / full
+    print(f"\nLlama-3.2-1B: full {full / 1e6:.1f}M params, AOC encoder {aoc / 1e6:.1f}M, {100 * fewer:.1f}% fewer")
+    assert full == 1_235_814_400                         # the published 1.24B
+    assert aoc == full - 16 * 3 * 2048 * 8192            # exactly the MLPs removed
+    assert 0.62 < fewer < 0.70                           # AOC §1: "roughly 67% less parameters"
+
+
+# ---------------------------------------------------------------------------- PCC / PIC
+
+
+def small_compressor(dec):
+    """A separate compressor LLM of another size (narrower, fewer layers), same vocabulary."""
+    cfg = replace(dec.config, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=12)
+    torch.manual_seed(1)
+    return Transformer(cfg)
+
+
+def test_pcc_pic_separate_compressor_with_converter_and_differ_only_in_mask():
+    dec, tok = tiny()
+    enc = small_compressor(dec)
+    pcc = C.build("pcc", dec, tok, encoder=enc, ratio=4.0, chunk_len=64)
+    assert pcc.encoder is enc and pcc.encoder.config.hidden_size != dec.config.hidden_size
+    memory = pcc.compress([tok.encode("Sixteen tokens of text to pack in.")[:16]])
+    assert memory.embeds.shape == (1, 4, dec.config.hidden_size)   # 16 tokens / ratio 4, at decoder width
+    assert all(p.requires_grad for p in enc.parameters())           # PCC/PIC: full fine-tuning
+    diff = {k for k, v in asdict(C.make_config("pic")).items() if v != asdict(C.make_config("pcc"))[k]}
+    assert diff == {"method", "mask"}                               # PIC = PCC with another mask
+
+
+def test_pic_memory_token_sees_only_its_chunk_and_earlier_memory():
+    dec, tok = tiny()
+    enc = small_compressor(dec)
+    ids = tok.encode("abcdefghijklmnopqrstuvwx")[:24]                 # 3 chunks of 8, one memory each
+    later = ids[:8] + tok.encode("ZZZZZZZZZZZZZZZZ")[:16]             # chunks 2 and 3 replaced
+    earlier = tok.encode("QQQQQQQQ")[:8] + ids[8:]                    # chunk 1 replaced
+    for mask in ("pic", "causal"):
+        comp = C.build("pcc", dec, tok, encoder=enc, ratio=8.0, chunk_len=64, mask=mask)
+        with torch.no_grad():
+            m, m_later, m_earlier = (comp.compress([x]).embeds[0] for x in (ids, later, earlier))
+        first_unchanged = torch.equal(m[0], m_later[0])
+        if mask == "pic":   # PIC Eq. (5): m_1 sees chunk 1 only; m_2 sees chunk 2 and m_1
+            assert first_unchanged
+            assert not torch.equal(m[1], m_later[1])
+            assert not torch.equal(m[1], m_earlier[1])   # through m_1, chunk 1 still reaches m_2
+        else:               # the full causal baseline lets m_1 read every chunk
+            assert not first_unchanged
+
+
+# ---------------------------------------------------------------------------- EPL
+
+
+@pytest.mark.parametrize("carrier", ["embeds", "kv"])
+def test_epl_positions_fed_to_encoder_and_decoder_match_the_paper(carrier):
+    # EPL worked example: k = 2 chunks of L = 510, |M| = 102 (r = 5), p = 1020
+    dec, tok = tiny()
+    method = "icae" if carrier == "embeds" else "500x"
+    comp = C.build(method, dec, tok, mem=102, chunk_len=510, layout="epl", lora_r=2, lora_alpha=4)
+    torch.manual_seed(0)
+    ctx = torch.randint(0, 250, (1020,)).tolist()
+    enc_calls = capture(dec)   # the LoRA encoder is the decoder module: first call = encoder
+    with torch.no_grad():
+        memory = comp.compress([ctx])
+        comp.lm_loss(memory, "ae", [ctx])
+        comp.lm_loss(memory, "lm", [ctx[:50]])
+    enc_pos, ae_pos, lm_pos = (c["position_ids"] for c in enc_calls)
+    # EPL Table 12 (EPL encoder): chunk 1 context 1..510, memory 3, 8, ..., 508; chunk 2 511..1020, 513..1018
+    assert enc_pos[0, :510].tolist() == list(range(1, 511))
+    assert enc_pos[0, 510:612].tolist() == list(range(3, 509, 5))
+    assert enc_pos[1, :510].tolist() == list(range(511, 1021))
+    assert enc_pos[1, 510:612].tolist() == list(range(513, 1019, 5))
+    mem = list(range(3, 509, 5)) + list(range(513, 1019, 5))
+    assert memory.enc_pos[0].tolist() == mem
+    # EPL Table 13 (AE, EPL): memory keeps 3..508, 513..1018; [AE] at 0; x_0..x_1019 at 1..1020
+    # EPL Table 14 (LM, EPL): [LM] at p = 1020; the continuation from 1021
+    if carrier == "embeds":
+        assert ae_pos[0, :204].tolist() == mem and lm_pos[0, :204].tolist() == mem
+        ae_pos, lm_pos = ae_pos[:, 204:], lm_pos[:, 204:]
+    else:   # the K/V prefix carries the memory; the decoder's own inputs start at [AE]/[LM]
+        assert ae_pos.shape[1] == 1 + 1020
+    assert ae_pos[0].tolist() == [0] + list(range(1, 1021))
+    assert lm_pos[0].tolist() == [1020] + list(range(1021, 1071))
+
+
+def test_dpl_icae_decoder_positions_match_the_paper():
+    # EPL Table 13, DPL(ICAE): memory 0..203, [AE] 204, x_0..x_1019 at 205..1224
+    dec, tok = tiny()
+    comp = C.build("icae", dec, tok, mem=102, chunk_len=510, lora_r=2, lora_alpha=4)
+    ctx = torch.randint(0, 250, (1020,), generator=torch.Generator().manual_seed(0)).tolist()
+    calls = capture(dec)
+    with torch.no_grad():
+        comp.lm_loss(comp.compress([ctx]), "ae", [ctx])
+    enc_pos, dec_pos = calls[0]["position_ids"], calls[1]["position_ids"]
+    assert enc_pos[0].tolist() == list(range(0, 612)) == enc_pos[1].tolist()   # Table 12, DPL
+    assert dec_pos[0].tolist() == list(range(0, 204)) + [204] + list(range(205, 1225))
+
+
+def test_new_combination_pic_mask_with_epl_positions_on_aoc_encoder():
+    dec, tok = tiny()
+    comp = C.build("aoc", dec, tok, mem=4, chunk_len=32, mask="pic", layout="epl")
+    ids = tok.encode("a combination no original codebase can run")[:32]
+    memory = comp.compress([ids])
+    loss, n = comp.lm_loss(memory, "ae", [ids + [tok.eos_id]])
+    loss.backward()
+    assert math.isfinite(loss.item()) and n == 33
+    assert memory.enc_pos[0].tolist() == [4, 12, 20, 28]   # UPL over 1..32 with r = 8: round(1 + 3.5 + 8j)
+
+
+# ---------------------------------------------------------------------------- CompLLM
+
+
+def test_compllm_segments_ce_counts_and_reusability():
+    dec, tok = tiny()
+    comp = C.build("compllm", dec, tok)
+    ids = tok.encode(TEXT)
+    segs = comp.sentence_segments(ids)
+    assert sum(segs, []) == ids                                  # nothing lost or reordered
+    assert all(1 <= len(s) <= 20 for s in segs)                  # CompLLM §4.1: S = 20
+    assert len(segs) > len(ids) / 20                             # sentences really cut early
+    memory = comp.compress([ids])
+    n_ce = sum(math.ceil(len(s) / 2) for s in segs)              # Σ ⌈n_i / C⌉, C = 2
+    assert memory.valid.sum().item() == n_ce == sum(memory.mem_counts[0])
+    with torch.no_grad():   # a non-trivial LoRA, so the check is not vacuous
+        for n, p in dec.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+        full = comp.compress([ids]).embeds[0]
+        # segment 3's CEs, compressed alone vs inside the whole context (and inside a batch)
+        start = sum(math.ceil(len(s) / 2) for s in segs[:3])
+        n3 = math.ceil(len(segs[3]) / 2)
+        alone = comp.compress([segs[3]]).embeds[0]
+        batched = comp.compress([tok.encode("Other context."), ids]).embeds[1]
+    assert (full[start:start + n3] - alone).abs().max() <= 1e-6
+    assert (batched[start:start + n3] - alone).abs().max() <= 1e-6
+
+
+def test_compllm_rows_equal_one_packed_sequence_with_the_segments_mask():
+    # compressing segments as separate rows == one sequence [seg1, eos.., seg2, eos.., ...] with the
+    # block-diagonal masks.segments mask and per-segment positions
+    dec, tok = tiny()
+    comp = C.build("compllm", dec, tok)
+    segs = comp.sentence_segments(tok.encode("One two. Three four five! Six?"))
+    mems = [math.ceil(len(s) / 2) for s in segs]
+    with torch.no_grad():
+        rows = comp.compress([sum(segs, [])]).embeds[0]
+        ids = sum(([*s] + [tok.eos_id] * m for s, m in zip(segs, mems)), [])
+        pos = torch.cat([torch.arange(len(s) + m) for s, m in zip(segs, mems)])
+        out = dec(torch.tensor([ids]), position_ids=pos[None], attn_mask=masks.segments([len(s) for s in segs], mems))
+        h = comp.bridge(out.last_hidden[0])
+    is_ce = torch.tensor(sum(([False] * len(s) + [True] * m for s, m in zip(segs, mems)), []))
+    torch.testing.assert_close(rows, h[is_ce], rtol=0, atol=1e-5)
+
+
+def test_compllm_training_step_leaves_llm_weights_bit_identical():
+    dec, tok = tiny()
+    comp = C.build("compllm", dec, tok)
+    before = {n: p.detach().clone() for n, p in dec.named_parameters() if "lora_" not in n}
+    ctx, q, a = tok.encode(TEXT[:80]), tok.encode(" Q: who?"), tok.encode(" the fox")
+    loss, n = comp.distill_loss([ctx], [q], [a])
+    assert n == len(a) and loss.item() > 0
+    loss.backward()
+    torch.optim.SGD(comp.trainable_parameters(), lr=0.1).step()
+    assert all(torch.equal(p, before[n]) for n, p in dec.named_parameters() if "lora_" not in n)
+    assert any("lora_" in n and p.grad is not None and p.grad.abs().sum() > 0 for n, p in dec.named_parameters())
+
+
+def test_compllm_distillation_loss_matches_the_equation():
+    dec, tok = tiny()
+    comp = C.build("compllm", dec, tok)
+    ctx, q, a = tok.encode("Cats sleep. Dogs bark."), tok.encode(" Who barks?"), tok.encode(" Dogs")
+    with torch.no_grad():
+        loss, _ = comp.distill_loss([ctx], [q], [a])
+        teacher = dec(torch.tensor([ctx + q + a]), output_hidden_states=True).hidden_states
+        ces = comp.compress([ctx]).embeds[0]
+        x = torch.cat([ces, dec.model.embed_tokens(torch.tensor(q + a))])[None]
+        student = dec(inputs_embeds=x, output_hidden_states=True).hidden_states
+    want = 0.0
+    for layer in range(1, dec.config.num_hidden_layers + 1):     # CompLLM Eq. (1)-(3), by hand
+        h, hs = teacher[layer][0, -len(a):], student[layer][0, -len(a):]
+        d = (hs - h).abs()
+        smooth = torch.where(d < 1, 0.5 * d ** 2, d - 0.5).mean()
+        want += smooth / h.std()
+    torch.testing.assert_close(loss, torch.as_tensor(want), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- GMSA
+
+
+def test_gmsa_group_merging_is_an_exact_mean_with_a_short_last_group():
+    dec, tok = tiny()
+    comp = C.build("gmsa", dec, tok, bridge="none")        # look at the merged vectors themselves
+    assert comp.encoder.config.num_hidden_layers == dec.config.num_hidden_layers // 4 == len(comp.encoder.model.layers)
+    ids = tok.encode("eleven toks")[:11]
+    with torch.no_grad():
+        memory = comp.compress([ids], rates=[4])
+        h = comp.encoder(torch.tensor([ids])).last_hidden[0]
+    groups = [h[0:4].mean(0), h[4:8].mean(0), h[8:11].mean(0)]   # the last group has 3 tokens
+    assert memory.embeds.shape[1] == 3
+    for got, want in zip(memory.embeds[0], groups):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_gmsa_lsa_starts_as_decoder_layer_zero_and_is_independent():
+    dec, tok = tiny()
+    comp = C.build("gmsa", dec, tok)
+    lsa, first = comp.lsa.model.layers[0].state_dict(), dec.model.layers[0].state_dict()
+    assert len(comp.lsa.model.layers) == 1 and lsa.keys() == first.keys()
+    for k in lsa:
+        assert torch.equal(lsa[k], first[k]) and lsa[k].data_ptr() != first[k].data_ptr()
+    assert all(p.requires_grad for p in comp.lsa.parameters())       # GMSA §3.3: fully trained
+    before = step(comp, [tok.encode("group merging and alignment")])
+    assert any(n.startswith("lsa.") for n in changed(comp, before))
+    assert not any(n.startswith("decoder.") for n in changed(comp, before))
+
+
+def test_gmsa_keft_trains_only_decoder_qkv():
+    dec, tok = tiny()
+    comp = C.build("gmsa", dec, tok)
+    comp.set_stage("keft")
+    ctx, q, a = tok.encode("Paris is in France."), tok.encode(" Where is Paris?"), tok.encode(" France")
+    before = {n: p.detach().clone() for n, p in comp.named_parameters()}
+    memory = comp.compress([ctx], rates=[4])
+    loss, _ = comp.lm_loss(memory, "qa", [q + a + [tok.eos_id]], [len(a) + 1])
+    loss.backward()
+    torch.optim.SGD(comp.trainable_parameters(), lr=0.1).step()
+    moved = changed(comp, before)
+    qkv = lambda n: n.startswith("decoder.") and any(f"self_attn.{m}.weight" in n for m in ("q_proj", "k_proj", "v_proj"))
+    assert moved and all(qkv(n) for n in moved)                      # GMSA Eq. (8)
+    assert len(moved) == 3 * dec.config.num_hidden_layers            # every layer's q, k and v
+
+
+# ---------------------------------------------------------------------------- save / load, errors
+
+
+def test_save_load_roundtrip_gives_the_same_memory(tmp_path):
+    dec, tok = tiny()
+    comp = C.build("gmsa", dec, tok)
+    step(comp, [tok.encode("save me")])
+    comp.set_stage("keft")
+    comp.save(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["compressor.json", "compressor.safetensors"]
+    back = C.load(str(tmp_path))
+    ids = [tok.encode("the same memory after loading")]
+    with torch.no_grad():
+        torch.testing.assert_close(back.compress(ids, rates=[4]).embeds, comp.compress(ids, rates=[4]).embeds)
+        x = torch.tensor(ids)
+        torch.testing.assert_close(back.decoder(x).logits, comp.decoder(x).logits)   # KEFT q/k/v saved too
+    wrong = C.build("gmsa", *tiny(), enc_layers=2)
+    with pytest.raises(ValueError, match="checkpoint does not match"):
+        wrong.load_trained(comp.trained_state())
+
+
+@pytest.mark.parametrize("method,overrides,message", [
+    ("nope", {}, "unknown method 'nope'"),
+    ("gmsa", {"layout": "epl"}, "gmsa merges hidden states"),
+    ("aoc", {"mem": 0}, "--mem must be >= 1"),
+    ("icae", {"mem": 600}, "--mem 600 is larger than the chunk"),
+    ("icae", {"layout": "xyz"}, "unknown layout 'xyz'"),
+    ("gmsa", {"carrier": "kv", "bridge": "none"}, "carrier kv needs one K/V per decoder layer"),
+])
+def test_bad_settings_are_one_line_errors(method, overrides, message):
+    with pytest.raises(ValueError, match=message) as e:
+        C.make_config(method, **overrides)
+    assert "\n" not in str(e.value)
+
+
+def test_empty_context_is_an_error():
+    comp = C.build("icae", *tiny(), mem=2, chunk_len=8, lora_r=2, lora_alpha=4)
+    with pytest.raises(ValueError, match="empty context"):
+        comp.compress([[]])
