@@ -301,3 +301,17 @@ def test_pic_leaks_nothing_through_tiny_model():
     except Exception as e:  # the model is being written in parallel; its API may not be there yet
         pytest.skip(f"model.build_tiny not usable yet: {type(e).__name__}: {e}")
     check_no_leak(forward, x, L, N, deep_enough=False)
+
+
+def test_stack_padded_places_each_mask_top_left_and_padding_sees_only_itself():
+    a = masks.pic(4, 2)                      # 6 x 6
+    b = masks.causal(3)                      # 3 x 3
+    out = masks.stack_padded([a, b], 7)
+    assert out.shape == (2, 7, 7) and out.dtype == torch.bool
+    assert torch.equal(out[0, :6, :6], a) and torch.equal(out[1, :3, :3], b)
+    # nothing real looks at padding, and each padded row sees exactly its own key
+    assert not out[0, :6, 6:].any() and not out[1, :3, 3:].any()
+    assert out[0, 6].tolist() == [False] * 6 + [True]
+    assert out[1, 3:].tolist() == [[j == i for j in range(7)] for i in range(3, 7)]
+    with pytest.raises(ValueError, match="row_masks"):
+        masks.stack_padded([masks.causal(8)], 7)
