@@ -191,7 +191,7 @@ class Memory:
         """AOC Eq. (5): Z = Z0 + w (Z1 - Z0), on every tensor the decoder reads."""
         if self.valid.shape != other.valid.shape or not torch.equal(self.valid, other.valid):
             raise ValueError("can only interpolate memories of the same shape (same number of memory slots)")
-        mix = lambda a, b: a + w * (b - a)
+        mix = lambda a, b: torch.lerp(a, b, w)   # exact at w = 0 and w = 1
         return replace(self, embeds=None if self.embeds is None else mix(self.embeds, other.embeds),
                        kv=None if self.kv is None else [(mix(k0, k1), mix(v0, v1))
                                                         for (k0, v0), (k1, v1) in zip(self.kv, other.kv)])
@@ -213,6 +213,10 @@ class Compressor(nn.Module):
                  enc_tok=None):
         super().__init__()
         validate(cfg)
+        # record the base models this compressor was built on, so `load` rebuilds on the same ones
+        cfg = replace(cfg, model=getattr(decoder, "name_or_path", cfg.model))
+        if encoder is not None:
+            cfg = replace(cfg, compressor_model=getattr(encoder, "name_or_path", cfg.compressor_model))
         self.cfg = cfg
         self.tok, self.enc_tok = tok, enc_tok or tok
         decoder.requires_grad_(False)   # the decoder is frozen in every method (KEFT unfreezes q/k/v later)
@@ -552,8 +556,10 @@ class Compressor(nn.Module):
             past_kv = memory.kv
             mask = masks.with_prefix(mask, memory.valid.shape[1])
             valid = torch.cat([memory.valid, valid], dim=1)
-        return dict(inputs_embeds=x, position_ids=pos, attn_mask=masks.with_padding(mask, valid),
-                    past_kv=past_kv, targets=tgt)
+        # nothing padded: the mask is the model's default (prefix + causal), and passing None lets
+        # SDPA use its fused causal kernel instead of the dense-mask one
+        attn_mask = None if bool(valid.all()) else masks.with_padding(mask, valid)
+        return dict(inputs_embeds=x, position_ids=pos, attn_mask=attn_mask, past_kv=past_kv, targets=tgt)
 
     def lm_loss(self, memory: Memory, task: str, follow: list, n_supervised: list | None = None,
                 last_tokens: list | None = None):

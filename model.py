@@ -570,6 +570,7 @@ def build_tiny(seed: int = 0) -> tuple[Transformer, Tokenizer]:
     with torch.random.fork_rng(devices=[]):  # seed locally: the caller's RNG stream is left untouched
         torch.manual_seed(seed)
         model = Transformer(ModelConfig.from_hf(TINY_CONFIG))
+    model.name_or_path = "tiny"
     return model, Tokenizer(byte_tokenizer(), bos_id=256, eos_id=257, pad_id=258)
 
 
@@ -582,6 +583,7 @@ def load_pretrained(name_or_path: str, dtype=torch.float32, device="cpu",
         if mlp != "swiglu":  # as for a real checkpoint: same weights, minus the dropped sub-block
             full, model = model, Transformer(replace(model.config, mlp=mlp))
             model.load_state_dict({k: v for k, v in full.state_dict().items() if k in model.state_dict()})
+        model.name_or_path = "tiny"  # what a checkpoint records to rebuild this base model
         return model.to(dtype=dtype, device=device), tok
     folder = _resolve(name_or_path)
     if not (folder / "config.json").exists():
@@ -594,6 +596,7 @@ def load_pretrained(name_or_path: str, dtype=torch.float32, device="cpu",
     if config.tie_word_embeddings:  # assign=True replaced embed_tokens.weight; re-point lm_head at it
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_frequencies(config, device)  # the buffer is still on meta
+    model.name_or_path = name_or_path  # what a checkpoint records to rebuild this base model
     return model.eval(), Tokenizer.from_dir(folder)
 
 
