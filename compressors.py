@@ -135,6 +135,11 @@ def make_config(method: str, **overrides) -> CompressorConfig:
     # a fixed --mem replaces a preset's compression ratio unless a ratio is asked for too
     if "mem" in overrides and "ratio" not in overrides:
         settings["ratio"] = 0.0
+    # group merging: --ratio R fixes the group size (GMSA samples it from `ratios` otherwise)
+    if settings.get("source") == "group_mean" and settings.get("ratio", 0) > 0:
+        settings["ratios"], settings["ratio"] = (settings["ratio"],), 0.0
+    if "ratios" in settings:   # group sizes are whole numbers of tokens
+        settings["ratios"] = tuple(int(r) if float(r).is_integer() else r for r in settings["ratios"])
     for k in ("lora_targets", "ratios"):
         if k in settings:
             settings[k] = tuple(settings[k])
@@ -154,8 +159,10 @@ def validate(cfg: CompressorConfig):
                              "into groups and has none: drop --layout")
         if cfg.mask != "causal":
             raise ValueError(f"--mask {cfg.mask} needs memory tokens; {cfg.method} has none: drop --mask")
-        if any(r < 1 for r in cfg.ratios):
-            raise ValueError(f"every group-merging rate must be >= 1, got {cfg.ratios}")
+        if not cfg.ratios or any(not isinstance(r, int) or r < 1 for r in cfg.ratios):
+            raise ValueError(f"group-merging rates must be whole numbers >= 1, got {cfg.ratios}")
+        if cfg.ratio > 0:
+            raise ValueError("ratio does not apply to group merging: set ratios (one rate per example)")
     elif cfg.ratio <= 0:
         if cfg.mem < 1:
             raise ValueError(f"--mem must be >= 1, got {cfg.mem}")
@@ -703,10 +710,11 @@ def load(ckpt_dir: str, dtype=torch.float32, device="cpu") -> Compressor:
     return comp
 
 
-def build(method: str, decoder: Transformer, tok, encoder: Transformer | None = None, enc_tok=None,
+def build(method: str, decoder: Transformer, tok, encoder_model: Transformer | None = None, encoder_tok=None,
           **overrides) -> Compressor:
-    """The compressor of a preset around `decoder`, e.g. build("pic", llm, tok, layout="epl")."""
-    return Compressor(make_config(method, **overrides), decoder, tok, encoder, enc_tok)
+    """The compressor of a preset around `decoder`, e.g. build("pic", llm, tok, layout="epl").
+    encoder_model / encoder_tok: the separate compressor LLM of pcc/pic (default: a copy of the decoder)."""
+    return Compressor(make_config(method, **overrides), decoder, tok, encoder_model, encoder_tok)
 
 
 def copy_model(src: Transformer, **changes) -> Transformer:

@@ -176,7 +176,7 @@ def small_compressor(dec):
 def test_pcc_pic_separate_compressor_with_converter_and_differ_only_in_mask():
     dec, tok = tiny()
     enc = small_compressor(dec)
-    pcc = C.build("pcc", dec, tok, encoder=enc, ratio=4.0, chunk_len=64)
+    pcc = C.build("pcc", dec, tok, encoder_model=enc, ratio=4.0, chunk_len=64)
     assert pcc.encoder is enc and pcc.encoder.config.hidden_size != dec.config.hidden_size
     memory = pcc.compress([tok.encode("Sixteen tokens of text to pack in.")[:16]])
     assert memory.embeds.shape == (1, 4, dec.config.hidden_size)   # 16 tokens / ratio 4, at decoder width
@@ -192,7 +192,7 @@ def test_pic_memory_token_sees_only_its_chunk_and_earlier_memory():
     later = ids[:8] + tok.encode("ZZZZZZZZZZZZZZZZ")[:16]             # chunks 2 and 3 replaced
     earlier = tok.encode("QQQQQQQQ")[:8] + ids[8:]                    # chunk 1 replaced
     for mask in ("pic", "causal"):
-        comp = C.build("pcc", dec, tok, encoder=enc, ratio=8.0, chunk_len=64, mask=mask)
+        comp = C.build("pcc", dec, tok, encoder_model=enc, ratio=8.0, chunk_len=64, mask=mask)
         with torch.no_grad():
             m, m_later, m_earlier = (comp.compress([x]).embeds[0] for x in (ids, later, earlier))
         first_unchanged = torch.equal(m[0], m_later[0])
@@ -414,6 +414,7 @@ def test_save_load_roundtrip_gives_the_same_memory(tmp_path):
     ("icae", {"mem": 600}, "--mem 600 is larger than the chunk"),
     ("icae", {"layout": "xyz"}, "unknown layout 'xyz'"),
     ("gmsa", {"carrier": "kv", "bridge": "none"}, "carrier kv needs one K/V per decoder layer"),
+    ("gmsa", {"ratios": (2.5,)}, "whole numbers"),
 ])
 def test_bad_settings_are_one_line_errors(method, overrides, message):
     with pytest.raises(ValueError, match=message) as e:
@@ -425,3 +426,11 @@ def test_empty_context_is_an_error():
     comp = C.build("icae", *tiny(), mem=2, chunk_len=8, lora_r=2, lora_alpha=4)
     with pytest.raises(ValueError, match="empty context"):
         comp.compress([[]])
+
+
+def test_gmsa_ratio_fixes_the_group_size():
+    cfg = C.make_config("gmsa", ratio=2.0)
+    assert cfg.ratios == (2,) and cfg.ratio == 0.0
+    comp = C.Compressor(cfg, *tiny())
+    memory = comp.compress([list(range(10))])
+    assert memory.mem_counts == [[5]]          # 10 tokens in groups of 2, every time
