@@ -1,0 +1,362 @@
+"""train.py end to end, in-process on CPU: every method learns, a stopped run continues exactly, and bad input
+ends in one line without touching the run directory.
+
+The loss tests use `tiny`'s architecture with weights drawn at std 0.1 instead of build_tiny's 0.02: the decoder
+is frozen, and with 0.02 its logits are so small (|logit| < ~1.3) that no memory can push the loss far below
+ln(259) = 5.56, whatever the compressor learns. The thresholds were set from measured runs (in the comments)
+with a wide margin; an untrained compressor or a training loop that does not step drops by 0%.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import compressors as C  # noqa: E402
+import train  # noqa: E402
+from model import TINY_CONFIG, build_tiny, byte_tokenizer  # noqa: E402
+
+DOC = train.BUILTIN_TEXTS[3][:48]          # 48 bytes = 48 tokens: the one fixed training example
+LORA = ["--lora-r", "8", "--lora-alpha", "16"]
+
+
+@pytest.fixture(scope="session")
+def files(tmp_path_factory):
+    """A steerable tiny model folder, the one-document corpus, a one-triple QA file, an empty file."""
+    root = tmp_path_factory.mktemp("train")
+    model, _ = build_tiny()
+    for seed, name in ((0, "tiny01"), (1, "other01")):      # other01: a second LLM for --decoder
+        g = torch.Generator().manual_seed(seed)
+        weights = {n: torch.ones_like(p) if "norm" in n else torch.randn(p.shape, generator=g) * 0.1
+                   for n, p in model.named_parameters()}      # tied: lm_head is embed_tokens, saved once
+        (root / name).mkdir()
+        save_file(weights, str(root / name / "model.safetensors"))
+        (root / name / "config.json").write_text(json.dumps(TINY_CONFIG))
+        byte_tokenizer().save(str(root / name / "tokenizer.json"))
+    (root / "doc.txt").write_text(DOC)
+    context, question, answer = train.BUILTIN_QA[2]
+    (root / "qa.jsonl").write_text(json.dumps(dict(context=context[:96], question=question, answer=answer)) + "\n")
+    (root / "empty.txt").write_text("  \n")
+    return dict(model=str(root / "tiny01"), other=str(root / "other01"), doc=str(root / "doc.txt"), qa=str(root / "qa.jsonl"),
+                empty=str(root / "empty.txt"))
+
+
+def log_rows(out):
+    return [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+
+
+def snapshot(folder):
+    """Every file under `folder` -> (size, mtime, content hash): to prove an error changed nothing."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha1(p.read_bytes()).hexdigest())
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+# ---- every method learns ----
+
+# method -> (flags, minimum relative drop). Measured (first loss -> mean of the last 3 of 100 steps):
+# icae 5.72 -> 3.61 (37%), 500x 5.87 -> 2.00 (66%), pcc 5.79 -> 3.55 (39%), pic 5.60 -> 3.36 (40%),
+# gmsa 6.11 -> 3.01 (51%), aoc 5.86 -> 1.12 (81%), compllm (distill) 1.79 -> 0.021 (99%).
+FIXED = ["--min-len", "48", "--max-len", "48", "--batch-size", "2", "--steps", "100", "--warmup", "0"]
+RUNS = {
+    "icae": (["--mem", "12", "--chunk-len", "24", *LORA, "--lr", "1e-2"], 0.25),
+    "500x": (["--mem", "12", "--chunk-len", "24", *LORA, "--lr", "1e-2"], 0.40),
+    "pcc": (["--ratio", "2", "--chunk-len", "24", "--lr", "1e-3"], 0.25),
+    "pic": (["--ratio", "2", "--chunk-len", "24", "--lr", "1e-3"], 0.25),
+    "gmsa": (["--ratios", "2", *LORA, "--lr", "3e-3"], 0.30),
+    "aoc": (["--mem", "12", "--chunk-len", "48", "--lr", "3e-3"], 0.50),
+    "compllm": ([*LORA, "--lr", "3e-3", "--answer-tokens", "8"], 0.80),
+}
+
+
+@pytest.mark.parametrize("method", C.METHODS)
+def test_every_method_overfits_a_fixed_batch(method, files, tmp_path):
+    flags, min_drop = RUNS[method]
+    data = files["qa"] if method == "compllm" else files["doc"]   # compllm's default objective is distill
+    out = str(tmp_path / method)
+    train.main(["--method", method, "--model", files["model"], "--data", data, "--out", out, *FIXED, *flags])
+    losses = [r["loss"] for r in log_rows(out)]
+    assert len(losses) == 100
+    drop = 1 - sum(losses[-3:]) / 3 / losses[0]
+    assert drop >= min_drop, f"{method}: loss {losses[0]:.3f} -> {sum(losses[-3:]) / 3:.3f} ({drop:.0%})"
+    # the run directory is a compressor checkpoint (evaluate.py's entry point) holding the trained tensors
+    comp = C.load(out)
+    assert comp.cfg.method == method
+    final = load_file(os.path.join(out, "ckpt-000100", "compressor.safetensors"))
+    for name, t in comp.trained_state().items():
+        torch.testing.assert_close(t, final[name], rtol=0, atol=0)
+
+
+def test_quickstart_on_the_real_tiny_model_runs_and_logs(tmp_path):
+    """The README command, shortened: default (paper) recipe scaled for tiny; every log field is there."""
+    out = str(tmp_path / "aoc")
+    train.main(["--method", "aoc", "--mem", "16", "--model", "tiny", "--steps", "3", "--out", out])
+    rows = log_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert {"step", "loss", "lr", "grad_norm", "dt", "tokens_per_s", "ae"} <= rows[0].keys()
+    args = json.load(open(os.path.join(out, "args.json")))
+    assert (args["lr"], args["batch_size"], args["min_len"], args["max_len"]) == (2e-4, 4, 24, 120)
+    assert C.load(out).cfg.mem == 16
+
+
+# ---- stop, resume, interrupt, non-finite loss ----
+
+
+@pytest.mark.parametrize("method,flags", [
+    # random text lengths and offsets (the data position) ...
+    ("icae", ["--mem", "4", "--chunk-len", "16", *LORA, "--min-len", "16", "--max-len", "64"]),
+    # ... and GMSA's rates, drawn from torch's RNG inside compress() (the RNG state in the checkpoint)
+    ("gmsa", [*LORA, "--min-len", "16", "--max-len", "64"]),
+])
+def test_stop_after_then_resume_equals_an_uninterrupted_run(method, flags, tmp_path):
+    base = ["--method", method, "--model", "tiny", "--batch-size", "2", "--lr", "3e-3", "--steps", "8", *flags]
+    train.main(base + ["--out", str(tmp_path / "full")])
+    train.main(base + ["--out", str(tmp_path / "part"), "--stop-after", "4"])
+    assert [r["step"] for r in log_rows(tmp_path / "part")] == [1, 2, 3, 4]
+    assert sorted(os.listdir(tmp_path / "part")) == ["args.json", "cache", "ckpt-000004", "compressor.json",
+                                                     "compressor.safetensors", "log.jsonl"]
+    train.main(["--resume", str(tmp_path / "part")])
+    full, part = log_rows(tmp_path / "full"), log_rows(tmp_path / "part")
+    assert [r["step"] for r in part] == list(range(1, 9))
+    for a, b in zip(full, part):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a, b)
+    assert len({r["loss"] for r in full}) == 8          # the losses did move: the comparison means something
+    w_full, w_part = (load_file(str(tmp_path / d / "compressor.safetensors")) for d in ("full", "part"))
+    for name in w_full:
+        torch.testing.assert_close(w_part[name], w_full[name], rtol=0, atol=1e-6)
+
+
+def test_ctrl_c_saves_a_checkpoint_and_the_run_continues_exactly(tmp_path, monkeypatch):
+    base = ["--method", "aoc", "--model", "tiny", "--mem", "4", "--batch-size", "2", "--lr", "3e-3", "--steps", "6"]
+    train.main(base + ["--out", str(tmp_path / "full")])
+    calls, loss_ae = [], train.loss_ae
+
+    def interrupted(comp, batch):   # SIGINT arrives in the middle of step 3
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return loss_ae(comp, batch)
+    monkeypatch.setattr(train, "loss_ae", interrupted)
+    train.main(base + ["--out", str(tmp_path / "part")])
+    assert [r["step"] for r in log_rows(tmp_path / "part")] == [1, 2, 3]
+    assert os.path.isdir(tmp_path / "part" / "ckpt-000003")
+    monkeypatch.setattr(train, "loss_ae", loss_ae)
+    train.main(["--resume", str(tmp_path / "part")])
+    for a, b in zip(log_rows(tmp_path / "full"), log_rows(tmp_path / "part"), strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    calls, loss_ae = [], train.loss_ae
+
+    def exploding(comp, batch):     # step 5 produces a NaN loss
+        calls.append(1)
+        loss, parts = loss_ae(comp, batch)
+        return (loss * float("nan"), parts) if len(calls) == 5 else (loss, parts)
+    monkeypatch.setattr(train, "loss_ae", exploding)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--method", "aoc", "--model", "tiny", "--mem", "4", "--batch-size", "2", "--steps", "8",
+                    "--save-every", "2", "--out", str(out)])
+    assert "nan" in str(e.value.code) and "\n" not in str(e.value.code)
+    assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-000004"]
+    assert [r["step"] for r in log_rows(out)] == [1, 2, 3, 4]
+    good = out / "ckpt-000004" / "compressor.safetensors"
+    assert (out / "compressor.safetensors").read_bytes() == good.read_bytes()
+    assert torch.load(out / "ckpt-000004" / "train_state.pt", weights_only=True)["step"] == 4
+
+
+# ---- the loop's arithmetic ----
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    """4 examples as 2 micro-batches of 2 (loss / 2 each) = 4 examples in one forward (equal lengths, so the
+    mean of the micro-batch means is the batch mean)."""
+    base = ["--method", "aoc", "--model", "tiny", "--mem", "4", "--min-len", "32", "--max-len", "32",
+            "--batch-size", "4", "--lr", "3e-3", "--steps", "4"]
+    train.main(base + ["--out", str(tmp_path / "one")])
+    train.main(base + ["--out", str(tmp_path / "acc"), "--micro-batch", "2"])
+    for a, b in zip(log_rows(tmp_path / "one"), log_rows(tmp_path / "acc"), strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4
+
+
+def test_schedules():
+    args = train.argparse.Namespace(lr=1.0, warmup=10, steps=110, schedule="constant")
+    assert [train.lr_at(s, args) for s in (0, 4, 9, 10, 109)] == [0.1, 0.5, 1.0, 1.0, 1.0]
+    args.schedule = "linear"
+    assert [round(train.lr_at(s, args), 6) for s in (10, 60, 109)] == [1.0, 0.5, 0.01]
+    args.schedule = "cosine"
+    assert [round(train.lr_at(s, args), 6) for s in (10, 60)] == [1.0, 0.5]
+
+
+def test_paper_defaults_fill_the_unset_flags_and_flags_win(tmp_path):
+    args, _ = train.parse_args(["--method", "icae", "--model", "meta-llama/Llama-3.2-1B", "--steps", "20000"])
+    assert (args.objective, args.lr, args.betas, args.weight_decay, args.schedule, args.warmup, args.batch_size,
+            args.clip, args.min_len, args.max_len) == ("pretrain", 1e-4, [0.9, 0.95], 0.1, "constant", 300, 16,
+                                                      2.0, 510, 2040)   # EPL App. C, Table 8
+    args, _ = train.parse_args(["--method", "icae", "--model", "x/y", "--objective", "qa", "--lr", "3e-5"])
+    assert args.lr == 3e-5
+    args, _ = train.parse_args(["--method", "icae", "--model", "x/y", "--objective", "qa"])
+    assert args.lr == 5e-5                                        # EPL fine-tuning
+    args, _ = train.parse_args(["--method", "icae", "--model", "x/y", "--chunk-len", "255"])
+    assert (args.min_len, args.max_len) == (255, 1020)            # half the chunk: half the lengths
+    args, _ = train.parse_args(["--method", "compllm", "--model", "x/y"])
+    assert (args.objective, args.lr, args.weight_decay, args.batch_size) == ("distill", 1e-4, 0.0, 4)
+
+
+def test_gmsa_keft_trains_only_decoder_qkv_from_the_stage_1_run(files, tmp_path):
+    stage1, keft = str(tmp_path / "ae"), str(tmp_path / "keft")
+    train.main(["--method", "gmsa", "--model", files["model"], "--data", files["doc"], *LORA, "--ratios", "2",
+                "--batch-size", "2", "--steps", "5", "--out", stage1])
+    train.main(["--method", "gmsa", "--stage", "keft", "--init", stage1, "--data", files["qa"], "--batch-size",
+                "2", "--steps", "20", "--lr", "1e-3", "--out", keft])
+    losses = [r["loss"] for r in log_rows(keft)]
+    assert sum(losses[-3:]) / 3 < 0.9 * losses[0]                 # measured 5.75 -> 3.89
+    before, after = C.load(stage1).trained_state(), C.load(keft)
+    assert after.cfg.decoder_train == "keft"
+    for name, t in after.trained_state().items():
+        if name in before:     # encoder LoRA, LSA, [AE]: frozen in stage 2
+            torch.testing.assert_close(t, before[name], rtol=0, atol=0)
+        else:
+            assert name.startswith("decoder.") and name.split(".")[-2] in ("q_proj", "k_proj", "v_proj")
+
+
+def test_separate_decoder_compresses_with_model_and_decodes_with_decoder(files, tmp_path):
+    """PIC §4.1.2's setup: --model is the compressor, --decoder the frozen LLM; each reads its own tokenizer
+    (contexts are re-tokenised for the compressor), and compressors.load rebuilds both."""
+    out = str(tmp_path / "pic")
+    train.main(["--method", "pic", "--model", files["model"], "--decoder", files["other"], "--data", files["doc"],
+                "--chunk-len", "24", "--ratio", "4", "--batch-size", "2", "--steps", "3", "--out", out])
+    comp = C.load(out)
+    assert (comp.cfg.model, comp.cfg.compressor_model) == (files["other"], files["model"])
+    assert comp.enc_tok is not comp.tok
+    other = load_file(os.path.join(files["other"], "model.safetensors"))
+    torch.testing.assert_close(comp.decoder.model.embed_tokens.weight, other["model.embed_tokens.weight"])
+    assert len(log_rows(out)) == 3
+
+
+def test_distill_caches_the_teachers_own_answers(files, tmp_path):
+    out = tmp_path / "compllm"
+    train.main(["--method", "compllm", "--model", files["model"], "--data", files["qa"], *LORA, "--batch-size",
+                "2", "--steps", "2", "--answer-tokens", "8", "--out", str(out)])
+    (cache,) = out.glob("cache/answers-*.pt")
+    answers = torch.load(cache, weights_only=True)
+    comp = C.load(str(out))
+    context, question, _ = train.BUILTIN_QA[2]
+    ids = torch.tensor([comp.tok.encode(context[:96]) + comp.tok.encode(question)])
+    with torch.no_grad(), comp.decoding():     # the frozen LLM: the LoRA encoder switched off
+        greedy = comp.decoder.generate(ids, max_new_tokens=8, eos_id=comp.tok.eos_ids)[0].tolist()
+    eos = comp.tok.eos_id
+    assert list(answers.values()) == [greedy[:greedy.index(eos) + 1] if eos in greedy else greedy]
+
+
+# ---- bad input: one line, nothing touched ----
+
+
+def assert_one_line_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    err = capsys.readouterr().err
+    text = err if e.value.code == 2 else str(e.value.code)        # argparse prints; fail() carries the line
+    assert e.value.code != 0 and message in text, text
+    assert "Traceback" not in err and len(text.strip().splitlines()) <= 2, text   # argparse: usage + error
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--method", "nope"], "invalid choice: 'nope'"),
+    (["--method", "aoc", "--data", "MISSING"], "does not exist"),
+    (["--method", "aoc", "--data", "EMPTY"], "no text in"),
+    (["--method", "icae", "--mem", "64", "--chunk-len", "32"], "--mem 64 is larger than the chunk"),
+    (["--method", "gmsa", "--layout", "epl"], "--layout epl needs memory tokens"),
+    (["--method", "aoc", "--data", "hf://datasets/nobody/nothing/x.txt"], "cannot fetch"),
+    (["--method", "aoc", "--objective", "qa", "--data", "DOC"], "needs JSON lines"),
+    (["--method", "aoc", "--stage", "keft"], "pass --init DIR"),
+    (["--method", "icae", "--init", "RUN"], "is a aoc compressor, not icae"),
+    (["--method", "aoc", "--batch-size", "3", "--micro-batch", "2"], "must be a multiple"),
+    (["--method", "icae", "--model", "no/such-model-here"], "cannot fetch"),
+])
+def test_bad_input_is_one_line_and_leaves_out_untouched(argv, message, files, tmp_path, capsys, finished_run):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    paths = dict(MISSING=str(tmp_path / "missing.txt"), EMPTY=files["empty"], DOC=files["doc"], RUN=finished_run)
+    argv = [paths.get(a, a) for a in argv] + ["--model", "tiny"] * ("--model" not in argv) + ["--out", str(out)]
+    before = snapshot(out)
+    assert_one_line_error(argv, message, capsys)
+    assert snapshot(out) == before
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("finished") / "aoc")
+    train.main(["--method", "aoc", "--model", "tiny", "--mem", "4", "--batch-size", "2", "--steps", "2", "--out", out])
+    return out
+
+
+def corrupt(path):
+    Path(path).write_bytes(b"\x00garbage")
+
+
+def foreign_tensors(run):   # a compressor of another shape in place of the run's own
+    save_file({"mem_tokens": torch.zeros(3, 3)}, os.path.join(run, "ckpt-000002", "compressor.safetensors"))
+
+
+@pytest.mark.parametrize("damage,extra,message", [
+    (None, ["--method", "pic"], "mismatched checkpoint"),
+    (None, ["--mem", "8"], "mismatched checkpoint"),
+    (lambda run: corrupt(os.path.join(run, "ckpt-000002", "train_state.pt")), [], "is corrupt"),
+    (lambda run: corrupt(os.path.join(run, "ckpt-000002", "compressor.json")), [], "is corrupt"),
+    (foreign_tensors, [], "does not match the compressor"),
+    (lambda run: os.remove(os.path.join(run, "ckpt-000002", "train_state.pt")), [], "holds no checkpoint"),
+])
+def test_bad_resume_is_one_line_and_leaves_the_run_untouched(damage, extra, message, finished_run, tmp_path, capsys):
+    run = str(tmp_path / "run")
+    shutil.copytree(finished_run, run)
+    if damage:
+        damage(run)
+    before = snapshot(run)
+    assert_one_line_error(["--resume", run, "--steps", "4", *extra], message, capsys)
+    assert snapshot(run) == before
+
+
+def test_resume_accepts_the_flags_it_was_trained_with(finished_run, tmp_path):
+    run = str(tmp_path / "run")
+    shutil.copytree(finished_run, run)
+    train.main(["--resume", run, "--method", "aoc", "--mem", "4", "--betas", "0.9", "0.999", "--steps", "3"])
+    assert [r["step"] for r in log_rows(run)] == [1, 2, 3]
+
+
+def test_a_new_run_never_overwrites_a_checkpoint(finished_run, capsys):
+    before = snapshot(finished_run)
+    assert_one_line_error(["--method", "aoc", "--model", "tiny", "--out", finished_run], "already holds a checkpoint",
+                          capsys)
+    assert snapshot(finished_run) == before
+
+
+def test_resuming_a_finished_run_does_nothing(finished_run, capsys):
+    before = snapshot(finished_run)
+    train.main(["--resume", finished_run])
+    assert "nothing to do" in capsys.readouterr().out
+    assert snapshot(finished_run) == before
+
+
+def test_help_explains_every_flag_and_shows_the_gpu_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        train.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    parser = train.build_parser()
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help"
+    assert "meta-llama/Llama-3.2-1B-Instruct" in text and "--steps 20000" in text
+    for method in C.METHODS:
+        assert f"\n  {method} " in text                              # the per-method defaults table

@@ -1,0 +1,856 @@
+"""
+Train a soft context compressor: one script for every method in compressors.py.
+
+    python train.py --method aoc --mem 16 --model tiny --steps 200 --out runs/aoc          # CPU, about a minute
+
+The script reads top to bottom: arguments (with each paper's training recipe as the defaults), model and
+compressor, data, optimizer and schedule, the loop, checkpoints. The objectives, each named after its paper:
+
+    pretrain   L = α·L_LM + (1 − α)·L_AE on ONE compression of the first p = ⌊|X|/2⌋ tokens of a text X
+               (EPL §3.1.1 and App. C; PIC Eq. 6-8 with λ = α = 0.5: TR = AE reconstructs x_1..x_p,
+               TC = LM continues with x_p+1..x_|X|)
+    ae         L_AE alone: regenerate the compressed text (ICAE AE, AOC Eq. 4, GMSA stage 1)
+    qa         [memory; [LM]; question] -> answer, cross-entropy on the answer only (EPL fine-tuning, GMSA KEFT)
+    distill    CompLLM Eq. (1)-(3): the LLM reading the memory imitates, layer by layer, the LLM reading the
+               full context, on answers the frozen LLM generated itself (cached on disk)
+
+Every run can be stopped and continued exactly: a checkpoint (trained tensors, optimizer, RNG states, step,
+args) is written as a unit (into a temporary directory, then renamed) every --save-every steps, at the end,
+after --stop-after K, and on Ctrl-C / SIGTERM. The batch of step s is drawn from a generator seeded with
+(seed, s, sample index), so the data position is just the step number. `compressors.load(--out)` reads the
+latest compressor (evaluate.py does).
+
+On a GPU with a paper model (bf16 autocast, same flags):
+
+    python train.py --method aoc --mem 16 --model meta-llama/Llama-3.2-1B-Instruct --data corpus/ --steps 20000
+    torchrun --nproc_per_node 8 train.py --method icae --layout epl --model meta-llama/Llama-3.2-1B --data pile.jsonl
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+from glob import glob
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from tqdm import tqdm
+
+import compressors as C
+from model import load_pretrained
+
+# ---- arguments ----
+
+# Each paper's training recipe; any flag overrides it. "ours" marks a value the paper does not give.
+# lengths = (shortest, longest) text |X| in tokens per example (pretrain compresses the first half, ae all
+# of it), at the preset's chunk length; `qa` holds what changes for fine-tuning (--objective qa).
+PAPER_DEFAULTS = {
+    # EPL App. C, Table 8 (ICAE continued pretraining, 1B/3B): AdamW β=(0.9, 0.95), wd 0.1, lr 1e-4 pretrain /
+    # 5e-5 fine-tune, constant schedule, warmup 300, batch 16, 20k steps, clip 2.0; |X| ∈ [510, 2040], α = 0.5
+    "icae": dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, schedule="constant",
+                 warmup=300, batch_size=16, clip=2.0, steps=20000, lengths=(510, 2040), lm_weight=0.5,
+                 qa=dict(lr=5e-5)),
+    # EPL App. C, Table 8: the same recipe for 500xCompressor
+    "500x": dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, schedule="constant",
+                 warmup=300, batch_size=16, clip=2.0, steps=20000, lengths=(510, 2040), lm_weight=0.5,
+                 qa=dict(lr=5e-5)),
+    # PIC §4.1.2: lr 1e-4, full fine-tuning of the compressor; Eq. (8): λ = 0.5. The rest is not given: EPL's
+    # recipe and |X| range at PIC's 512-token chunks (ours)
+    "pcc": dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, schedule="constant",
+                warmup=300, batch_size=16, clip=2.0, steps=20000, lengths=(512, 2048), lm_weight=0.5, qa=dict()),
+    "pic": dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, schedule="constant",
+                warmup=300, batch_size=16, clip=2.0, steps=20000, lengths=(512, 2048), lm_weight=0.5, qa=dict()),
+    # CompLLM §4.1: Adam (= AdamW with weight decay 0), lr 1e-4, batch 4, "until convergence". Schedule, warmup,
+    # clip, steps and the |X| range for --objective pretrain/ae are ours
+    "compllm": dict(objective="distill", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="constant",
+                    warmup=0, batch_size=4, clip=1.0, steps=20000, lengths=(510, 2040), lm_weight=0.5, qa=dict()),
+    # GMSA App. C, Table 3: AdamW, linear schedule, clip 2.0, batch 4 (AE) / 16 (KEFT); 10k AE / 5k KEFT steps
+    # (PwC). Its learning rates are not legible in our copy of the paper: 1e-4 (AE) / 1e-5 (KEFT) are ours, as
+    # are betas, weight decay (PyTorch's AdamW defaults), warmup, and |X| around PwC's 609-token average (App. D)
+    "gmsa": dict(objective="ae", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01, schedule="linear",
+                 warmup=300, batch_size=4, clip=2.0, steps=10000, lengths=(256, 1024), lm_weight=0.5,
+                 qa=dict(lr=1e-5, batch_size=16, steps=5000)),
+    # AOC §2-3: AdamW (PyTorch's: betas, weight decay as its defaults), 300 warmup steps to lr 2e-4; prompts of
+    # n ∈ {96, 192, 288, 384, 480} tokens, which we sample uniformly in [96, 480]. Schedule after warmup,
+    # batch, clip and steps are ours
+    "aoc": dict(objective="ae", lr=2e-4, betas=(0.9, 0.999), weight_decay=0.01, schedule="constant",
+                warmup=300, batch_size=16, clip=2.0, steps=20000, lengths=(96, 480), lm_weight=0.5, qa=dict()),
+}
+# --model tiny is a CPU smoke test (ours): a quarter of the paper's lengths and batch 4 keep a step near 0.2 s
+TINY = dict(length_scale=0.25, batch_size=4)
+# flags that may change when a run is continued with --resume; every other flag must match the checkpoint
+RUN_FLAGS = {"resume", "out", "steps", "stop_after", "save_every", "micro_batch", "compile", "device", "cache_dir"}
+EXAMPLES = """examples:
+  python train.py --method aoc --mem 16 --model tiny --steps 200 --out runs/aoc        # CPU quickstart
+  python train.py --method aoc --mem 16 --model meta-llama/Llama-3.2-1B-Instruct --data corpus/ --steps 20000
+  python train.py --method icae --layout epl --mem 102 --model meta-llama/Llama-3.2-1B --data pile.jsonl
+  python train.py --method pic --model Qwen/Qwen2.5-0.5B-Instruct --decoder meta-llama/Meta-Llama-3-8B-Instruct
+  python train.py --method gmsa --stage keft --init runs/gmsa --data qa.jsonl --out runs/gmsa-keft
+  python train.py --resume runs/aoc --stop-after 4000                                  # time-sliced jobs
+  torchrun --nproc_per_node 8 train.py --method icae ...                               # one process per GPU"""
+COMPRESSOR_FLAGS = ("mem", "ratio", "ratios", "layout", "mask", "carrier", "bridge", "encoder", "mlp", "chunk_len",
+                    "lora_r", "lora_alpha", "enc_layers")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train.py", usage="python train.py --method METHOD [options]   (--help lists every flag)",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__.split("\n\n")[0].strip(),
+        epilog=defaults_table() + "\n\n" + EXAMPLES)
+    g = p.add_argument_group("what to train")
+    g.add_argument("--method", choices=C.METHODS, help="the compressor preset (compressors.py PRESETS); "
+                   "optional with --resume")
+    g.add_argument("--model", default="tiny", help="the LLM: a Hugging Face id, a local folder with config.json "
+                   "+ *.safetensors, or 'tiny' (a random 4-layer model for CPU tests; default). It decodes, and "
+                   "it is the compressor for pcc/pic when --decoder names another LLM")
+    g.add_argument("--decoder", help="a different frozen decoder LLM (pcc/pic: PIC §4.1.2 compresses with "
+                   "Qwen2.5-0.5B and decodes with Llama-3-8B); default: --model itself")
+    g.add_argument("--objective", choices=("pretrain", "ae", "qa", "distill"),
+                   help="pretrain: α·LM + (1-α)·AE (EPL §3.1.1, PIC Eq. 8); ae: reconstruction only (AOC Eq. 4, "
+                   "GMSA stage 1); qa: answer-only fine-tuning; distill: CompLLM Eq. 1-3. Default per method: "
+                   "pretrain for icae/500x/pcc/pic, ae for aoc/gmsa, distill for compllm, qa for --stage keft")
+    g.add_argument("--stage", choices=("ae", "keft"), default="ae",
+                   help="GMSA §3.5: 'keft' freezes encoder and LSA and trains the decoder's q/k/v on QA data; "
+                   "start it from the stage-1 run with --init (default: ae)")
+    g.add_argument("--init", help="start from the compressor of a finished run (its --out): QA fine-tuning "
+                   "after pretraining, GMSA KEFT after stage 1. The compressor settings come from that run")
+    g.add_argument("--data", help="plain text (.txt, any other extension) or JSON lines (.jsonl: {\"text\"} or "
+                   "{\"context\", \"question\", \"answer\"}), a folder of them, or hf://datasets/OWNER/NAME/PATH "
+                   "(one file of a hub data set). Default: a small built-in corpus")
+    g.add_argument("--out", help="run directory: checkpoints, log.jsonl, token cache (default: runs/METHOD, or "
+                   "the --resume directory)")
+
+    g = p.add_argument_group("compressor (default: the method's preset in compressors.py)")
+    g.add_argument("--mem", type=int, help="memory tokens per chunk (EPL: 102 per 510; AOC: 1, 4 or 16)")
+    g.add_argument("--ratio", type=float, help="memory per chunk = ceil(chunk tokens / R) instead of --mem "
+                   "(PIC 16x, CompLLM C = 2)")
+    g.add_argument("--ratios", type=int, nargs="+", metavar="R", help="GMSA group sizes, one sampled per "
+                   "example (GMSA §4.1: 4 8)")
+    g.add_argument("--layout", choices=("dpl", "upl", "epl"), help="position layout of memory tokens (EPL "
+                   "§3.2); only for methods with memory tokens")
+    g.add_argument("--mask", choices=("causal", "pic"), help="encoder mask over [chunk, memory] (PIC Eq. 5)")
+    g.add_argument("--carrier", choices=("embeds", "kv"), help="hidden states as input embeddings (ICAE) or "
+                   "per-layer K/V (500x, AOC)")
+    g.add_argument("--bridge", choices=("none", "linear", "mlp", "lsa"), help="encoder -> decoder map "
+                   "(CompLLM linear, PCC/PIC MLP converter, GMSA LSA)")
+    g.add_argument("--encoder", choices=("lora", "full", "separate", "first_k"), help="encoder weights")
+    g.add_argument("--mlp", choices=("swiglu", "aoc", "none"), help="encoder blocks: with MLP, AOC Eq. 3, or "
+                   "without the sub-block")
+    g.add_argument("--chunk-len", type=int, help="context tokens per chunk (CompLLM: segment length S)")
+    g.add_argument("--lora-r", type=int, help="LoRA rank (EPL 128, CompLLM 32)")
+    g.add_argument("--lora-alpha", type=int, help="LoRA alpha (EPL 256)")
+    g.add_argument("--enc-layers", type=int, help="first_k encoder: layers kept (GMSA: 8 of 32)")
+
+    g = p.add_argument_group("optimization (default: the method's row in the table below)")
+    g.add_argument("--steps", type=int, help="optimizer steps of the whole run")
+    g.add_argument("--lr", type=float, help="peak learning rate")
+    g.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="AdamW betas")
+    g.add_argument("--weight-decay", type=float, help="AdamW weight decay (matrices only; 0 = Adam)")
+    g.add_argument("--schedule", choices=("constant", "linear", "cosine"), help="after warmup: constant, or "
+                   "linear / cosine decay to 0 at --steps")
+    g.add_argument("--warmup", type=int, help="linear warmup steps (default: the paper's, at most 10%% of --steps)")
+    g.add_argument("--batch-size", type=int, help="examples per optimizer step, over all GPUs and micro-batches")
+    g.add_argument("--micro-batch", type=int, help="examples per forward pass and GPU (default: the whole "
+                   "batch); smaller values accumulate gradients")
+    g.add_argument("--clip", type=float, help="gradient-norm clipping (0 = off)")
+    g.add_argument("--lm-weight", type=float, help="α (EPL) / λ (PIC Eq. 8): weight of the LM loss in "
+                   "pretrain; AE gets 1 - α (default 0.5)")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--min-len", type=int, help="shortest text |X| in tokens (default: the paper's, scaled "
+                   "down with a shorter --chunk-len and for --model tiny)")
+    g.add_argument("--max-len", type=int, help="longest text |X|; also caps QA contexts")
+    g.add_argument("--answer-tokens", type=int, default=64, help="distill: longest answer the frozen LLM "
+                   "generates as the teacher (ours; default 64)")
+    g.add_argument("--cache-dir", help="token and teacher-answer cache (default: OUT/cache)")
+
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=0, help="seeds the data order, GMSA's rates and the init (default 0)")
+    g.add_argument("--save-every", type=int, default=1000, help="checkpoint every N steps (default 1000)")
+    g.add_argument("--resume", help="continue the run in this directory exactly where its checkpoint stopped; "
+                   "only --steps, --stop-after, --save-every, --out, --micro-batch, --compile, --device, "
+                   "--cache-dir may change")
+    g.add_argument("--stop-after", type=int, help="end cleanly with a checkpoint after step K (time-sliced "
+                   "jobs); continue with --resume")
+    g.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
+    g.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    return p
+
+
+def defaults_table() -> str:
+    """The per-method defaults as the table --help prints."""
+    rows = ["per-method defaults (flags override; see PAPER_DEFAULTS in train.py for the sources):",
+            f"  {'method':8} {'objective':9} {'lr':>7} {'betas':>11} {'wd':>5} {'schedule':9} {'warmup':>6} "
+            f"{'batch':>5} {'clip':>4} {'steps':>6}  |X|"]
+    for m, d in PAPER_DEFAULTS.items():
+        rows.append(f"  {m:8} {d['objective']:9} {d['lr']:7.0e} {str(d['betas']):>11} {d['weight_decay']:5} "
+                    f"{d['schedule']:9} {d['warmup']:6} {d['batch_size']:5} {d['clip']:4} {d['steps']:6}  "
+                    f"{d['lengths'][0]}-{d['lengths'][1]}" + (f"   qa: {d['qa']}" if d["qa"] else ""))
+    return "\n".join(rows)
+
+
+def fail(message) -> None:
+    """A one-line error, no traceback: bad flags, paths, data or checkpoints end here."""
+    raise SystemExit(f"train.py: error: {message}")
+
+
+def parse_args(argv=None):
+    """Flags -> a complete argparse.Namespace (every default resolved), saved with each checkpoint.
+    With --resume the checkpoint's own args come back, and only RUN_FLAGS may change."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    given = {k for k, v in vars(args).items() if v != parser.get_default(k)}   # typed on the command line
+    # local paths become absolute, so --resume and compressors.load(--out) work from any directory
+    for k in ("model", "decoder", "data", "init"):
+        v = getattr(args, k)
+        if v and os.path.exists(v):
+            setattr(args, k, os.path.abspath(v))
+    if args.resume:
+        state = read_train_state(args.resume)
+        saved = state["args"]
+        for k in sorted(given - RUN_FLAGS):
+            if getattr(args, k) != saved.get(k):
+                fail(f"mismatched checkpoint: {args.resume} was trained with --{k.replace('_', '-')} {saved.get(k)}, "
+                     f"not {getattr(args, k)} (drop the flag to continue that run)")
+        merged = {**saved, **{k: getattr(args, k) for k in RUN_FLAGS & given}}
+        merged.update(resume=args.resume, stop_after=args.stop_after, out=args.out or args.resume)
+        return argparse.Namespace(**merged), state
+    if args.method is None:
+        parser.error("--method is required (or --resume DIR)")
+    return resolve_defaults(args), None
+
+
+def resolve_defaults(args):
+    """Fill every flag left unset from the method's paper recipe (PAPER_DEFAULTS), scaled for small runs."""
+    try:   # validates the compressor flags before any model is loaded
+        cfg = asdict(C.make_config(args.method, **{k: getattr(args, k) for k in COMPRESSOR_FLAGS}))
+        if args.init:   # the models and compressor settings are the --init run's
+            cfg = C.read_checkpoint_config(args.init)["config"]
+    except (ValueError, OSError) as e:
+        fail(e)
+    if args.init:
+        if args.method != cfg["method"]:
+            fail(f"--init {args.init} is a {cfg['method']} compressor, not {args.method}")
+        for k in COMPRESSOR_FLAGS:
+            v = getattr(args, k)
+            if v is not None and v != (list(cfg[k]) if isinstance(cfg[k], (list, tuple)) else cfg[k]):
+                fail(f"--init {args.init} was trained with {k}={cfg[k]}: drop --{k.replace('_', '-')}")
+        args.model = cfg["compressor_model"] or cfg["model"]
+        args.decoder = cfg["model"] if cfg["compressor_model"] else None
+    paper = dict(PAPER_DEFAULTS[args.method])
+    if args.objective is None:
+        args.objective = "qa" if args.stage == "keft" else paper["objective"]
+    if args.objective == "qa":
+        paper.update(paper["qa"])                   # fine-tuning recipe (EPL 5e-5; GMSA KEFT lr, batch, steps)
+    tiny = args.model == "tiny" and args.decoder is None
+    for k in ("lr", "betas", "weight_decay", "schedule", "batch_size", "clip", "steps", "lm_weight"):
+        if getattr(args, k) is None:
+            v = TINY[k] if tiny and k in TINY else paper[k]
+            setattr(args, k, list(v) if isinstance(v, tuple) else v)   # a list, as argparse gives --betas
+    if args.warmup is None:   # a short run still reaches its peak lr (ours: warmup is at most 10% of the run)
+        args.warmup = min(paper["warmup"], args.steps // 10)
+    # lengths: the paper's, shrunk with the chunk so a context still spans the same number of chunks
+    # (EPL: p = |X|/2 is 1 to 2 chunks of 510), and a quarter of it for the tiny CPU model (ours)
+    scale = min(1.0, cfg["chunk_len"] / C.PRESETS[args.method].get("chunk_len", C.CompressorConfig.chunk_len))
+    scale *= TINY["length_scale"] if tiny else 1
+    lo, hi = paper["lengths"]
+    args.min_len = args.min_len or max(2, round(lo * scale))
+    args.max_len = args.max_len or max(args.min_len, round(hi * scale))
+    if not 2 <= args.min_len <= args.max_len:
+        fail(f"need 2 <= --min-len <= --max-len, got {args.min_len} and {args.max_len}")
+    args.out = args.out or os.path.join("runs", args.method)
+    return args
+
+
+# ---- model and compressor ----
+
+
+def setup_device(args):
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK: one process per GPU (DDP). Returns (device, rank, world)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        local = int(os.environ["LOCAL_RANK"])
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+        device = torch.device(f"cuda:{local}") if backend == "nccl" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return device, dist.get_rank(), dist.get_world_size()
+    return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")), 0, 1
+
+
+def build_compressor(args, device, ckpt_dir=None):
+    """The compressor of --method (with the flags' overrides), of --init, or of the checkpoint to resume.
+    Weights stay fp32 (AdamW needs fp32 master weights); CUDA runs compute in bf16 through autocast."""
+    if ckpt_dir or args.init:
+        comp = C.load(ckpt_dir or args.init, device=device)     # its config + its trained tensors
+    else:
+        # --model compresses and decodes; with --decoder, --model is only the compressor (pcc/pic)
+        if args.decoder and (args.encoder or C.PRESETS[args.method].get("encoder")) != "separate":
+            fail(f"--decoder needs a separate compressor model (pcc, pic or --encoder separate), "
+                 f"not {args.method}'s encoder")
+        decoder, tok = load_pretrained(args.decoder or args.model, device=device)
+        encoder, enc_tok = load_pretrained(args.model, device=device) if args.decoder else (None, None)
+        # (not C.build: its `encoder` model argument would clash with the --encoder setting)
+        cfg = C.make_config(args.method, model=args.decoder or args.model,
+                            compressor_model=args.model if args.decoder else None,
+                            **{k: getattr(args, k) for k in COMPRESSOR_FLAGS})
+        comp = C.Compressor(cfg, decoder, tok, encoder, enc_tok)
+    if args.stage == "keft" and comp.cfg.decoder_train != "keft":
+        if comp.shares_decoder:   # the LoRA encoder IS the decoder: training its q/k/v would move the encoder too
+            fail(f"--stage keft trains the decoder's q/k/v, which {comp.cfg.method}'s LoRA encoder shares")
+        if not args.init:
+            fail("--stage keft starts from a stage-1 (ae) run: pass --init DIR")
+        comp.set_stage("keft")    # GMSA §3.5: freeze encoder + LSA, train decoder W_q, W_k, W_v
+    return comp
+
+
+def compile_blocks(comp):
+    """torch.compile every transformer block (the heavy part); the glue around them stays eager.
+    dynamic=True: lengths change every step, and a recompile per shape would cost more than it saves."""
+    models = {id(m): m for m in (comp.encoder, comp.decoder)}.values()   # a LoRA encoder is the decoder
+    for m in models:
+        for block in m.model.layers:
+            block.compile(dynamic=True)
+
+
+class TrainStep(nn.Module):
+    """The objective as a module's forward(), so DistributedDataParallel can sync what it computes."""
+
+    def __init__(self, comp, objective, lm_weight):
+        super().__init__()
+        self.comp, self.objective, self.lm_weight = comp, objective, lm_weight
+
+    def forward(self, batch):
+        if self.objective == "pretrain":
+            return loss_pretrain(self.comp, batch, self.lm_weight)
+        return {"ae": loss_ae, "qa": loss_qa, "distill": loss_distill}[self.objective](self.comp, batch)
+
+
+# ---- data ----
+
+
+def read_corpus(path):
+    """Documents from --data -> (texts, qa triples, identity string for the cache key).
+    texts: list of str; qa: list of (context, question, answer) str triples."""
+    if path is None:
+        texts, qa = list(BUILTIN_TEXTS), list(BUILTIN_QA)
+        return texts, qa, "builtin:" + hashlib.sha256(json.dumps([texts, qa]).encode()).hexdigest()
+    if path.startswith("hf://datasets/"):
+        path = hub_file(path)
+    if not os.path.exists(path):
+        fail(f"data path '{path}' does not exist")
+    files = [path] if os.path.isfile(path) else sorted(
+        f for ext in ("txt", "jsonl") for f in glob(os.path.join(path, "**", f"*.{ext}"), recursive=True))
+    texts, qa = [], []
+    for f in files:
+        if f.endswith(".jsonl"):
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                for i, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        fail(f"{f} line {i} is not JSON ({e.msg})")
+                    if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+                        texts.append(rec["text"])
+                    elif isinstance(rec, dict) and {"context", "question", "answer"} <= rec.keys():
+                        answer = rec["answer"][0] if isinstance(rec["answer"], list) else rec["answer"]
+                        qa.append((rec["context"], rec["question"], str(answer)))
+                    else:
+                        fail(f'{f} line {i}: expected {{"text"}} or {{"context", "question", "answer"}}')
+        else:
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                texts.append(fh.read())   # a whole file is one document: windows never straddle two files
+    texts = [t for t in texts if t.strip()]
+    if not texts and not qa:
+        fail(f"no text in '{path}' (empty files, or a folder without .txt / .jsonl files)")
+    identity = json.dumps([(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files])
+    return texts, qa, identity
+
+
+def hub_file(url):
+    """hf://datasets/OWNER/NAME/PATH -> a local copy (downloaded once into the Hugging Face cache)."""
+    parts = url[len("hf://datasets/"):].split("/", 2)
+    if len(parts) < 3:
+        fail(f"'{url}' is not hf://datasets/OWNER/NAME/PATH")
+    from huggingface_hub import hf_hub_download
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    try:
+        return hf_hub_download("/".join(parts[:2]), parts[2], repo_type="dataset", local_files_only=offline)
+    except Exception as e:   # offline, no network, no such repo or file: all one line
+        fail(f"cannot fetch {url}: {type(e).__name__} (offline or not on the hub; pass a local path instead)")
+
+
+def tokenize_corpus(texts, qa, identity, comp, cache_dir):
+    """Tokenise every document once and cache the ids, keyed by the data and the tokenizers. Texts become one
+    flat tensor of decoder ids plus offsets (document d is tokens[offsets[d]:offsets[d + 1]]); QA triples keep
+    decoder ids, and their contexts also compressor ids when the compressor has a tokenizer of its own."""
+    tok, enc_tok = comp.tok, comp.enc_tok
+    vocab = tok.tk.to_str() + ("" if enc_tok is tok else enc_tok.tk.to_str())
+    key = hashlib.sha256((identity + vocab).encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir, f"tokens-{key}.pt")
+    if os.path.exists(path):
+        return torch.load(path, weights_only=True), key
+    as_ids = lambda s, t=tok: torch.tensor(t.encode(s), dtype=torch.int32)
+    docs = [d for d in map(as_ids, tqdm(texts, desc="tokenizing", disable=len(texts) < 1000)) if len(d) >= 2]
+    offsets = torch.tensor([0] + [len(d) for d in docs], dtype=torch.int64).cumsum(0)   # (n_docs + 1,)
+    data = {"tokens": torch.cat(docs) if docs else torch.zeros(0, dtype=torch.int32), "offsets": offsets,
+            "qa": [(as_ids(c), None if enc_tok is tok else as_ids(c, enc_tok), as_ids(q), as_ids(a))
+                   for c, q, a in qa]}
+    os.makedirs(cache_dir, exist_ok=True)
+    # atomic: a killed run never leaves half a cache behind (one temp file per process: DDP ranks all write)
+    torch.save(data, f"{path}.{os.getpid()}.tmp")
+    os.replace(f"{path}.{os.getpid()}.tmp", path)
+    return data, key
+
+
+def sample_example(data, objective, rng, args, comp):
+    """One training example, drawn with `rng`. Context ids are the compressor's, everything else the decoder's."""
+    eos = comp.tok.eos_id
+    if objective in ("qa", "distill"):
+        ctx, enc_ctx, q, a = data["qa"][rng.integers(len(data["qa"]))]
+        enc_ctx = ctx if enc_ctx is None else enc_ctx                    # one tokenizer: the same ids
+        ctx, enc_ctx = ctx[:args.max_len].tolist(), enc_ctx[:args.max_len].tolist()   # cut at --max-len (ours)
+        if objective == "distill":   # the answer is the teacher's own (teacher_answer), not the data set's
+            return dict(context=enc_ctx, dec_context=ctx, question=q.tolist())
+        # [memory; [LM]; question] -> answer: the loss covers answer + EOS only
+        return dict(context=enc_ctx, qa=q.tolist() + a.tolist() + [eos], n_answer=len(a) + 1)
+    # the document of a random token (so each with probability proportional to its length), then a window
+    # of |X| tokens at a random offset inside it: a text never straddles two documents
+    offsets = data["offsets"]
+    d = int(torch.searchsorted(offsets, int(rng.integers(offsets[-1])), right=True)) - 1
+    lo, hi = int(offsets[d]), int(offsets[d + 1])
+    n = min(int(rng.integers(args.min_len, args.max_len + 1)), hi - lo)   # a short document gives a short text
+    start = lo + int(rng.integers(0, hi - lo - n + 1))
+    x = data["tokens"][start:start + n].tolist()
+    if objective == "ae":   # ICAE AE / AOC Eq. (4): regenerate all of X, then stop
+        return dict(context=to_encoder(x, comp), ae=x + [eos])
+    # pretrain (EPL App. C): compress the first p = ⌊|X|/2⌋ tokens, reconstruct them and continue with the rest
+    p = max(1, n // 2)
+    return dict(context=to_encoder(x[:p], comp), ae=x[:p] + [eos], lm=x[p:], last=x[p - 1])
+
+
+def to_encoder(ids, comp):
+    """Decoder ids -> compressor ids: the same list when both read one tokenizer, else decode and re-encode."""
+    return ids if comp.enc_tok is comp.tok else comp.enc_tok.encode(comp.tok.decode(ids))
+
+
+def make_batch(data, objective, args, comp, step, indices):
+    """The examples `indices` of step `step`: example i comes from a generator seeded with (seed, step, i),
+    so a batch depends on nothing but the step (exact resume) and the same examples make up a step
+    whatever the micro-batching or the number of GPUs."""
+    examples = [sample_example(data, objective, np.random.default_rng([args.seed, step, i]), args, comp)
+                for i in indices]
+    batch = {k: [e[k] for e in examples] for k in examples[0]}
+    # tokens the step reads: compressed context + every decoder sequence (tok/s in the log)
+    batch["tokens"] = sum(len(f) for k in ("context", "ae", "lm", "qa") if k in batch for f in batch[k])
+    return batch
+
+
+def teacher_answer(comp, cache, context, question, max_new, autocast):
+    """CompLLM §3: the answer the frozen LLM itself gives with the full context (greedy), memoised in `cache`
+    (saved to disk with each checkpoint). Includes the EOS when the LLM stops, so A is never empty."""
+    example_key = hashlib.sha1(json.dumps([context, question]).encode()).hexdigest()[:20]
+    if example_key not in cache:
+        ids = torch.tensor([context + question], device=comp.decoder.lm_head.weight.device)
+        with torch.no_grad(), comp.decoding(), autocast:
+            out = comp.decoder.generate(ids, max_new_tokens=max_new, eos_id=comp.tok.eos_ids or None)[0].tolist()
+        eos = [i for i, t in enumerate(out) if t in comp.tok.eos_ids]
+        cache[example_key] = out[:eos[0] + 1] if eos else out
+    return cache[example_key]
+
+
+# ---- optimizer and schedule ----
+
+
+def make_optimizer(comp, args, device):
+    """AdamW over the trainable tensors. Weight decay on matrices only (nanoGPT): decaying norms, biases or
+    the [AE]/[LM] embeddings towards 0 would only fight the model. CompLLM's Adam is weight_decay = 0."""
+    params = comp.trainable_parameters()
+    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=args.weight_decay),
+              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=tuple(args.betas), fused=device.type == "cuda")
+
+
+def lr_at(step, args):
+    """Learning rate of step `step` (0-based): linear warmup to --lr, then constant (EPL) or a linear (GMSA)
+    or cosine decay to 0 at --steps. A function of the step alone, so the step is the scheduler's whole state."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    if args.schedule == "constant":
+        return args.lr
+    done = (step - args.warmup) / max(1, args.steps - args.warmup)   # 0 -> 1 over the decay
+    return args.lr * ((1 - done) if args.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * done)))
+
+
+# ---- loop ----
+
+
+def loss_pretrain(comp, b, lm_weight):
+    """EPL §3.1.1 / PIC Eq. (6)-(8): ONE compression of x_1..x_p serves both tasks."""
+    memory = comp.compress(b["context"])
+    l_ae, _ = comp.lm_loss(memory, "ae", b["ae"])                      # AE / TR, PIC Eq. (6): x_1..x_p, EOS
+    l_lm, _ = comp.lm_loss(memory, "lm", b["lm"], last_tokens=b["last"])   # LM / TC, PIC Eq. (7): x_p+1..
+    return lm_weight * l_lm + (1 - lm_weight) * l_ae, {"ae": l_ae, "lm": l_lm}   # PIC Eq. (8), λ = α = 0.5
+
+
+def loss_ae(comp, b):
+    """ICAE autoencoding / AOC Eq. (4) / GMSA §3.4 stage 1: regenerate the compressed text from the memory
+    (500x/AOC after [BOS], ICAE/GMSA after [AE]: the compressor's ae_token)."""
+    l_ae, _ = comp.lm_loss(comp.compress(b["context"]), "ae", b["ae"])
+    return l_ae, {"ae": l_ae}
+
+
+def loss_qa(comp, b):
+    """QA fine-tuning (EPL §4, GMSA KEFT Eq. 8): [memory; [LM]; question] -> answer, loss on answer + EOS only."""
+    l_qa, _ = comp.lm_loss(comp.compress(b["context"]), "qa", b["qa"], n_supervised=b["n_answer"])
+    return l_qa, {"qa": l_qa}
+
+
+def loss_distill(comp, b):
+    """CompLLM Eq. (1)-(3): Σ_ℓ SmoothL1(H̃_ℓ, H_ℓ) / σ_ℓ over the answer tokens, teacher = the LLM with
+    the full context, student = the LLM with the concept embeddings."""
+    l, _ = comp.distill_loss(b["context"], b["question"], b["answer"])
+    return l, {"distill": l}
+
+
+def main(argv=None):
+    args, resume_state = parse_args(argv)
+    device, rank, world = setup_device(args)
+    master = rank == 0                     # only rank 0 logs and writes
+    micro = args.micro_batch or args.batch_size // world
+    if micro < 1 or args.batch_size % (micro * world):
+        fail(f"--batch-size {args.batch_size} must be a multiple of --micro-batch {micro} x {world} GPU(s)")
+    accum = args.batch_size // (micro * world)   # micro-batches per step and GPU
+    ckpt_dir = latest_checkpoint(args.resume) if args.resume else None
+    start = resume_state["step"] if resume_state else 0      # steps done; the data position is this number
+    if start >= args.steps:
+        print(f"{args.resume} is already at step {start} of {args.steps}: nothing to do (raise --steps)")
+        return
+    if not args.resume and latest_checkpoint(args.out, required=False):
+        fail(f"{args.out} already holds a checkpoint: continue it with --resume {args.out}, or pick another --out")
+    # torch's RNG draws the init of memory tokens / LoRA / bridges and GMSA's rates (one stream per GPU);
+    # the data has generators of its own (make_batch)
+    torch.manual_seed(args.seed + rank)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+    # model and compressor (a bad model name, a corrupt checkpoint: one line, not a traceback)
+    try:
+        comp = build_compressor(args, device, ckpt_dir)
+    except (ValueError, OSError) as e:
+        fail(e)
+    if args.compile:
+        compile_blocks(comp)
+    step_fn = TrainStep(comp, args.objective, args.lm_weight)
+    if world > 1:   # unused parameters: e.g. the [LM] embedding when the objective is ae
+        step_fn = nn.parallel.DistributedDataParallel(step_fn, find_unused_parameters=True,
+                                                      device_ids=[device.index] if device.type == "cuda" else None)
+
+    # data (tokenised once, then cached)
+    try:
+        texts, qa, identity = read_corpus(args.data)
+    except OSError as e:     # unreadable files: one line
+        fail(e)
+    if args.objective in ("qa", "distill") and not qa:
+        fail(f"--objective {args.objective} needs JSON lines with \"context\", \"question\", \"answer\"")
+    if args.objective in ("pretrain", "ae"):
+        texts += [c for c, _, _ in qa]   # QA contexts are text too (ours)
+    if args.objective == "distill" and comp.enc_tok is not comp.tok:
+        fail("distill runs the teacher and the student on the same ids: it needs one tokenizer for both models")
+    cache_dir = args.cache_dir or os.path.join(args.out, "cache")
+    data, data_key = tokenize_corpus(texts, qa, identity, comp, cache_dir)
+    if args.objective in ("pretrain", "ae") and len(data["tokens"]) == 0:   # (documents of < 2 tokens are dropped)
+        fail(f"no text of 2 tokens or more in {args.data}")
+    answers_path = os.path.join(cache_dir, f"answers-{data_key}-{args.answer_tokens}.pt")
+    answers = torch.load(answers_path, weights_only=True) if os.path.exists(answers_path) else {}
+
+    # optimizer and schedule
+    params = comp.trainable_parameters()   # what compressors.py leaves trainable for this method and stage
+    opt = make_optimizer(comp, args, device)
+    if resume_state:   # the optimizer's moments and step counts, and every RNG where it stood
+        try:
+            opt.load_state_dict(resume_state["optimizer"])
+        except (ValueError, KeyError) as e:
+            fail(f"mismatched checkpoint: its optimizer state does not fit this compressor ({e})")
+        set_rng_state(resume_state["rng"][rank if rank < len(resume_state["rng"]) else 0])
+
+    # loop
+    if master:
+        os.makedirs(args.out, exist_ok=True)
+        trim_log(os.path.join(args.out, "log.jsonl"), start)   # a resumed run rewrites the steps after its checkpoint
+        log = open(os.path.join(args.out, "log.jsonl"), "a")
+        n_train = sum(p.numel() for p in params)
+        print(f"{comp.cfg.method}: {args.objective} objective, {n_train:,} trained parameters, batch {args.batch_size}"
+              f" ({accum} x {micro} x {world}), |X| in [{args.min_len}, {args.max_len}], lr {args.lr:g}, "
+              f"{args.schedule} after {args.warmup} warmup steps, steps {start}->{args.steps} on {device}")
+    stop = {"signal": None}    # Ctrl-C / SIGTERM: finish the step, save, stop (a second Ctrl-C stops at once)
+
+    def on_signal(signum, frame):
+        if stop["signal"] is not None:
+            raise KeyboardInterrupt
+        stop["signal"] = signal.Signals(signum).name
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    end = min(args.steps, args.stop_after or args.steps)      # --stop-after K: this job ends after step K
+    bar = tqdm(total=args.steps, initial=start, disable=not master, desc=comp.cfg.method, dynamic_ncols=True)
+    try:
+        for step in range(start, end):
+            t0 = time.time()
+            lr = lr_at(step, args)       # set by hand each step: the schedule is a plain function of the step
+            for group in opt.param_groups:
+                group["lr"] = lr
+            total, parts, tokens = 0.0, {}, 0   # this step's loss, its per-task parts, tokens read
+            for m in range(accum):
+                first = (m * world + rank) * micro   # this rank's slice of the step's examples
+                batch = make_batch(data, args.objective, args, comp, step, range(first, first + micro))
+                if args.objective == "distill":   # the frozen LLM answers first (once per example, cached)
+                    batch["answer"] = [teacher_answer(comp, answers, c, q, args.answer_tokens, autocast)
+                                       for c, q in zip(batch["dec_context"], batch["question"])]
+                    batch["tokens"] += sum(len(c) + len(q) + 2 * len(a) for c, q, a in   # teacher + student
+                                           zip(batch["dec_context"], batch["question"], batch["answer"]))
+                # DDP all-reduces gradients after every backward; only the last micro-batch needs it
+                sync = step_fn.no_sync() if world > 1 and m < accum - 1 else nullcontext()
+                with sync, autocast:
+                    loss, part = step_fn(batch)
+                # each micro-batch's loss is a mean over its own tokens; dividing by their number makes the
+                # summed gradients the mean over the whole batch, as if it had been one forward pass
+                (loss / accum).backward()
+                total += loss.item() / accum
+                for k, v in part.items():
+                    parts[k] = parts.get(k, 0.0) + v.item() / accum
+                tokens += batch["tokens"]
+            # clip_grad_norm_ returns the norm before clipping; clip 0 = measure only
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else float("inf")).item()
+            stats = torch.tensor([total, grad_norm, tokens, stop["signal"] is not None, *parts.values()],
+                                 dtype=torch.float64, device=device)
+            if world > 1:   # the mean loss over GPUs; every rank then takes the same decisions below
+                dist.all_reduce(stats)
+                stats[:2] /= world
+                stats[4:] /= world
+            total, tokens, stop_now = stats[0].item(), int(stats[2].item()), bool(stats[3].item())
+            parts = dict(zip(parts, stats[4:].tolist()))
+            if not (math.isfinite(total) and math.isfinite(grad_norm)):
+                # no optimizer step and no save: the last checkpoint in --out stays the last good state
+                fail(f"loss {total} / grad-norm {grad_norm} at step {step + 1}: stopping; "
+                     f"the last good checkpoint in {args.out} is kept")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()     # dt measures the step, not just its kernel launches
+            dt = time.time() - t0
+            if master:
+                row = dict(step=step + 1, loss=total, lr=lr, grad_norm=grad_norm, dt=dt,
+                           tokens_per_s=tokens / dt, tokens=tokens, **parts)
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                detail = ", ".join(f"{k} {v:.4f}" for k, v in parts.items())
+                tqdm.write(f"step {step + 1:>{len(str(args.steps))}}/{args.steps} | loss {total:.4f} ({detail}) | "
+                           f"lr {lr:.2e} | grad-norm {grad_norm:.3f} | dt {dt * 1000:.0f}ms | "
+                           f"tok/s {tokens / dt:,.0f}")
+                bar.set_postfix(loss=f"{total:.4f}", tok_s=f"{tokens / dt:,.0f}")
+                bar.update(1)
+            done = step + 1
+            # save on schedule, at the end of this job, or when asked to stop: never after a bad step (above)
+            if stop_now or done == end or done % args.save_every == 0:
+                rng = gather_rng_states(world)       # every rank takes part; rank 0 writes
+                if master:
+                    save_checkpoint(args.out, done, comp, opt, args, rng, data_key)
+                    if answers:
+                        torch.save(answers, answers_path + ".tmp")
+                        os.replace(answers_path + ".tmp", answers_path)
+            if stop_now:
+                end = done
+                if master:
+                    print(f"\nstopped by a signal after step {done}; continue with --resume {args.out}")
+                break
+    finally:
+        bar.close()
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+        if master:
+            log.close()
+        if world > 1:
+            dist.destroy_process_group()
+    if master and end == args.steps:
+        print(f"done: {args.steps} steps; the compressor is in {args.out} (compressors.load, evaluate.py --ckpt)")
+    elif master and end == args.stop_after:
+        print(f"stopped after step {end} (--stop-after); continue with --resume {args.out}")
+
+
+# ---- checkpoint ----
+#
+#   OUT/ckpt-000200/{compressor.json, compressor.safetensors, train_state.pt}   one unit, renamed into place
+#   OUT/compressor.json, OUT/compressor.safetensors     hard links to the newest unit: compressors.load(OUT)
+#   OUT/args.json, OUT/log.jsonl, OUT/cache/
+
+
+def save_checkpoint(out, step, comp, opt, args, rng, data_key):
+    """Write everything a run needs to continue into a temporary directory, then rename it into place: a run
+    killed at any moment leaves the previous checkpoint or the new one, never half of one. Then point the
+    top-level compressor files at it and drop older checkpoints. (Atomic against a killed process; without
+    fsync, not against a power cut.)"""
+    tmp, final = os.path.join(out, f".tmp-ckpt-{step:06d}"), os.path.join(out, f"ckpt-{step:06d}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    comp.save(tmp, extra={"step": step, "train_args": vars(args)})    # compressor.json + compressor.safetensors
+    torch.save(dict(step=step, optimizer=opt.state_dict(), rng=rng, args=vars(args), data=data_key,
+                    config=asdict(comp.cfg)), os.path.join(tmp, "train_state.pt"))
+    # the schedule is a function of the step and the data of (seed, step): step + RNG states are their state
+    if os.path.exists(final):
+        shutil.rmtree(tmp)   # this very step was saved already (same state)
+    else:
+        os.rename(tmp, final)   # the commit: atomic on one file system
+    for name in ("compressor.safetensors", "compressor.json"):
+        link = os.path.join(out, name + ".tmp")
+        if os.path.lexists(link):
+            os.remove(link)
+        try:
+            os.link(os.path.join(final, name), link)   # no second copy of the weights on disk
+        except OSError:
+            shutil.copy2(os.path.join(final, name), link)   # file systems without hard links
+        os.replace(link, os.path.join(out, name))
+    with open(os.path.join(out, "args.json.tmp"), "w") as f:
+        json.dump(vars(args), f, indent=2)
+    os.replace(os.path.join(out, "args.json.tmp"), os.path.join(out, "args.json"))
+    for old in glob(os.path.join(out, "ckpt-*")) + glob(os.path.join(out, ".tmp-ckpt-*")):
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir, required=True):
+    """The newest complete ckpt-NNNNNN directory of a run directory (complete: its train_state.pt exists)."""
+    found = sorted(d for d in glob(os.path.join(run_dir, "ckpt-*"))
+                   if os.path.isfile(os.path.join(d, "train_state.pt")))
+    if not found and required:
+        what = "does not exist" if not os.path.isdir(run_dir) else "holds no checkpoint (no ckpt-*/train_state.pt)"
+        fail(f"cannot resume: {run_dir} {what}")
+    return found[-1] if found else None
+
+
+def read_train_state(run_dir):
+    """train_state.pt of the newest checkpoint in run_dir, with a one-line error when it cannot be read."""
+    path = os.path.join(latest_checkpoint(run_dir), "train_state.pt")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:   # truncated, overwritten, not a torch file: all one line
+        fail(f"cannot resume: {path} is corrupt ({type(e).__name__}); restore it or start a new run")
+    if not isinstance(state, dict) or not {"step", "optimizer", "rng", "args"} <= state.keys():
+        fail(f"cannot resume: {path} is not a train.py checkpoint")
+    return state
+
+
+def gather_rng_states(world):
+    """One RNG state per rank (rank r resumes with entry r), gathered so that rank 0 can save them all."""
+    if world == 1:
+        return [rng_state()]
+    states = [None] * world
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+def rng_state():
+    """Every RNG a run draws from (torch: GMSA's rates and the init; numpy and random for forks that use them)."""
+    np_state = np.random.get_state()
+    return dict(torch=torch.get_rng_state(), python=random.getstate(),
+                numpy=[np_state[0], np_state[1].tolist(), *np_state[2:]],
+                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np_state = state["numpy"]
+    np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def trim_log(path, step):
+    """Keep the log lines of steps <= step (a resumed run logs the later steps again), atomically."""
+    if not os.path.exists(path):
+        return
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line)
+            except (ValueError, KeyError):   # a line cut short by a killed run
+                pass
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
+# ---- built-in corpus ----
+# A few paragraphs of plain English (written for this repository) and questions about them, so that the
+# quickstart runs offline with no --data.
+
+BUILTIN_TEXTS = [
+    "The river starts as a thin stream high in the hills, where snow melts slowly through the spring. It runs "
+    "over stones and under fallen trees, gathering water from a hundred small springs, until by the time it "
+    "reaches the first village it is wide enough for a wooden bridge. The villagers built that bridge three "
+    "times: the first was carried away by a flood, the second burned in a dry summer, and the third, made of "
+    "oak and iron, has stood for more than two hundred years. Below the bridge the river slows down. It bends "
+    "through meadows where cattle graze, past a mill that once ground the grain of the whole valley, and into "
+    "a lake that the maps call Long Water, although everyone who lives beside it simply calls it the lake.",
+    "A good bread needs only four things: flour, water, salt and time. The baker mixes the flour and water "
+    "the evening before and leaves the dough to rest, so that the flour can soak up the water and the gluten "
+    "can begin to form on its own. In the morning she adds the salt and a little yeast, folds the dough every "
+    "half hour for two hours, and then shapes it into round loaves. The loaves rise in cloth-lined baskets "
+    "until they are soft and airy. The oven must be very hot. A tray of water on the bottom shelf fills it "
+    "with steam, which keeps the crust thin for the first minutes and lets the bread grow. After forty minutes "
+    "the loaves are dark brown, and when the baker taps one underneath it sounds hollow, like a small drum.",
+    "The library opened in the old railway station after the trains stopped running. The waiting room became "
+    "the reading room, the ticket office became the front desk, and the long platform, now covered with glass, "
+    "holds shelves of novels arranged by the colour of their covers as well as by author. Children come on "
+    "Saturday mornings to hear stories read aloud beside the great clock, which still keeps perfect time "
+    "although nobody has needed a timetable here for forty years. The librarian says that the building "
+    "remembers its first purpose: people still arrive in a hurry, still sit and wait, and still leave for "
+    "places far away, except that now they travel inside the pages of a book instead of on the rails.",
+    "Bees find their way home by the sun. A worker bee that discovers a field of flowers returns to the hive "
+    "and dances on the comb: she runs in a straight line while shaking her body, turns, circles back, and runs "
+    "the line again. The direction of the straight run, measured from the vertical, tells the other bees the "
+    "angle between the sun and the flowers, and the length of the run tells them how far they must fly. On a "
+    "cloudy day the bees can still read the sun through the pattern of polarised light in the sky. A strong "
+    "hive can send out thousands of foragers in a single morning, and in one summer it can gather enough "
+    "nectar to make more than fifty kilograms of honey, most of which it eats during the winter.",
+    "The first clocks with a pendulum were built in the middle of the seventeenth century. Before them, even "
+    "the best clocks in church towers could lose or gain a quarter of an hour in a single day, and people set "
+    "them by the sun at noon. A pendulum swings with almost the same period whatever the size of its swing, so "
+    "a clock that counts its swings keeps time far better: the new clocks erred by less than a minute a day. "
+    "Sailors wanted such a clock most of all, because a ship that knows the exact time at its home port can "
+    "work out its longitude from the position of the sun. But a pendulum cannot swing properly on a rolling "
+    "deck, and it took another hundred years before a clock was made that kept good time at sea.",
+    "Every autumn the town holds a market in the square in front of the town hall. Farmers bring apples, "
+    "pears, pumpkins and jars of honey; a cheesemaker from the mountains sells round wheels of hard cheese; "
+    "and a man with a small cart roasts chestnuts, whose smell reaches every street nearby. In the afternoon "
+    "there is a competition for the largest pumpkin. The winner last year weighed three hundred and twelve "
+    "kilograms and had to be lifted onto the scale by a tractor. When the sun goes down, lanterns are hung "
+    "between the stalls, a band plays on the steps of the town hall, and people dance until late in the "
+    "evening, while the children run between the legs of the grown-ups with sticky hands and paper crowns.",
+]
+
+BUILTIN_QA = [
+    (BUILTIN_TEXTS[0], "How many times did the villagers build the bridge?", "three times"),
+    (BUILTIN_TEXTS[0], "What do the people who live beside Long Water call it?", "the lake"),
+    (BUILTIN_TEXTS[1], "How long do the loaves bake?", "forty minutes"),
+    (BUILTIN_TEXTS[2], "Where did the library open?", "in the old railway station"),
+    (BUILTIN_TEXTS[3], "How do bees find their way home?", "by the sun"),
+    (BUILTIN_TEXTS[4], "When were the first pendulum clocks built?", "in the middle of the seventeenth century"),
+    (BUILTIN_TEXTS[5], "How much did last year's winning pumpkin weigh?", "three hundred and twelve kilograms"),
+]
+
+
+if __name__ == "__main__":
+    main()
