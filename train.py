@@ -1,7 +1,7 @@
 """
 Train a soft context compressor: one script for every method in compressors.py.
 
-    python train.py --method aoc --mem 16 --model tiny --steps 200 --out runs/aoc          # CPU, about a minute
+    python train.py --method aoc --mem 16 --model tiny --steps 1000 --out runs/aoc         # CPU, under a minute
 
 The script reads top to bottom: arguments (with each paper's training recipe as the defaults), model and
 compressor, data, optimizer and schedule, the loop, checkpoints. The objectives, each named after its paper:
