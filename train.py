@@ -90,7 +90,7 @@ TINY = dict(length_scale=0.25, batch_size=4)
 # flags that may change when a run is continued with --resume; every other flag must match the checkpoint
 RUN_FLAGS = {"resume", "out", "steps", "stop_after", "save_every", "micro_batch", "compile", "device", "cache_dir"}
 EXAMPLES = """examples:
-  python train.py --method aoc --mem 16 --model tiny --steps 200 --out runs/aoc        # CPU quickstart
+  python train.py --method aoc --mem 16 --model tiny --steps 1000 --out runs/aoc       # CPU quickstart
   python train.py --method aoc --mem 16 --model meta-llama/Llama-3.2-1B-Instruct --data corpus/ --steps 20000
   python train.py --method icae --layout epl --mem 102 --model meta-llama/Llama-3.2-1B --data pile.jsonl
   python train.py --method pic --model Qwen/Qwen2.5-0.5B-Instruct --decoder meta-llama/Meta-Llama-3-8B-Instruct
