@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import compressors as C
+import masks
 from model import apply_rope, load_pretrained
 
 # -----------------------------------------------------------------------------
@@ -820,7 +821,7 @@ def encoder_attention(comp, enc_ids):
             k = k.repeat_interleave(H // Hkv, dim=1)                    # (R, H, T, D)
             scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(D)   # (R, H, T, T)
             if mask is None:
-                mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+                mask = masks.causal(T).to(x.device)   # the layer ran plain causal (no explicit mask)
             probs = probs + scores.masked_fill(~mask, float("-inf")).softmax(-1).mean(1)  # (R, T, T)
     probs = probs / len(calls)
     # one encoder row per chunk, laid out [chunk (n), memory (m), padding]: gather memory -> context
