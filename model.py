@@ -39,6 +39,8 @@ from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+import masks
+
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "mistral": "MistralForCausalLM"}
@@ -362,7 +364,7 @@ class Transformer(nn.Module):
         elif P > 0 and T > 1:
             # SDPA's is_causal aligns the triangle top-left (query i sees keys 0..i), but new token i sits at
             # key slot P + i: it must see the whole prefix and new tokens 0..i, i.e. keys 0..P+i.
-            mask = torch.ones(T, P + T, dtype=torch.bool, device=h.device).tril(diagonal=P)  # (T, S)
+            mask = masks.with_prefix(masks.causal(T), P).to(h.device)  # (T, S)
         else:
             mask = None  # plain causal (P == 0), or one new token that sees the whole cache
 
