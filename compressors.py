@@ -304,6 +304,12 @@ class Compressor(nn.Module):
                 raise ValueError("carrier kv needs an encoder with the decoder's layers, KV heads and head_dim")
         return enc
 
+    def encoder_ids(self, ids: list) -> list:
+        """Decoder token ids -> the encoder's ids for the same text: the same list when both read one
+        tokenizer, else decoded and re-encoded (a separate compressor LLM, e.g. PCC/PIC with Qwen2.5
+        compressing for Llama 3)."""
+        return list(ids) if self.enc_tok is self.tok else self.enc_tok.encode(self.tok.decode(ids))
+
     def _bos_id(self) -> int:
         return self.tok.bos_id if self.tok.bos_id is not None else self.tok.eos_id
 
@@ -377,12 +383,7 @@ class Compressor(nn.Module):
         cfg, enc = self.cfg, self.encoder
         dev = enc.model.embed_tokens.weight.device
         # 1. every chunk of every context is one row of the encoder batch: [chunk (n), memory (m), pad]
-        rows = []                                    # (sample, chunk index, chunk ids, n_mem, chunk start)
-        for b, ids in enumerate(contexts):
-            start = 0
-            for i, chunk in enumerate(self.chunks(list(ids))):
-                rows.append((b, i, chunk, self.num_mem(len(chunk)), start))
-                start += len(chunk)
+        rows = self._chunk_rows(contexts, lambda b, n: self.num_mem(n))
         R, T = len(rows), max(len(c) + m for _, _, c, m, _ in rows)
         pad = self.enc_tok.pad_id if self.enc_tok.pad_id is not None else 0
         ids = torch.full((R, T), pad, dtype=torch.long)
@@ -411,36 +412,45 @@ class Compressor(nn.Module):
                       compute_logits=False)
 
         # 2. gather the memory slots of each sample, chunk after chunk, into [B, M] (right-padded)
-        counts = [[m for (bb, _, _, m, _) in rows if bb == b] for b in range(len(contexts))]
-        flat, valid = self._flat_slots(rows, counts, is_mem, T)           # indices into (R*T)
+        flat, valid, chunk_lens, counts = self._memory_slots(rows, len(contexts), is_mem)   # flat: into (R*T)
         enc_pos = pos.reshape(-1)[flat]                                   # (B, M)
         if cfg.carrier == "kv":
             kv = []
             for k, v in out.kv:                                           # (R, Hkv, T, D) each
-                pick = lambda t: t.transpose(1, 2).reshape(R * T, *t.shape[1:2], t.shape[-1])[flat]
-                kv.append((pick(k).transpose(1, 2), pick(v).transpose(1, 2)))  # (B, Hkv, M, D)
+                # (R, Hkv, T, D) -> (R*T, Hkv, D) -> pick (B, M, Hkv, D) -> (B, Hkv, M, D)
+                pick = lambda t: t.transpose(1, 2).reshape(R * T, t.shape[1], t.shape[3])[flat].transpose(1, 2)
+                kv.append((pick(k), pick(v)))
             embeds = None
         else:
             kv = None
             h = out.last_hidden.reshape(R * T, -1)[flat]                  # (B, M, d_enc), final norm applied
             embeds = self._bridge(h, valid)
-        chunk_lens = [[len(c) for (bb, _, c, _, _) in rows if bb == b] for b in range(len(contexts))]
         return Memory(embeds, kv, valid, enc_pos, chunk_lens, counts)
 
-    def _flat_slots(self, rows, counts, is_mem, T):
-        """For each sample, the flat (row * T + column) index of its memory slots in order; padded."""
-        B, M = len(counts), max(sum(c) for c in counts)
-        flat = torch.zeros(B, M, dtype=torch.long, device=is_mem.device)
-        valid = torch.zeros(B, M, dtype=torch.bool, device=is_mem.device)
-        cols = is_mem.nonzero()                                            # (n_slots, 2) row-major order
-        slots = cols[:, 0] * T + cols[:, 1]
-        fill = [0] * B
-        for s, r in zip(slots.tolist(), cols[:, 0].tolist()):
-            b = rows[r][0]
-            flat[b, fill[b]] = s
-            valid[b, fill[b]] = True
-            fill[b] += 1
-        return flat, valid
+    def _chunk_rows(self, contexts: list, n_slots) -> list:
+        """Every chunk of every context, in order, as one encoder row:
+        (sample, chunk index, chunk ids, memory slots = n_slots(sample, chunk length), chunk start)."""
+        rows = []
+        for b, ids in enumerate(contexts):
+            start = 0
+            for i, chunk in enumerate(self.chunks(list(ids))):
+                rows.append((b, i, chunk, n_slots(b, len(chunk)), start))
+                start += len(chunk)
+        return rows
+
+    def _memory_slots(self, rows, B: int, is_mem: torch.Tensor):
+        """Per sample, the flat (row * T + column) indices of its memory slots, chunk after chunk, right-padded
+        -> flat (B, M), valid (B, M), and the chunk lengths and slot counts a Memory records."""
+        chunk_lens, counts = [[] for _ in range(B)], [[] for _ in range(B)]
+        for b, _, chunk, m, _ in rows:
+            chunk_lens[b].append(len(chunk))
+            counts[b].append(m)
+        sizes = [sum(c) for c in counts]
+        # rows come sample after sample and nonzero() is row-major, so each sample's slots are one run
+        slots = is_mem.flatten().nonzero().squeeze(1).split(sizes)
+        flat = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True)           # (B, M), padding -> 0
+        valid = torch.arange(flat.shape[1], device=flat.device)[None] < torch.tensor(sizes, device=flat.device)[:, None]
+        return flat, valid, chunk_lens, counts
 
     def _compress_merge(self, contexts: list, rates: list | None) -> Memory:
         """GMSA §3.2: encode with the first k layers, mean-pool consecutive groups of r hidden states."""
@@ -448,12 +458,7 @@ class Compressor(nn.Module):
         dev = enc.model.embed_tokens.weight.device
         if rates is None:   # GMSA §4.1: the compression rate is sampled per example
             rates = [cfg.ratios[i] for i in torch.randint(len(cfg.ratios), (len(contexts),)).tolist()]
-        rows = []
-        for b, ids in enumerate(contexts):
-            start = 0
-            for i, chunk in enumerate(self.chunks(list(ids))):
-                rows.append((b, i, chunk, math.ceil(len(chunk) / rates[b]), start))
-                start += len(chunk)
+        rows = self._chunk_rows(contexts, lambda b, n: math.ceil(n / rates[b]))   # groups per chunk
         R, T = len(rows), max(len(c) for _, _, c, _, _ in rows)
         pad = self.enc_tok.pad_id if self.enc_tok.pad_id is not None else 0
         ids = torch.full((R, T), pad, dtype=torch.long)
@@ -475,11 +480,9 @@ class Compressor(nn.Module):
         is_mem = torch.zeros(R, T + 1, dtype=torch.bool, device=dev)
         for r, (_, _, _, g, _) in enumerate(rows):
             is_mem[r, :g] = True
-        counts = [[g for (bb, _, _, g, _) in rows if bb == b] for b in range(len(contexts))]
-        flat, valid = self._flat_slots(rows, counts, is_mem, T + 1)
+        flat, valid, chunk_lens, counts = self._memory_slots(rows, len(contexts), is_mem)
         summary = means.reshape(R * (T + 1), -1)[flat]                   # (B, M, d)
         enc_pos = torch.zeros_like(flat)
-        chunk_lens = [[len(c) for (bb, _, c, _, _) in rows if bb == b] for b in range(len(contexts))]
         return Memory(self._bridge(summary, valid), None, valid, enc_pos, chunk_lens, counts)
 
     def _bridge(self, h: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -604,14 +607,11 @@ class Compressor(nn.Module):
         memory = self.compress(contexts)
         follow = [list(q) + list(a) for q, a in zip(questions, answers)]
         batch = self.decoder_batch(memory, "qa", follow, [len(a) for a in answers])
-        batch.pop("targets")
+        predicts = batch.pop("targets") != -100              # the slots that predict an answer token ...
         with self.decoding():
             student = dec(**batch, output_hidden_states=True, compute_logits=False).hidden_states
-        a_student = torch.zeros(batch["position_ids"].shape, dtype=torch.bool, device=dev)
-        for b, f in enumerate(follow):
-            end = int(memory.valid[b].sum()) + len(f) if self.cfg.carrier == "embeds" else len(f)
-            end += 0 if self.special_token("qa") == "none" else 1
-            a_student[b, end - len(answers[b]):end] = True
+        a_student = torch.zeros_like(predicts)
+        a_student[:, 1:] = predicts[:, :-1]                  # ... are each followed by that token's own slot
         loss = 0.0
         for layer in range(1, len(teacher)):                       # ℓ = 1..L (0 is the embedding layer)
             h, h_s = teacher[layer][a_teacher].float(), student[layer][a_student].float()
