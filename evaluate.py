@@ -455,12 +455,6 @@ def compress(comp, contexts):
     return comp.compress(contexts, rates=rates)
 
 
-def encoder_ids(comp, ids):
-    """Decoder token ids -> the encoder's ids for the same text (they differ only when a separate
-    compressor LLM brings its own tokenizer, e.g. PCC/PIC with Qwen2.5 encoding for Llama 3)."""
-    return list(ids) if comp.enc_tok is comp.tok else comp.enc_tok.encode(comp.tok.decode(ids))
-
-
 def start_ids(tok):
     """What a plain-LLM prompt starts with: BOS, or EOS for tokenizers without one (Qwen uses its
     <|endoftext|> as the document separator). The LM rows need a first slot to predict from."""
@@ -528,7 +522,7 @@ def run_ae(comp, examples, max_new_tokens=None):
     for ex in tqdm(examples, desc="ae", leave=False):
         ref = tok.encode(ex["text"])
         n_new = max_new_tokens or len(ref) + 8
-        memory = compress(comp, [encoder_ids(comp, ref)])
+        memory = compress(comp, [comp.encoder_ids(ref)])
         outs = {"compressed": comp.generate(memory, "ae", max_new_tokens=n_new),
                 "full": plain_generate(comp, plain_prompt(tok, ref, []), n_new),
                 "none": plain_generate(comp, plain_prompt(tok, [], []), n_new)}
@@ -551,7 +545,7 @@ def run_lm(comp, examples):
             raise ValueError(f"text too short for the LM task ({len(ids)} tokens): {ex['text']!r}")
         p = len(ids) // 2
         ctx, cont = ids[:p], ids[p:]
-        memory = compress(comp, [encoder_ids(comp, ctx)])
+        memory = compress(comp, [comp.encoder_ids(ctx)])
         loss, n = comp.lm_loss(memory, "lm", [cont], last_tokens=[ctx[-1]])
         nlls = {"compressed": (loss.item() * n, n),
                 "full": plain_nll(comp, start_ids(tok) + ctx, cont),
@@ -588,7 +582,7 @@ def run_qa(comp, examples, max_new_tokens=None):
     n_new = max_new_tokens or 32
     for ex in tqdm(examples, desc="qa", leave=False):
         ctx, question = tok.encode(ex["context"]), tok.encode(ex["question"])
-        memory = compress(comp, [encoder_ids(comp, ctx)])
+        memory = compress(comp, [comp.encoder_ids(ctx)])
         outs = {"compressed": comp.generate(memory, "qa", prompt=question, max_new_tokens=n_new),
                 "full": plain_generate(comp, plain_prompt(tok, ctx, question), n_new),
                 "none": plain_generate(comp, plain_prompt(tok, [], question), n_new)}
@@ -691,7 +685,7 @@ def run_speed(comp, lengths, max_new_tokens=None, repeats=3):
     for T in tqdm(lengths, desc="speed", leave=False):
         ctx = (text * (T // len(text) + 1))[:T]          # the built-in texts repeated to T tokens
         try:
-            enc = encoder_ids(comp, ctx)
+            enc = comp.encoder_ids(ctx)
             t_comp, memory = timed(lambda: compress(comp, [enc]), dev, repeats)
             M = int(memory.valid.sum())
             full = dict(input_ids=torch.tensor([start_ids(tok) + ctx + question], device=dev))
@@ -748,7 +742,7 @@ def run_interpolate(comp, text0, text1, weights, max_new_tokens=None):
     PCC/PIC, GMSA) need texts that compress to the same number of slots."""
     tok = comp.tok
     ids0, ids1 = tok.encode(text0), tok.encode(text1)
-    z0, z1 = compress(comp, [encoder_ids(comp, ids0)]), compress(comp, [encoder_ids(comp, ids1)])
+    z0, z1 = compress(comp, [comp.encoder_ids(ids0)]), compress(comp, [comp.encoder_ids(ids1)])
     m0, m1 = int(z0.valid.sum()), int(z1.valid.sum())
     if m0 != m1:
         raise ValueError(f"interpolate needs two memories of the same size: text0 compresses to {m0} slots and "
@@ -891,7 +885,7 @@ def render_text(values, max_cols=96, max_rows=48):
 def run_heatmap(comp, text, png_stem):
     """Cosine map and encoder attention map for one text; PNGs at png_stem + _cosine.png / _attention.png."""
     ids = comp.tok.encode(text)
-    enc = encoder_ids(comp, ids)
+    enc = comp.encoder_ids(ids)
     memory, attention = encoder_attention(comp, enc)
     cosine = memory_cosine(comp, memory, ids)
     M, T = cosine.shape

@@ -434,15 +434,10 @@ def sample_example(data, objective, rng, args, comp):
     start = lo + int(rng.integers(0, hi - lo - n + 1))
     x = data["tokens"][start:start + n].tolist()
     if objective == "ae":   # ICAE AE / AOC Eq. (4): regenerate all of X, then stop
-        return dict(context=to_encoder(x, comp), ae=x + [eos])
+        return dict(context=comp.encoder_ids(x), ae=x + [eos])
     # pretrain (EPL App. C): compress the first p = ⌊|X|/2⌋ tokens, reconstruct them and continue with the rest
     p = max(1, n // 2)
-    return dict(context=to_encoder(x[:p], comp), ae=x[:p] + [eos], lm=x[p:], last=x[p - 1])
-
-
-def to_encoder(ids, comp):
-    """Decoder ids -> compressor ids: the same list when both read one tokenizer, else decode and re-encode."""
-    return ids if comp.enc_tok is comp.tok else comp.enc_tok.encode(comp.tok.decode(ids))
+    return dict(context=comp.encoder_ids(x[:p]), ae=x[:p] + [eos], lm=x[p:], last=x[p - 1])
 
 
 def make_batch(data, objective, args, comp, step, indices):
