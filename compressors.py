@@ -47,7 +47,7 @@ from safetensors.torch import load_file, save_file
 
 import masks
 import positions
-from model import Transformer, add_lora, load_pretrained, lora_disabled
+from model import Transformer, add_lora, copy_model, load_pretrained, lora_disabled
 
 # -----------------------------------------------------------------------------
 # configuration: one dataclass, one field per axis, and the papers' presets
@@ -715,23 +715,3 @@ def build(method: str, decoder: Transformer, tok, encoder_model: Transformer | N
     """The compressor of a preset around `decoder`, e.g. build("pic", llm, tok, layout="epl").
     encoder_model / encoder_tok: the separate compressor LLM of pcc/pic (default: a copy of the decoder)."""
     return Compressor(make_config(method, **overrides), decoder, tok, encoder_model, encoder_tok)
-
-
-def copy_model(src: Transformer, **changes) -> Transformer:
-    """An independent copy of `src` with some config fields changed (fewer layers, MLP-free blocks):
-    built on the meta device, given empty storage, then every tensor copied from `src`, so no
-    random init is wasted on a multi-GB model. A LoRA'd source gives its base weights (no LoRA)."""
-    cfg = replace(src.config, **changes)
-    weight = src.model.embed_tokens.weight
-    with torch.device("meta"):
-        dst = Transformer(cfg)
-    dst = dst.to_empty(device=weight.device).to(weight.dtype)   # storage uninitialised until copied below
-    if cfg.tie_word_embeddings:   # to_empty gives every parameter its own storage: tie them again
-        dst.lm_head.weight = dst.model.embed_tokens.weight
-    src_state = src.state_dict()
-    with torch.no_grad():
-        for name, t in dst.state_dict().items():
-            if name not in src_state:
-                raise ValueError(f"cannot copy '{name}': the source model has no such tensor")
-            t.copy_(src_state[name])
-    return dst

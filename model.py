@@ -567,6 +567,26 @@ TINY_CONFIG = dict(  # a small Llama: 4 layers, d=64, GQA 4:2, byte-level vocabu
     max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=256, eos_token_id=257, pad_token_id=258)
 
 
+def copy_model(src: Transformer, **changes) -> Transformer:
+    """An independent copy of `src` with some config fields changed (fewer layers, MLP-free blocks):
+    built on the meta device, given empty storage, then every tensor copied from `src`, so no
+    random init is wasted on a multi-GB model. A LoRA'd source gives its base weights (no LoRA)."""
+    cfg = replace(src.config, **changes)
+    weight = src.model.embed_tokens.weight
+    with torch.device("meta"):
+        dst = Transformer(cfg)
+    dst = dst.to_empty(device=weight.device).to(weight.dtype)   # storage uninitialised until copied below
+    if cfg.tie_word_embeddings:   # to_empty gives every parameter its own storage: tie them again
+        dst.lm_head.weight = dst.model.embed_tokens.weight
+    src_state = src.state_dict()
+    with torch.no_grad():
+        for name, t in dst.state_dict().items():
+            if name not in src_state:
+                raise ValueError(f"cannot copy '{name}': the source model has no such tensor")
+            t.copy_(src_state[name])
+    return dst
+
+
 def build_tiny(seed: int = 0) -> tuple[Transformer, Tokenizer]:
     """A random tiny Llama and a byte tokenizer, no download; same weights for the same seed."""
     with torch.random.fork_rng(devices=[]):  # seed locally: the caller's RNG stream is left untouched
@@ -589,8 +609,7 @@ def load_pretrained(name_or_path: str, dtype=torch.float32, device="cpu",
     if name_or_path == "tiny":
         model, tok = build_tiny()
         if mlp != "swiglu":  # as for a real checkpoint: same weights, minus the dropped sub-block
-            full, model = model, Transformer(replace(model.config, mlp=mlp))
-            model.load_state_dict({k: v for k, v in full.state_dict().items() if k in model.state_dict()})
+            model = copy_model(model, mlp=mlp)
         model.name_or_path = "tiny"  # what a checkpoint records to rebuild this base model
         return model.to(dtype=dtype, device=device), tok
     folder = _resolve(name_or_path)
