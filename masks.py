@@ -30,7 +30,9 @@ Our generalisation (the paper assumes "L is divisible by N" and one memory token
     m_{(k−1)g+1} … m_{kg} all belong to chunk c_k (rule 3 per token, rule 2 unchanged);
   * uneven lengths: chunk k (0-based) covers context tokens ⌊k·L/N⌋ … ⌊(k+1)·L/N⌋ − 1, so the
     chunk sizes differ by at most one and the longer chunks are spread out (see chunk_bounds).
-Both reduce to the paper's mask when g = 1 and N divides L.
+  * more memory tokens than context tokens (PCC's code gives a short last segment all its slots):
+    some chunks are empty, and their memory tokens see only the memory tokens before them.
+All reduce to the paper's mask when g = 1 and N divides L.
 """
 
 import torch
@@ -46,11 +48,6 @@ def _check_int(name, value, minimum):
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _check_mem(num_mem, context_len):
-    _check_int("num_mem", num_mem, 1)
-    # more memory tokens than context tokens is no compression, and leaves chunks empty in pic()
-    if num_mem > context_len:
-        raise ValueError(f"num_mem must be <= context_len ({context_len}), got {num_mem}")
 
 
 # ---- the masks ----
@@ -67,7 +64,7 @@ def full_causal(context_len, num_mem):
     Every memory token m_t sees the whole context and m_1 … m_t (PIC Eq. 2: h_t = Compressor(X, m_<t)).
     """
     _check_int("context_len", context_len, 1)
-    _check_mem(num_mem, context_len)
+    _check_int("num_mem", num_mem, 1)
     return causal(context_len + num_mem)
 
 
@@ -76,13 +73,12 @@ def chunk_bounds(context_len, num_chunks):
 
     Chunk k (0-based) is ⌊k·L/N⌋ … ⌊(k+1)·L/N⌋ − 1: equal chunks of L/N tokens when N divides L
     (PIC §3.3.1, "X uniformly divided into N chunks"); otherwise sizes ⌊L/N⌋ or ⌈L/N⌉, interleaved.
-    Example: chunk_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)].
+    Example: chunk_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]. More chunks than tokens (a short
+    last segment that keeps all its memory slots, as PCC's code gives it) leaves some chunks empty:
+    chunk_bounds(2, 4) == [(0, 0), (0, 1), (1, 1), (1, 2)] (ours).
     """
     _check_int("context_len", context_len, 1)
     _check_int("num_chunks", num_chunks, 1)
-    # an empty chunk would leave its memory token with nothing to compress
-    if num_chunks > context_len:
-        raise ValueError(f"num_chunks must be <= context_len ({context_len}), got {num_chunks}")
     L, N = context_len, num_chunks
     return [(k * L // N, (k + 1) * L // N) for k in range(N)]
 
@@ -92,10 +88,11 @@ def pic(context_len, num_mem, mems_per_chunk=1):
 
     num_mem = M memory tokens, mems_per_chunk = g of them per chunk, so N = M / g chunks
     (the paper's setting is g = 1; g > 1 and uneven chunks are our generalisation, see the
-    module docstring and chunk_bounds).
+    module docstring and chunk_bounds). With more chunks than context tokens some chunks are empty,
+    and their memory tokens see only the memory before them (rules 2 and 3; ours).
     """
     _check_int("context_len", context_len, 1)
-    _check_mem(num_mem, context_len)
+    _check_int("num_mem", num_mem, 1)
     _check_int("mems_per_chunk", mems_per_chunk, 1)
     if num_mem % mems_per_chunk != 0:
         raise ValueError(f"mems_per_chunk must divide num_mem ({num_mem}), got {mems_per_chunk}")

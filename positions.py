@@ -34,12 +34,14 @@ in UPL differs from DPL", and the authors' ablation code changes only the decode
 (For the embeds carrier the encoder offset (i−1)L+1 does not matter at all: RoPE attention only
 sees position differences inside a chunk.)
 
-Our choices where the paper is silent (the paper's example has k equal chunks of L tokens):
-  * a shorter last chunk: chunk i's context starts right after the previous chunks' contexts
-    (cumulative starts, not (i−1)L), and its memory is UPL over its own, shorter range; under DPL
-    its memory sits right after its own context, len_i … len_i+|M_i|−1;
-  * |M| may differ per chunk (num_mem as a list), e.g. to keep the ratio for a short last chunk;
-    a chunk may not have more memory tokens than tokens (UPL would leave the chunk, r < 1).
+A shorter last chunk (the paper's example has k equal chunks of L tokens):
+  * its context starts right after the previous chunks' contexts (cumulative starts, (i−1)L when
+    every earlier chunk is full); under DPL its memory sits right after its own context,
+    len_i … len_i+|M|−1 (EPL code: positions restart per chunk, memory after the real tokens);
+  * EPL code: it still gets all |M| memory tokens, and UPL spreads them over the *nominal* range
+    start+1 … start+L as if the chunk were full (`span=L`), so some may sit past its last token;
+  * ours, as an option (`span=None`, with |M_i| = min(|M|, len_i)): UPL over the chunk's own range.
+    |M| may differ per chunk (num_mem as a list) for that.
 """
 
 import unicodedata
@@ -92,17 +94,24 @@ def upl(num_mem, first, last):
 
 # ---- encoder ----
 
-def encoder_positions(layout, chunk_index, chunk_len, num_mem, offset=None):
+def encoder_positions(layout, chunk_index, chunk_len, num_mem, offset=None, span=None):
     """Position IDs of one chunk [S(i); M(i)] in the compressor (EPL Table 12).
 
     chunk_index is 0-based. offset = number of context tokens before this chunk; it defaults to
     chunk_index * chunk_len (all earlier chunks as long as this one) and must be given for a
-    shorter last chunk. Returns (ctx_pos [chunk_len], mem_pos [num_mem]).
+    shorter last chunk. span = the context range UPL spreads the memory over: the chunk's own
+    length (None) or the nominal chunk length L of a short last chunk (EPL code). DPL puts the
+    memory after the chunk's real tokens, however many there are (EPL code: every chunk gets |M|).
+    Returns (ctx_pos [chunk_len], mem_pos [num_mem]).
     """
     _check_choice("layout", layout, LAYOUTS)
     _check_int("chunk_index", chunk_index, 0)
     _check_int("chunk_len", chunk_len, 1)
-    _check_mem(num_mem, chunk_len)
+    if span is not None:
+        _check_int("span", span, chunk_len)
+    if layout != "dpl":   # UPL needs a context position per memory token (r >= 1)
+        _check_mem(num_mem, span or chunk_len)
+    _check_int("num_mem", num_mem, 1)
     if layout == "dpl":
         # EPL Table 12, DPL: physical positions, the same for every chunk (chunks are encoded apart)
         ctx = torch.arange(chunk_len)  # 0 … L−1
@@ -114,20 +123,22 @@ def encoder_positions(layout, chunk_index, chunk_len, num_mem, offset=None):
     # EPL Table 12, EPL: chunk i holds x_(i−1)L … x_iL−1 at (i−1)L+1 … iL; position 0 is left for [AE],
     # so that x_j sits at j+1 here and when the decoder reconstructs it (Table 13, CPL)
     ctx = torch.arange(start + 1, start + chunk_len + 1)
-    # EPL Algorithm 1 over this chunk's own context range (Table 12 writes it ⌊b + j·r⌉, b = (i−1)L + 1 + (r−1)/2)
-    mem = upl(num_mem, start + 1, start + chunk_len)
+    # EPL Algorithm 1 over this chunk's context range (Table 12 writes it ⌊b + j·r⌉, b = (i−1)L + 1 + (r−1)/2);
+    # EPL code: over the nominal start+1 … start+L even when the chunk is shorter (span = L)
+    mem = upl(num_mem, start + 1, start + (span or chunk_len))
     return ctx, mem
 
 
 # ---- decoder ----
 
-def decoder_positions(layout, carrier, task, chunk_lens, num_mem, context_len, n_follow):
+def decoder_positions(layout, carrier, task, chunk_lens, num_mem, context_len, n_follow, span=None):
     """Position IDs on the decoder side: [memory; [AE] or [LM]; what follows] (EPL Tables 13–15).
 
     chunk_lens: length of every compressed chunk (the last may be shorter); num_mem: one int for
     all chunks or a list, one per chunk; context_len: p, the compressed context length (normally
     sum(chunk_lens)); n_follow: tokens after the special token — AE: the reconstructed context,
-    LM: the completion, QA: question + answer.
+    LM: the completion, QA: question + answer. span: as in encoder_positions (EPL code: the nominal
+    chunk length, so a short last chunk's memory keeps its full-chunk UPL positions).
     Returns (mem_pos [Σ|M_i|], special_pos: int, follow_pos [n_follow]).
     """
     _check_choice("layout", layout, LAYOUTS)
@@ -141,7 +152,9 @@ def decoder_positions(layout, carrier, task, chunk_lens, num_mem, context_len, n
     if len(mems) != len(chunk_lens):
         raise ValueError(f"num_mem must be an int or one per chunk ({len(chunk_lens)}), got {len(mems)}")
     for n, m in zip(chunk_lens, mems):
-        _check_mem(m, n)
+        _check_int("num_mem", m, 1)
+        if layout != "dpl":
+            _check_mem(m, span or n)
     _check_int("context_len", context_len, 0)
     _check_int("n_follow", n_follow, 0)
 
@@ -151,7 +164,7 @@ def decoder_positions(layout, carrier, task, chunk_lens, num_mem, context_len, n
         # KV carrier: cached keys already carry their encoder positions (Table 13 DPL(500x): 510 … 611
         # for every chunk; under "+UPL" the UPL positions instead).
         starts = [sum(chunk_lens[:i]) for i in range(len(chunk_lens))]  # cumulative chunk offsets
-        mem_pos = torch.cat([encoder_positions(layout, i, n, m, offset=s)[1]
+        mem_pos = torch.cat([encoder_positions(layout, i, n, m, offset=s, span=span and max(span, n))[1]
                              for i, (n, m, s) in enumerate(zip(chunk_lens, mems, starts))])
     else:
         # embeds carrier, DPL decoder: memory outputs are fresh input embeddings at their physical

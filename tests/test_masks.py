@@ -192,17 +192,26 @@ def test_render_other_commands(capsys):
     assert "m2 · · · · │ ■ ■ ■" in text and "■ ■ ■ ■ ■ ■" in text
 
 
+# ---- a short segment keeps all its memory slots (PCC code) ----
+
+def test_more_memory_than_context_leaves_chunks_empty():
+    # PCC's code gives a 2-token last segment all its slots; under PIC two of the four chunks are empty
+    assert masks.chunk_bounds(2, 4) == [(0, 0), (0, 1), (1, 1), (1, 2)]
+    m = masks.pic(2, 4)
+    mem_sees_context = m[2:, :2].tolist()
+    assert mem_sees_context == [[False, False], [True, False], [False, False], [False, True]]
+    assert torch.equal(m[2:, 2:], masks.causal(4))        # rule 2 unchanged: memory sees earlier memory
+    assert torch.equal(masks.full_causal(4, 5), masks.causal(9))
+
+
 # ---- malformed arguments ----
 
 @pytest.mark.parametrize("call, name", [
     (lambda: masks.pic(8, 0), "num_mem"),
-    (lambda: masks.pic(8, 9), "num_mem"),
     (lambda: masks.pic(-1, 1), "context_len"),
     (lambda: masks.pic(8, 3, mems_per_chunk=2), "mems_per_chunk"),
     (lambda: masks.pic(8, 2, mems_per_chunk=0), "mems_per_chunk"),
     (lambda: masks.full_causal(4, 0), "num_mem"),
-    (lambda: masks.full_causal(4, 5), "num_mem"),
-    (lambda: masks.chunk_bounds(4, 5), "num_chunks"),
     (lambda: masks.chunk_bounds(4, 0), "num_chunks"),
     (lambda: masks.causal(-1), "n"),
     (lambda: masks.segments([3, -1], 1), "segment_lens"),

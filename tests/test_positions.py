@@ -175,6 +175,23 @@ def test_prints_worked_example(capsys):
     assert "1018" in text and "[AE]" in text and "1075" in text
 
 
+# ---- a short last chunk, as EPL's code handles it ----
+
+def test_short_last_chunk_keeps_every_memory_token_at_nominal_upl_positions():
+    # EPL code: every chunk gets |M| = 102; UPL over the nominal start+1 .. start+L even for a short chunk
+    ctx, mem = encoder_positions("epl", 1, 7, 102, offset=510, span=510)
+    assert ctx.tolist() == list(range(511, 518))
+    assert mem.tolist() == list(range(513, 1019, 5))           # as a full second chunk (Table 12)
+    # DPL: positions restart per chunk; the memory follows the chunk's real tokens
+    ctx, mem = encoder_positions("dpl", 1, 7, 102)
+    assert ctx.tolist() == list(range(7)) and mem.tolist() == list(range(7, 109))
+    mem, special, follow = decoder_positions("epl", "kv", "ae", [510, 7], 102, 517, 3, span=510)
+    assert mem.tolist() == list(range(3, 509, 5)) + list(range(513, 1019, 5)) and special == 0
+    # ours (span=None): UPL over the chunk's own 7 tokens, with at most 7 slots
+    _, mem = encoder_positions("epl", 1, 7, 2, offset=510)
+    assert mem.tolist() == [512, 516]
+
+
 # ---- malformed arguments ----
 
 @pytest.mark.parametrize("call, name", [
@@ -186,7 +203,9 @@ def test_prints_worked_example(capsys):
     (lambda: encoder_positions("epl", -1, 10, 2), "chunk_index"),
     (lambda: encoder_positions("epl", 0, -10, 2), "chunk_len"),
     (lambda: encoder_positions("epl", 0, 10, 0), "num_mem"),
-    (lambda: encoder_positions("dpl", 0, 10, 11), "num_mem"),
+    (lambda: encoder_positions("epl", 0, 10, 11), "num_mem"),
+    (lambda: encoder_positions("epl", 0, 4, 5, span=4), "num_mem"),
+    (lambda: encoder_positions("epl", 0, 10, 2, span=9), "span"),
     (lambda: encoder_positions("epl", 1, 10, 2, offset=-3), "offset"),
     (lambda: decoder_positions("xyz", "kv", "ae", [10], 2, 10, 10), "layout"),
     (lambda: decoder_positions("epl", "hidden", "ae", [10], 2, 10, 10), "carrier"),
@@ -194,7 +213,6 @@ def test_prints_worked_example(capsys):
     (lambda: decoder_positions("epl", "kv", "ae", [10, -5], 2, 10, 10), "chunk_lens"),
     (lambda: decoder_positions("epl", "kv", "ae", [], 2, 10, 10), "chunk_lens"),
     (lambda: decoder_positions("epl", "kv", "ae", [10], 0, 10, 10), "num_mem"),
-    (lambda: decoder_positions("dpl", "embeds", "ae", [10, 4], 5, 14, 14), "num_mem"),
     (lambda: decoder_positions("epl", "kv", "ae", [10, 4], [2], 14, 14), "num_mem"),
     (lambda: decoder_positions("epl", "kv", "ae", [10], 2, -1, 10), "context_len"),
     (lambda: decoder_positions("epl", "kv", "ae", [10], 2, 10, -1), "n_follow"),
