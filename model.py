@@ -567,23 +567,35 @@ TINY_CONFIG = dict(  # a small Llama: 4 layers, d=64, GQA 4:2, byte-level vocabu
     max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=256, eos_token_id=257, pad_token_id=258)
 
 
-def copy_model(src: Transformer, **changes) -> Transformer:
+def copy_model(src: Transformer, share: tuple = (), **changes) -> Transformer:
     """An independent copy of `src` with some config fields changed (fewer layers, MLP-free blocks):
     built on the meta device, given empty storage, then every tensor copied from `src`, so no
-    random init is wasted on a multi-GB model. A LoRA'd source gives its base weights (no LoRA)."""
+    random init is wasted on a multi-GB model. A LoRA'd source gives its base weights (no LoRA).
+    share: submodules the copy takes from `src` itself instead of copying, e.g. ("model.embed_tokens",
+    "lm_head"): an encoder that embeds with the frozen LLM's own table (AOC code), no second vocabulary."""
     cfg = replace(src.config, **changes)
     weight = src.model.embed_tokens.weight
     with torch.device("meta"):
         dst = Transformer(cfg)
-    dst = dst.to_empty(device=weight.device).to(weight.dtype)   # storage uninitialised until copied below
-    if cfg.tie_word_embeddings:   # to_empty gives every parameter its own storage: tie them again
+    for name in share:
+        parent, _, child = name.rpartition(".")
+        setattr(dst.get_submodule(parent) if parent else dst, child, src.get_submodule(name))
+    shared = {id(p) for p in src.parameters()}
+    for module in dst.modules():   # everything not shared gets storage, uninitialised until copied below
+        for key, p in list(module._parameters.items()):
+            if p is not None and id(p) not in shared:
+                module._parameters[key] = nn.Parameter(torch.empty_like(p, device=weight.device, dtype=weight.dtype),
+                                                       requires_grad=p.requires_grad)
+    dst.inv_freq = rope_frequencies(cfg, weight.device)
+    if cfg.tie_word_embeddings and "lm_head" not in share:   # each parameter got its own storage: tie them again
         dst.lm_head.weight = dst.model.embed_tokens.weight
     src_state = src.state_dict()
     with torch.no_grad():
         for name, t in dst.state_dict().items():
             if name not in src_state:
                 raise ValueError(f"cannot copy '{name}': the source model has no such tensor")
-            t.copy_(src_state[name])
+            if t.data_ptr() != src_state[name].data_ptr() or t.device.type == "meta":
+                t.copy_(src_state[name])
     return dst
 
 
