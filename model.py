@@ -63,6 +63,8 @@ class ModelConfig:
     rope_theta: float             # RoPE base
     rope_scaling: dict | None     # None, or {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
                                   #           original_max_position_embeddings}
+                                  # or {"rope_type": "yarn", factor, original_max_position_embeddings, and any
+                                  #     of attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate}
     max_position_embeddings: int  # context the checkpoint was trained for (informative: positions are not capped)
     tie_word_embeddings: bool     # lm_head.weight is the same Parameter as embed_tokens.weight
     attention_bias: bool          # q/k/v projections carry a bias (Qwen2 always; others when set, o_proj too)
@@ -104,7 +106,7 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
-            rope_scaling=_rope_scaling(scaling),
+            rope_scaling=_rope_scaling(scaling, hf.get("max_position_embeddings", 2048)),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             # Qwen2's q/k/v biases are hard-wired in HF (no config field); the others read attention_bias.
@@ -132,37 +134,89 @@ class ModelConfig:
         return hf
 
 
-def _rope_scaling(scaling: dict | None) -> dict | None:
-    """Normalise an HF rope_scaling dict: None for plain RoPE, the llama3 parameters, or a clear error."""
+def _rope_scaling(scaling: dict | None, max_position_embeddings: int) -> dict | None:
+    """Normalise an HF rope_scaling dict: None for plain RoPE, the llama3 or yarn parameters, or a clear error."""
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))  # v4 configs may say "type"
     if rope_type == "default":
         return None
-    if rope_type != "llama3":
-        raise ValueError(f"unsupported rope_type {rope_type!r}: only 'default' and 'llama3' RoPE are implemented")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    return {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+    if rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        return {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+    if rope_type == "yarn":
+        # HF's defaults (standardize_rope_params, _compute_yarn_parameters): the original context is
+        # max_position_embeddings, and a missing factor is the ratio of the two lengths
+        old_len = scaling.get("original_max_position_embeddings") or max_position_embeddings
+        factor = scaling.get("factor") or max_position_embeddings / old_len
+        optional = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": old_len,
+                **{k: scaling[k] for k in optional if scaling.get(k) is not None}}
+    raise ValueError(f"unsupported rope_type {rope_type!r}: only 'default', 'llama3' and 'yarn' RoPE are implemented")
 
 
 # ---------------------------------------------------------------------------- RoPE
 
 
 def rope_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
-    """inv_freq[i] = theta^(-2i/D), i < D/2, in fp32 (rescaled for llama3); same op order as HF, bit for bit."""
+    """inv_freq[i] = theta^(-2i/D), i < D/2, in fp32 (rescaled for llama3 / yarn); same op order as HF, bit for bit."""
     D = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32, device=device) / D))
-    if config.rope_scaling is None:
+    pos_freqs = config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32, device=device) / D)  # theta^(2i/D)
+    inv_freq = 1.0 / pos_freqs
+    s = config.rope_scaling
+    if s is None:
         return inv_freq
+    if s["rope_type"] == "yarn":
+        return _yarn_frequencies(config, pos_freqs)
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
     # Llama 3.1 "llama3" scaling: long wavelengths are slowed down by `factor`, short ones kept, and the
     # band in between is interpolated smoothly.
-    s = config.rope_scaling
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_len = s["original_max_position_embeddings"]
+    low, high = s["low_freq_factor"], s["high_freq_factor"]
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
     smooth = (old_len / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_frequencies(config: ModelConfig, pos_freqs: torch.Tensor) -> torch.Tensor:
+    """YaRN (Peng et al. 2023, §3.2 "NTK-by-parts"), as transformers' _compute_yarn_parameters: a frequency
+    that turns more than beta_fast times over the original context is kept (extrapolated), one that turns
+    fewer than beta_slow times is divided by `factor` (interpolated), and a linear ramp blends the band between."""
+    s, theta, D = config.rope_scaling, config.rope_theta, config.head_dim
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1  # `or`: HF reads 0 as unset too
+
+    def correction_dim(turns):  # the (fractional) pair index i whose frequency turns `turns` times in old_len tokens
+        return (D * math.log(old_len / (turns * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):  # a config may set truncate=False to keep the fractional bounds
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    ramp = ((torch.arange(D // 2, dtype=torch.float32, device=pos_freqs.device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # (D/2,): 1 = extrapolate (high frequencies, low i), 0 = interpolate (low frequencies)
+    # the same expressions as HF (factor * theta^(2i/D), not inv_freq / factor), so the result is bit for bit
+    return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor YaRN multiplies cos and sin by (so q·k by its square): 0.1 ln(factor) + 1 (YaRN §3.4, "√(1/t)"),
+    or the given attention_factor, or DeepSeek's mscale / mscale_all_dim ratio; 1 for every other RoPE."""
+    s = config.rope_scaling
+    if s is None or s["rope_type"] != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return s["attention_factor"]
+
+    def get_mscale(scale, mscale=1):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    factor, mscale, mscale_all_dim = s["factor"], s.get("mscale"), s.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+    return get_mscale(factor)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -353,8 +407,11 @@ class Transformer(nn.Module):
         pos = position_ids.reshape(-1, T)                        # (B or 1, T)
         freqs = pos[..., None].float() * self.inv_freq           # (B or 1, T, D/2), fp32
         emb = torch.cat((freqs, freqs), dim=-1)                  # (B or 1, T, D): dims i and i + D/2 share an angle
-        cos = emb.cos().to(h.dtype)[:, None]                     # (B or 1, 1, T, D), broadcast over heads
-        sin = emb.sin().to(h.dtype)[:, None]
+        # YaRN (Peng et al. 2023), as transformers' _compute_yarn_parameters: cos and sin are scaled by the
+        # attention factor, which sharpens the softmax at long range (1.0 for plain and llama3 RoPE)
+        scale = rope_attention_factor(self.config)
+        cos = (emb.cos() * scale).to(h.dtype)[:, None]           # (B or 1, 1, T, D), broadcast over heads
+        sin = (emb.sin() * scale).to(h.dtype)[:, None]
 
         if attn_mask is not None:
             if attn_mask.dtype != torch.bool or attn_mask.shape[-2:] != (T, P + T):

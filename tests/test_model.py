@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import (ModelConfig, Transformer, add_lora, build_tiny, load_pretrained, lora_disabled, merge_lora,
-                   rope_frequencies)
+from model import (ModelConfig, Transformer, add_lora, build_tiny, copy_model, load_pretrained, lora_disabled,
+                   merge_lora, rope_attention_factor, rope_frequencies)
 
 SPECIALS = dict(vocab_size=300, bos_token_id=256, eos_token_id=257, pad_token_id=258)
 LLAMA3 = dict(  # untied, llama3 RoPE scaling with a short original context so all three frequency bands occur
@@ -26,6 +26,9 @@ QWEN3 = dict(  # per-head q/k RMSNorm, head_dim 32 != 64 / 4
     model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False, **SPECIALS)
 CONFIGS = {"llama3": LLAMA3, "qwen2": QWEN2, "qwen3": QWEN3}
+# Qwen3's 128k setting (factor 4 over 32k), shrunk: an original context of 64, so 200 tokens reach far past it
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
+QWEN3_YARN = dict(QWEN3, max_position_embeddings=256, rope_scaling=YARN)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +72,38 @@ def test_checkpoints_exercise_what_they_claim(pairs):
     cfg = pairs["llama3"][2].config
     scaled, plain = rope_frequencies(cfg), rope_frequencies(replace(cfg, rope_scaling=None))
     assert (scaled == plain).any() and (scaled != plain).any()
+
+
+def test_yarn_logits_match_transformers(hf_checkpoint):
+    folder, hf = hf_checkpoint(QWEN3_YARN)
+    ours, _ = load_pretrained(str(folder))
+    assert ours.config.rope_scaling["rope_type"] == "yarn"
+    ids = ids_(B=1, T=200)
+    plain = copy_model(ours, rope_scaling=None)  # same weights, unscaled RoPE
+    with torch.no_grad():
+        got, ref = ours(ids).logits, hf(ids).logits
+        close(got[:, 64:], ref[:, 64:])  # beyond the original context ...
+        close(got, ref)                  # ... and everywhere (the attention factor acts at every position)
+        # the scaling really matters here: plain RoPE gives other logits
+        assert (plain(ids).logits[:, 64:] - ref[:, 64:]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("extra", [{}, dict(beta_fast=16, beta_slow=2), dict(truncate=False),
+                                   dict(mscale=1.0, mscale_all_dim=0.5), dict(attention_factor=1.3)])
+def test_yarn_parameters_equal_transformers(extra):
+    """Every YaRN option, against transformers' _compute_yarn_parameters: inv_freq bit for bit, attention factor."""
+    import transformers
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    scaling = dict(YARN, **extra)
+    inv_freq, attention_factor = _compute_yarn_parameters(
+        transformers.AutoConfig.for_model(**dict(QWEN3_YARN, rope_scaling=dict(scaling))))
+    ours = ModelConfig.from_hf(dict(QWEN3_YARN, rope_scaling=scaling))
+    assert torch.equal(rope_frequencies(ours), inv_freq)
+    assert rope_attention_factor(ours) == attention_factor
+    # a real YaRN: some frequencies kept, some divided by the factor, and q.k scaled
+    plain = rope_frequencies(replace(ours, rope_scaling=None))
+    assert (inv_freq == plain).any() and (inv_freq != plain).any() and attention_factor != 1.0
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen3"])
@@ -346,6 +381,14 @@ def test_config_v4_and_v5_rope_layouts_agree():
     a, b = ModelConfig.from_hf(v4), ModelConfig.from_hf(v5)
     assert a == b and a.rope_theta == 500000.0 and a.rope_scaling["factor"] == 8.0
     assert ModelConfig.from_hf(a.to_hf()) == a
+    # yarn too; both layouts fill in HF's defaults (original context = max_position_embeddings, factor = ratio)
+    yarn_v4 = dict(QWEN3_YARN)
+    yarn_v5 = {k: v for k, v in QWEN3_YARN.items() if k not in ("rope_theta", "rope_scaling")}
+    yarn_v5["rope_parameters"] = {"rope_theta": 1000000.0, **YARN}
+    a, b = ModelConfig.from_hf(yarn_v4), ModelConfig.from_hf(yarn_v5)
+    assert a == b and a.rope_scaling == YARN and ModelConfig.from_hf(a.to_hf()) == a
+    bare = ModelConfig.from_hf(dict(QWEN3_YARN, rope_scaling=dict(rope_type="yarn", factor=None)))
+    assert bare.rope_scaling == dict(rope_type="yarn", factor=1.0, original_max_position_embeddings=256)
     q2 = ModelConfig.from_hf(QWEN2)
     assert q2.attention_bias and not q2.qk_norm and q2.head_dim == 16
     assert ModelConfig.from_hf(QWEN3).head_dim == 32 and ModelConfig.from_hf(QWEN3).qk_norm
@@ -372,8 +415,8 @@ def test_error_unsupported_architecture(tmp_path):
     with pytest.raises(ValueError, match=r"unsupported architecture 'gpt2' \(GPT2LMHeadModel\); supported "
                                          r"model_type: llama, qwen2, qwen3, mistral"):
         load_pretrained(str(tmp_path))
-    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
-        ModelConfig.from_hf({**QWEN3, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="unsupported rope_type 'longrope'"):
+        ModelConfig.from_hf({**QWEN3, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
 
 
 def test_error_wrong_shape_missing_unexpected(tmp_path, pairs):
