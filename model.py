@@ -248,6 +248,31 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class KVCache:
+    """One layer's preallocated K/V cache for generate() (as gpt-fast): two (B, Hkv, S_max, D) buffers allocated
+    once, then filled slot by slot, so each decoding step writes one slot instead of copying the whole cache
+    (torch.cat would copy all S keys of every layer at every step)."""
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.len = 0  # slots 0 .. len-1 are filled
+        self.k = self.v = None
+
+    def write(self, k: torch.Tensor, v: torch.Tensor):
+        """k, v (B, Hkv, T, D) go to slots len .. len+T-1; returns K, V over every filled slot, (B, Hkv, len+T, D)."""
+        T = k.shape[2]
+        if self.len + T > self.max_len:
+            raise ValueError(f"KVCache holds {self.max_len} slots; {self.len} are filled, {T} more do not fit")
+        if self.k is None:  # allocated at the first write: the keys' dtype (bf16 under autocast) and device
+            B, Hkv, _, D = k.shape
+            self.k = k.new_zeros(B, Hkv, self.max_len, D)
+            self.v = v.new_zeros(B, Hkv, self.max_len, D)
+        self.k[:, :, self.len:self.len + T] = k
+        self.v[:, :, self.len:self.len + T] = v
+        self.len += T
+        return self.k[:, :, :self.len], self.v[:, :, :self.len]  # views: the buffers are never copied
+
+
 class Attention(nn.Module):
     """Grouped-query attention.  Notation: B batch, T new tokens, P cached prefix, S = P + T keys,
     H query heads, Hkv key/value heads, D head_dim.  Each group of H/Hkv query heads reads one K/V head:
@@ -271,7 +296,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(D, config.rms_norm_eps)
             self.k_norm = RMSNorm(D, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, past=None):
+    def forward(self, x, cos, sin, mask, past=None, cache=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)      # (B, T, H, D)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)   # (B, T, Hkv, D)
@@ -281,10 +306,12 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
         v = v.transpose(1, 2)                        # (B, Hkv, T, D)
-        if past is not None:
-            # the prefix keys were rotated at their own positions when they were computed; never re-rotate
+        # the prefix keys were rotated at their own positions when they were computed; never re-rotate
+        if past is not None:   # a given prefix (the 500x/AOC carrier): concatenated, so gradients reach it
             k = torch.cat([past[0], k], dim=2)  # (B, Hkv, S, D)
             v = torch.cat([past[1], v], dim=2)  # (B, Hkv, S, D)
+        elif cache is not None:  # generate(): written into the preallocated buffers, read back with the prefix
+            k, v = cache.write(k, v)            # (B, Hkv, S, D) each
         # mask: a boolean (.., T, S) mask, True = may attend; or None = plain causal (the fast kernel), which
         # forward() only passes with no prefix, or for a single new token (it may see every key: no mask at all).
         # enable_gqa lets each K/V head serve its H/Hkv query heads without copying it.
@@ -316,8 +343,8 @@ class Block(nn.Module):
         if config.mlp == "swiglu":
             self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask, past=None):
-        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+    def forward(self, x, cos, sin, mask, past=None, cache=None):
+        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, cache)
         x = x + a
         if self.mlp_kind == "swiglu":
             x = x + self.mlp(self.post_attention_layernorm(x))
@@ -382,13 +409,16 @@ class Transformer(nn.Module):
         return self
 
     def forward(self, input_ids=None, *, inputs_embeds=None, position_ids=None, attn_mask=None, past_kv=None,
-                num_layers=None, output_hidden_states=False, return_kv=False, compute_logits=True) -> ModelOutput:
+                num_layers=None, output_hidden_states=False, return_kv=False, compute_logits=True,
+                cache=None) -> ModelOutput:
         """input_ids (B, T) or inputs_embeds (B, T, d), exactly one.
         position_ids: (B, T) or (T,), any integers (gaps, repeats, any order); default P + arange(T).
         attn_mask: bool, True = may attend, (T, S), (B, T, S) or (B, 1, T, S) with S = P + T; key j < P is
             prefix slot j, key P + i is new token i. Default: the whole prefix plus causal over the new tokens.
         past_kv: one (k, v) per layer, each (B, Hkv, P, D), e.g. the `kv` of another forward (the 500x/AOC carrier).
-        num_layers: run only the first k layers (GMSA encoder); last_hidden is then norm(h after layer k)."""
+        num_layers: run only the first k layers (GMSA encoder); last_hidden is then norm(h after layer k).
+        cache: one KVCache per layer (generate's), instead of past_kv: its P filled slots are the prefix, and the
+            new tokens' k/v are written into it."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, d)
@@ -399,7 +429,9 @@ class Transformer(nn.Module):
         if past_kv is not None and len(past_kv) < len(layers):
             raise ValueError(f"past_kv has {len(past_kv)} layers but {len(layers)} layers run; "
                              "pass one (k, v) per layer (or run fewer layers with num_layers)")
-        P = 0 if past_kv is None else past_kv[0][0].shape[2]
+        if past_kv is not None and cache is not None:
+            raise ValueError("pass past_kv or cache, not both (generate writes a past_kv into its cache)")
+        P = past_kv[0][0].shape[2] if past_kv is not None else cache[0].len if cache is not None else 0
 
         # RoPE angles for exactly these positions (not a table lookup: EPL positions can be anything)
         if position_ids is None:
@@ -428,7 +460,8 @@ class Transformer(nn.Module):
         hidden_states = [h] if output_hidden_states else None
         kv = [] if return_kv else None
         for i, layer in enumerate(layers):
-            h, layer_kv = layer(h, cos, sin, mask, None if past_kv is None else past_kv[i])
+            h, layer_kv = layer(h, cos, sin, mask, None if past_kv is None else past_kv[i],
+                                None if cache is None else cache[i])
             if output_hidden_states:
                 hidden_states.append(h)
             if return_kv:
@@ -441,24 +474,43 @@ class Transformer(nn.Module):
     def generate(self, input_ids=None, *, inputs_embeds=None, position_ids=None, attn_mask=None, past_kv=None,
                  max_new_tokens=32, eos_id=None) -> torch.LongTensor:
         """Greedy decoding -> (B, n), n <= max_new_tokens. The prompt (ids or embeddings, optional KV prefix,
-        positions and mask) is prefilled in one forward; each new token then attends to everything before it
-        and takes position (last prompt position + 1, + 2, ...) per row. eos_id: an id or a list of ids
-        (None = never stop early); a finished row is padded with the (first) eos id."""
-        out = self(input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, attn_mask=attn_mask,
-                   past_kv=past_kv, return_kv=True, compute_logits=False)
-        B, T = out.last_hidden.shape[:2]
+        positions and mask, as forward() takes them) is prefilled in one forward into a preallocated KV cache.
+
+        Padded batches: the last row of attn_mask says, per sample, which of the P + T keys are real; every
+        generated token sees exactly those plus the tokens generated before it (itself included). With
+        masks.with_padding that row is the real keys under left and right padding alike (a trailing pad query
+        sees the real tokens but not itself). Each sample continues from its last real prompt token, the last
+        prompt slot that row sees, at (its position + 1, + 2, ...). eos_id: an id or a list of ids (None = never
+        stop early); a finished row is padded with the (first) eos id."""
+        B, T = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
         P = 0 if past_kv is None else past_kv[0][0].shape[2]
+        # the last generated token is returned, never fed back: P + T + max_new_tokens - 1 slots suffice
+        S_max = P + T + max_new_tokens - 1
+        cache = [KVCache(S_max) for _ in self.model.layers]
+        if past_kv is not None:
+            for c, (k, v) in zip(cache, past_kv):
+                c.write(k, v)  # the prefix fills slots 0 .. P-1
+        out = self(input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, attn_mask=attn_mask,
+                   cache=cache, compute_logits=False)
         device = out.last_hidden.device
-        if position_ids is None:
-            pos = torch.full((B,), P + T - 1, device=device)  # (B,)
+
+        # valid[b, j]: row b's new tokens may attend cache slot j; the rest of the row is set as tokens arrive
+        valid = torch.zeros(B, S_max, dtype=torch.bool, device=device)
+        if attn_mask is None:
+            valid[:, :P + T] = True  # forward's default mask: every prefix and prompt key is real
         else:
-            pos = position_ids.reshape(-1, T)[:, -1].expand(B) # (B,)
+            valid[:, :P + T] = attn_mask[..., -1, :].reshape(-1, P + T)  # the last query row, (B or 1, P+T)
+        prompt_slots = torch.arange(T, device=device)
+        last = torch.where(valid[:, P:P + T], prompt_slots, -1).amax(-1)          # (B,) last real prompt token
+        h_last = out.last_hidden[torch.arange(B, device=device), last]          # (B, d): its hidden state
+        if position_ids is None:
+            pos = P + last                                                        # (B,) the default positions
+        else:
+            pos = position_ids.reshape(-1, T).expand(B, T).gather(1, last[:, None])[:, 0]  # (B,)
+
         stop = None if eos_id is None else torch.tensor(eos_id, device=device).view(-1)  # (n_eos,)
         done = torch.zeros(B, dtype=torch.bool, device=device)
-        # the cache grows by concatenation inside forward(): one copy of it per step, small next to the step's
-        # matmuls at the lengths used here, and it keeps a single code path for prefixes, prompts and decoding
-        kv, tokens = out.kv, []
-        h_last = out.last_hidden[:, -1]  # (B, d): only the last position's logits are needed
+        tokens = []
         for step in range(max_new_tokens):
             nxt = self.lm_head(h_last).argmax(-1)  # (B,)
             if stop is not None:
@@ -467,10 +519,11 @@ class Transformer(nn.Module):
             tokens.append(nxt)
             if step == max_new_tokens - 1 or (stop is not None and bool(done.all())):
                 break
-            pos = pos + 1
-            # no mask needed: a single new token may attend to every cached key
-            out = self(nxt[:, None], position_ids=pos[:, None], past_kv=kv, return_kv=True, compute_logits=False)
-            kv, h_last = out.kv, out.last_hidden[:, -1]
+            slot, pos = P + T + step, pos + 1  # the new token's cache slot, its position per row
+            valid[:, slot] = True              # it sees itself and every valid earlier slot, never padding
+            out = self(nxt[:, None], position_ids=pos[:, None], attn_mask=valid[:, None, :slot + 1], cache=cache,
+                       compute_logits=False)  # mask (B, 1, S): one query row per sample
+            h_last = out.last_hidden[:, -1]
         return torch.stack(tokens, dim=1)  # (B, n)
 
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import masks
+
 from model import (ModelConfig, Transformer, add_lora, build_tiny, copy_model, load_pretrained, lora_disabled,
                    merge_lora, rope_attention_factor, rope_frequencies)
 
@@ -215,7 +217,7 @@ def test_past_kv_too_short_is_an_error(pairs):
 
 def test_generate_with_prefix_positions_and_mask_equals_uncached_greedy(pairs):
     """The carrier case: KV prefix from another forward, custom prompt positions and mask; each generated token
-    continues at (last prompt position + 1) and sees everything before it."""
+    continues at (last prompt position + 1) and sees what the last prompt token saw, plus the generated tokens."""
     ours = pairs["qwen3"][2]
     ctx, prompt = ids_(T=6, seed=1), ids_(T=5, seed=2)
     ctx_pos, prompt_pos = torch.tensor([1, 3, 5, 7, 9, 11]), torch.tensor([0, 20, 21, 22, 23])
@@ -229,9 +231,76 @@ def test_generate_with_prefix_positions_and_mask_equals_uncached_greedy(pairs):
         for _ in range(6):
             nxt = ours(seq, position_ids=pos, attn_mask=m, past_kv=prefix).logits[:, -1].argmax(-1)
             seq, pos = torch.cat([seq, nxt[:, None]], 1), torch.cat([pos, pos[-1:] + 1])
-            m = torch.cat([torch.cat([m, torch.zeros(m.shape[0], 1, dtype=torch.bool)], 1),
-                           torch.ones(1, m.shape[1] + 1, dtype=torch.bool)], 0)  # the new row sees everything
+            new_row = torch.cat([m[-1:], torch.ones(1, 1, dtype=torch.bool)], 1)  # the last row's keys + itself
+            m = torch.cat([torch.cat([m, torch.zeros(m.shape[0], 1, dtype=torch.bool)], 1), new_row], 0)
         assert torch.equal(got, seq[:, 5:])
+
+
+def test_generate_writes_into_one_preallocated_cache(pairs):
+    """gpt-fast's cache: each layer's K buffer is allocated once, at its final length, and every step returns a
+    view of that same storage one slot longer (a torch.cat cache would be new storage of a new size each step)."""
+    ours = pairs["qwen3"][2]
+    ids, prefix = ids_(T=5), ours(ids_(T=3, seed=1), return_kv=True).kv  # P = 3, T = 5
+    seen = []  # (storage address, storage bytes, filled length) of layer 0's keys, per forward
+    hook = ours.model.layers[1].self_attn.register_forward_hook(
+        lambda mod, args, out: seen.append((out[1][0].untyped_storage().data_ptr(),
+                                            out[1][0].untyped_storage().nbytes(), out[1][0].shape[2])))
+    try:
+        ours.generate(ids, past_kv=prefix, max_new_tokens=6)
+    finally:
+        hook.remove()
+    B, Hkv, D = 2, 2, 32
+    assert [n for _, _, n in seen] == [3 + 5 + i for i in range(6)]          # prefill, then 5 fed-back tokens
+    assert {(ptr, size) for ptr, size, _ in seen} == {(seen[0][0], B * Hkv * (3 + 5 + 6 - 1) * D * 4)}
+
+
+def pad_rows(rows, side, seed=0):
+    """Pad token lists to one length with random tokens (garbage a model would notice): -> ids (B, T), valid (B, T)."""
+    g = torch.Generator().manual_seed(seed)
+    T = max(map(len, rows))
+    ids = torch.randint(0, 256, (len(rows), T), generator=g)
+    valid = torch.zeros(len(rows), T, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        span = slice(0, len(r)) if side == "right" else slice(T - len(r), T)
+        ids[b, span], valid[b, span] = torch.tensor(r), True
+    return ids, valid
+
+
+@pytest.mark.parametrize("case", ["right", "left", "prefix"])
+def test_padded_batch_generates_as_one_at_a_time(pairs, case):
+    """Greedy outputs of a padded batch equal each sample generated alone, token for token: padded prompt slots
+    (right or left padding) and padded KV-prefix slots stay invisible on every decoding step."""
+    ours = pairs["qwen3"][2]
+    prompts = [ids_(B=1, T=n, seed=10 + n)[0].tolist() for n in (5, 9, 7)]
+    ids, valid = pad_rows(prompts, "left" if case == "left" else "right")
+    B, T = ids.shape
+    # positions count real tokens only: 0, 1, ... from each row's first real token (left padding shifts them)
+    pos = (valid.cumsum(1) - 1).clamp(min=0)
+    kw, alone = {}, [{} for _ in range(B)]
+    if case == "prefix":
+        # the 500x/AOC carrier: a KV prefix per sample with 6, 3 and 8 real slots, right-padded with garbage K/V
+        ctx_lens, P = (6, 3, 8), 8
+        kvs = [ours(ids_(B=1, T=n, seed=20 + n), return_kv=True).kv for n in ctx_lens]
+        g = torch.Generator().manual_seed(1)
+        past = []
+        for layer in range(ours.config.num_hidden_layers):
+            k, v = (torch.randn(B, 2, P, 32, generator=g) for _ in range(2))  # (B, Hkv, P, D) garbage
+            for b, n in enumerate(ctx_lens):
+                k[b, :, :n], v[b, :, :n] = kvs[b][layer][0][0], kvs[b][layer][1][0]
+            past.append((k, v))
+        prefix_valid = torch.arange(P)[None] < torch.tensor(ctx_lens)[:, None]          # (B, P)
+        pos = pos + torch.tensor(ctx_lens)[:, None]  # the prompt continues after its context
+        mask = masks.with_padding(masks.with_prefix(masks.causal(T), P), torch.cat([prefix_valid, valid], 1))
+        kw = dict(past_kv=past)
+        alone = [dict(past_kv=kv) for kv in kvs]
+    else:
+        mask = masks.with_padding(masks.causal(T), valid)
+    with torch.no_grad():
+        got = ours.generate(ids, position_ids=pos, attn_mask=mask, max_new_tokens=10, **kw)
+        for b, prompt in enumerate(prompts):
+            ref = ours.generate(torch.tensor([prompt]), position_ids=pos[b, valid[b]], max_new_tokens=10, **alone[b])
+            assert torch.equal(got[b], ref[0]), f"row {b}"
+    assert len({tuple(r) for r in got.tolist()}) == B and len(got.unique()) > 10  # the outputs do vary
 
 
 def test_generate_stops_and_pads_with_eos(pairs):
