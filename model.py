@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
@@ -392,6 +393,9 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight  # one Parameter, two names
         # non-persistent: not in the state dict, re-derived from the config (HF checkpoints do not store it)
         self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
+        # activation checkpointing: set True to keep only each block's input for backward and recompute the
+        # block there (about one more forward of compute for far less activation memory on long sequences)
+        self.grad_ckpt = False
         self.apply(self._init_weights)
 
     @staticmethod
@@ -459,9 +463,15 @@ class Transformer(nn.Module):
 
         hidden_states = [h] if output_hidden_states else None
         kv = [] if return_kv else None
+        # only when a backward can follow; never while writing a cache, which the recomputation would write twice
+        ckpt = self.grad_ckpt and torch.is_grad_enabled() and cache is None
         for i, layer in enumerate(layers):
-            h, layer_kv = layer(h, cos, sin, mask, None if past_kv is None else past_kv[i],
-                                None if cache is None else cache[i])
+            past = None if past_kv is None else past_kv[i]
+            if ckpt:
+                # non-reentrant: gradients still reach a past_kv prefix and inputs that need no grad work
+                h, layer_kv = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, past, use_reentrant=False)
+            else:
+                h, layer_kv = layer(h, cos, sin, mask, past, None if cache is None else cache[i])
             if output_hidden_states:
                 hidden_states.append(h)
             if return_kv:

@@ -195,6 +195,45 @@ def test_explicit_causal_mask_equals_default(pairs):
         assert not torch.allclose(ours(ids[:, 4:], past_kv=prefix, attn_mask=blind).logits, ref[:, 4:])
 
 
+def test_grad_ckpt_gives_the_same_loss_and_gradients(pairs):
+    """Activation checkpointing recomputes each block in backward (its forward runs twice) and changes no
+    number: loss, every parameter's gradient and the gradient of a K/V prefix (the 500x/AOC carrier, which
+    trains the encoder through the decoder) stay equal; without a backward to come, nothing is recomputed."""
+    model = copy_model(pairs["qwen3"][2])
+    ids, targets = ids_(T=10), ids_(T=10, seed=1)
+    prefix = [tuple(t.detach().requires_grad_() for t in kv) for kv in model(ids_(T=4, seed=2), return_kv=True).kv]
+    valid = torch.ones(2, 14, dtype=torch.bool)
+    valid[0, 2], valid[1, 12:] = False, False  # a hidden prefix slot, right padding: the mask goes through too
+    mask = masks.with_padding(masks.with_prefix(masks.causal(10), 4), valid)
+    calls = []
+    model.model.layers[0].register_forward_pre_hook(lambda mod, args: calls.append(1))
+
+    def loss_and_grads(ckpt):
+        model.grad_ckpt, calls[:] = ckpt, []
+        model.zero_grad()
+        for kv in prefix:
+            for t in kv:
+                t.grad = None
+        logits = model(ids, attn_mask=mask, past_kv=prefix).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads |= {f"prefix.{i}.{j}": t.grad.clone() for i, kv in enumerate(prefix) for j, t in enumerate(kv)}
+        return loss.detach(), grads, len(calls)
+
+    (loss, grads, n_plain), (loss_c, grads_c, n_ckpt) = loss_and_grads(False), loss_and_grads(True)
+    assert n_plain == 1 and n_ckpt == 2  # the block really was recomputed in backward
+    close(loss_c, loss, atol=1e-5)
+    assert grads.keys() == grads_c.keys() and len(grads) > 20
+    for name in grads:
+        close(grads_c[name], grads[name], atol=1e-5)
+    assert all(grads[f"prefix.{i}.0"].abs().sum() > 0 for i in range(len(prefix)))  # gradients reach the prefix
+    calls[:] = []
+    with torch.no_grad():
+        model(ids, attn_mask=mask, past_kv=prefix)
+    assert len(calls) == 1  # no grad: no checkpoint, no recomputation
+
+
 def test_num_layers_equals_truncated_model(pairs):
     folder, _, ours = pairs["llama3"]
     config = json.loads((folder / "config.json").read_text())
