@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 import masks
 
-from model import (ModelConfig, Transformer, add_lora, build_tiny, copy_model, load_pretrained, lora_disabled,
-                   merge_lora, rope_attention_factor, rope_frequencies)
+from model import (ModelConfig, Transformer, add_lora, build_tiny, chunked_cross_entropy, copy_model,
+                   load_pretrained, lora_disabled, merge_lora, rope_attention_factor, rope_frequencies)
 
 SPECIALS = dict(vocab_size=300, bos_token_id=256, eos_token_id=257, pad_token_id=258)
 LLAMA3 = dict(  # untied, llama3 RoPE scaling with a short original context so all three frequency bands occur
@@ -396,6 +396,63 @@ def test_mlp_none_has_no_second_sub_block(pairs):
         emb = torch.cat([torch.arange(5)[:, None].float() * bare.inv_freq] * 2, -1)
         h = h + layer.self_attn(layer.input_layernorm(h), emb.cos(), emb.sin(), None)[0]  # attention only
         close(bare(ids, output_hidden_states=True).hidden_states[1], h, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- chunked cross-entropy
+
+
+def ce_problem(N=1000, d=32, V=2000, seed=0):
+    """hidden (N, d) and an lm_head (V x d) that need grad, targets (N,) with some -100 (no loss taken)."""
+    g = torch.Generator().manual_seed(seed)
+    lm_head = torch.nn.Linear(d, V, bias=False)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.randn(V, d, generator=g))
+    hidden = torch.randn(N, d, generator=g).requires_grad_()
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[::7] = -100
+    return hidden, lm_head, targets
+
+
+def plain_cross_entropy(hidden, lm_head, targets):
+    return torch.nn.functional.cross_entropy(lm_head(hidden).float(), targets, reduction="sum")
+
+
+def test_chunked_cross_entropy_equals_plain():
+    hidden, lm_head, targets = ce_problem()
+    results = []
+    for fn in (plain_cross_entropy, lambda h, w, t: chunked_cross_entropy(h, w, t, chunk=256)):  # 1000 = 3x256 + 232
+        hidden.grad = lm_head.weight.grad = None
+        loss = fn(hidden, lm_head, targets)
+        loss.backward()
+        results.append((loss.detach(), hidden.grad.clone(), lm_head.weight.grad.clone()))
+    (loss, g_h, g_w), (loss_c, g_h_c, g_w_c) = results
+    torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=1e-5)  # a sum of ~850 terms: relative
+    close(g_h_c, g_h, atol=1e-5)
+    close(g_w_c, g_w, atol=1e-5)
+
+
+def test_chunked_cross_entropy_saves_no_logits():
+    """What autograd keeps for backward, summed over saved tensors: the plain loss keeps at least the fp32
+    logits' worth (N x V x 4 bytes); the chunked one only its inputs, however large the vocabulary."""
+    hidden, lm_head, targets = ce_problem()
+    N, d, V = hidden.shape[0], hidden.shape[1], lm_head.out_features
+
+    def saved_bytes(fn):
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(hidden, lm_head, targets)
+        return total
+
+    assert saved_bytes(plain_cross_entropy) >= N * V * 4
+    chunked = saved_bytes(lambda h, w, t: chunked_cross_entropy(h, w, t, chunk=256))
+    assert chunked <= N * d * 4 + N * 8  # the hidden rows and the int64 targets, nothing V-sized
+    assert chunked < N * V * 4 / 10
 
 
 # ---------------------------------------------------------------------------- LoRA
