@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import masks
 
-from model import (ModelConfig, Transformer, add_lora, build_tiny, chunked_cross_entropy, copy_model,
+from model import (LoRALinear, ModelConfig, Transformer, add_lora, build_tiny, chunked_cross_entropy, copy_model,
                    load_pretrained, lora_disabled, merge_lora, rope_attention_factor, rope_frequencies)
 
 SPECIALS = dict(vocab_size=300, bos_token_id=256, eos_token_id=257, pad_token_id=258)
@@ -501,6 +501,40 @@ def test_lora_trains_only_lora(tiny):
     tiny(ids_()).logits.logsumexp(-1).mean().backward()
     grads = {n for n, p in tiny.named_parameters() if p.grad is not None}
     assert grads and all("lora_" in n for n in grads)
+
+
+def test_lora_dropout_acts_on_the_lora_branch_only(tiny):
+    """PEFT's LoRA: y = base(x) + B(A(dropout(x))) * scale; eval mode and p = 0 are deterministic."""
+    add_lora(tiny, r=4, alpha=8, dropout=0.3)
+    layer = tiny.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.5)  # B = 0 would hide the branch (and its dropout) entirely
+    x = torch.randn(3, 5, 64)
+    base = torch.nn.functional.linear(x, layer.weight)
+    lora = lambda inp: torch.nn.functional.linear(torch.nn.functional.linear(inp, layer.lora_A), layer.lora_B) * 2
+    with torch.no_grad():
+        tiny.eval()
+        close(layer(x), base + lora(x), atol=1e-6)  # eval: no dropout
+        tiny.train()
+        torch.manual_seed(0)
+        y1 = layer(x)
+        torch.manual_seed(0)
+        close(y1, base + lora(torch.nn.functional.dropout(x, 0.3, training=True)), atol=1e-6)  # x dropped, base not
+        assert not torch.allclose(layer(x), y1)  # a fresh dropout mask each call
+        with lora_disabled(tiny):
+            close(layer(x), base, atol=0)  # the base path never sees the dropout
+    plain = LoRALinear(torch.nn.Linear(64, 32), r=4).train()  # default p = 0: deterministic in train mode too
+    plain.lora_B.data.normal_()
+    assert torch.equal(plain(x), plain(x))
+
+
+def test_lora_A_init_is_peft_bound():
+    """kaiming_uniform(a=√5) on A of shape (r, in) bounds A by 1/√in (PEFT); an (in, r) A would reach 1/√r."""
+    torch.manual_seed(0)
+    layer = LoRALinear(torch.nn.Linear(2048, 64, bias=False), r=8)
+    bound = 1 / 2048 ** 0.5
+    assert layer.lora_A.shape == (8, 2048)
+    assert 0.9 * bound <= layer.lora_A.abs().max() <= bound
 
 
 # ---------------------------------------------------------------------------- tiny, tokenizer, dtype, config
