@@ -4,7 +4,7 @@ One `Transformer` covers the four Hugging Face families the papers use (Llama, Q
 Module names are HF's (`model.layers.3.self_attn.q_proj`, ...), so a checkpoint loads by identity.
 
     h_0 = embed(x)                                   (or inputs_embeds: ICAE/GMSA soft tokens)
-    h   = h + Attn(RMSNorm(h))                       RoPE on q, k; causal or a given boolean mask
+    h   = h + Attn(RMSNorm(h))                       RoPE on q, k (plain, llama3 or YaRN); causal or a given mask
     h   = h + SwiGLU(RMSNorm(h))                     SwiGLU(x) = down(silu(gate(x)) * up(x))
     logits = lm_head(RMSNorm(h_L))
     RMSNorm(x) = w * x / sqrt(mean(x^2) + eps)       computed in fp32, like HF
@@ -17,8 +17,12 @@ Three switches serve the compression methods:
   of the positions they were computed at.
 - `num_layers=k`: run only the first k layers (GMSA encoder).
 
-Also here: LoRA (ICAE, 500x, EPL, CompLLM, GMSA encoders), the tokenizer wrapper, strict loading of
-HF safetensors checkpoints (single or sharded, tied embeddings), and a tiny random model for tests.
+Greedy `generate` decodes padded batches on a preallocated KV cache (as gpt-fast), masking padded keys on
+every step. For training memory: `model.grad_ckpt = True` (activation checkpointing per block) and
+`chunked_cross_entropy` (no (N, V) fp32 logits kept for backward).
+
+Also here: LoRA with dropout (ICAE, 500x, EPL, CompLLM, GMSA encoders), the tokenizer wrapper, strict loading
+of HF safetensors checkpoints (single or sharded, tied embeddings), and a tiny random model for tests.
 Positions are explicit inputs everywhere: EPL moves them.
 """
 
