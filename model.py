@@ -4,7 +4,7 @@ One `Transformer` covers the four Hugging Face families the papers use (Llama, Q
 Module names are HF's (`model.layers.3.self_attn.q_proj`, ...), so a checkpoint loads by identity.
 
     h_0 = embed(x)                                   (or inputs_embeds: ICAE/GMSA soft tokens)
-    h   = h + Attn(RMSNorm(h))                       RoPE on q, k; causal or a given boolean mask
+    h   = h + Attn(RMSNorm(h))                       RoPE on q, k (plain, llama3 or YaRN); causal or a given mask
     h   = h + SwiGLU(RMSNorm(h))                     SwiGLU(x) = down(silu(gate(x)) * up(x))
     logits = lm_head(RMSNorm(h_L))
     RMSNorm(x) = w * x / sqrt(mean(x^2) + eps)       computed in fp32, like HF
@@ -17,8 +17,12 @@ Three switches serve the compression methods:
   of the positions they were computed at.
 - `num_layers=k`: run only the first k layers (GMSA encoder).
 
-Also here: LoRA (ICAE, 500x, EPL, CompLLM, GMSA encoders), the tokenizer wrapper, strict loading of
-HF safetensors checkpoints (single or sharded, tied embeddings), and a tiny random model for tests.
+Greedy `generate` decodes padded batches on a preallocated KV cache (as gpt-fast), masking padded keys on
+every step. For training memory: `model.grad_ckpt = True` (activation checkpointing per block) and
+`chunked_cross_entropy` (no (N, V) fp32 logits kept for backward).
+
+Also here: LoRA with dropout (ICAE, 500x, EPL, CompLLM, GMSA encoders), the tokenizer wrapper, strict loading
+of HF safetensors checkpoints (single or sharded, tied embeddings), and a tiny random model for tests.
 Positions are explicit inputs everywhere: EPL moves them.
 """
 
@@ -35,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
@@ -63,6 +68,8 @@ class ModelConfig:
     rope_theta: float             # RoPE base
     rope_scaling: dict | None     # None, or {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
                                   #           original_max_position_embeddings}
+                                  # or {"rope_type": "yarn", factor, original_max_position_embeddings, and any
+                                  #     of attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate}
     max_position_embeddings: int  # context the checkpoint was trained for (informative: positions are not capped)
     tie_word_embeddings: bool     # lm_head.weight is the same Parameter as embed_tokens.weight
     attention_bias: bool          # q/k/v projections carry a bias (Qwen2 always; others when set, o_proj too)
@@ -104,7 +111,7 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
-            rope_scaling=_rope_scaling(scaling),
+            rope_scaling=_rope_scaling(scaling, hf.get("max_position_embeddings", 2048)),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             # Qwen2's q/k/v biases are hard-wired in HF (no config field); the others read attention_bias.
@@ -132,37 +139,89 @@ class ModelConfig:
         return hf
 
 
-def _rope_scaling(scaling: dict | None) -> dict | None:
-    """Normalise an HF rope_scaling dict: None for plain RoPE, the llama3 parameters, or a clear error."""
+def _rope_scaling(scaling: dict | None, max_position_embeddings: int) -> dict | None:
+    """Normalise an HF rope_scaling dict: None for plain RoPE, the llama3 or yarn parameters, or a clear error."""
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))  # v4 configs may say "type"
     if rope_type == "default":
         return None
-    if rope_type != "llama3":
-        raise ValueError(f"unsupported rope_type {rope_type!r}: only 'default' and 'llama3' RoPE are implemented")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    return {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+    if rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        return {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+    if rope_type == "yarn":
+        # HF's defaults (standardize_rope_params, _compute_yarn_parameters): the original context is
+        # max_position_embeddings, and a missing factor is the ratio of the two lengths
+        old_len = scaling.get("original_max_position_embeddings") or max_position_embeddings
+        factor = scaling.get("factor") or max_position_embeddings / old_len
+        optional = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": old_len,
+                **{k: scaling[k] for k in optional if scaling.get(k) is not None}}
+    raise ValueError(f"unsupported rope_type {rope_type!r}: only 'default', 'llama3' and 'yarn' RoPE are implemented")
 
 
 # ---------------------------------------------------------------------------- RoPE
 
 
 def rope_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
-    """inv_freq[i] = theta^(-2i/D), i < D/2, in fp32 (rescaled for llama3); same op order as HF, bit for bit."""
+    """inv_freq[i] = theta^(-2i/D), i < D/2, in fp32 (rescaled for llama3 / yarn); same op order as HF, bit for bit."""
     D = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32, device=device) / D))
-    if config.rope_scaling is None:
+    pos_freqs = config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32, device=device) / D)  # theta^(2i/D)
+    inv_freq = 1.0 / pos_freqs
+    s = config.rope_scaling
+    if s is None:
         return inv_freq
+    if s["rope_type"] == "yarn":
+        return _yarn_frequencies(config, pos_freqs)
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
     # Llama 3.1 "llama3" scaling: long wavelengths are slowed down by `factor`, short ones kept, and the
     # band in between is interpolated smoothly.
-    s = config.rope_scaling
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_len = s["original_max_position_embeddings"]
+    low, high = s["low_freq_factor"], s["high_freq_factor"]
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
     smooth = (old_len / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_frequencies(config: ModelConfig, pos_freqs: torch.Tensor) -> torch.Tensor:
+    """YaRN (Peng et al. 2023, §3.2 "NTK-by-parts"), as transformers' _compute_yarn_parameters: a frequency
+    that turns more than beta_fast times over the original context is kept (extrapolated), one that turns
+    fewer than beta_slow times is divided by `factor` (interpolated), and a linear ramp blends the band between."""
+    s, theta, D = config.rope_scaling, config.rope_theta, config.head_dim
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1  # `or`: HF reads 0 as unset too
+
+    def correction_dim(turns):  # the (fractional) pair index i whose frequency turns `turns` times in old_len tokens
+        return (D * math.log(old_len / (turns * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):  # a config may set truncate=False to keep the fractional bounds
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    ramp = ((torch.arange(D // 2, dtype=torch.float32, device=pos_freqs.device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # (D/2,): 1 = extrapolate (high frequencies, low i), 0 = interpolate (low frequencies)
+    # the same expressions as HF (factor * theta^(2i/D), not inv_freq / factor), so the result is bit for bit
+    return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor YaRN multiplies cos and sin by (so q·k by its square): 0.1 ln(factor) + 1 (YaRN §3.4, "√(1/t)"),
+    or the given attention_factor, or DeepSeek's mscale / mscale_all_dim ratio; 1 for every other RoPE."""
+    s = config.rope_scaling
+    if s is None or s["rope_type"] != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return s["attention_factor"]
+
+    def get_mscale(scale, mscale=1):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    factor, mscale, mscale_all_dim = s["factor"], s.get("mscale"), s.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+    return get_mscale(factor)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -194,6 +253,31 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class KVCache:
+    """One layer's preallocated K/V cache for generate() (as gpt-fast): two (B, Hkv, S_max, D) buffers allocated
+    once, then filled slot by slot, so each decoding step writes one slot instead of copying the whole cache
+    (torch.cat would copy all S keys of every layer at every step)."""
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.len = 0  # slots 0 .. len-1 are filled
+        self.k = self.v = None
+
+    def write(self, k: torch.Tensor, v: torch.Tensor):
+        """k, v (B, Hkv, T, D) go to slots len .. len+T-1; returns K, V over every filled slot, (B, Hkv, len+T, D)."""
+        T = k.shape[2]
+        if self.len + T > self.max_len:
+            raise ValueError(f"KVCache holds {self.max_len} slots; {self.len} are filled, {T} more do not fit")
+        if self.k is None:  # allocated at the first write: the keys' dtype (bf16 under autocast) and device
+            B, Hkv, _, D = k.shape
+            self.k = k.new_zeros(B, Hkv, self.max_len, D)
+            self.v = v.new_zeros(B, Hkv, self.max_len, D)
+        self.k[:, :, self.len:self.len + T] = k
+        self.v[:, :, self.len:self.len + T] = v
+        self.len += T
+        return self.k[:, :, :self.len], self.v[:, :, :self.len]  # views: the buffers are never copied
+
+
 class Attention(nn.Module):
     """Grouped-query attention.  Notation: B batch, T new tokens, P cached prefix, S = P + T keys,
     H query heads, Hkv key/value heads, D head_dim.  Each group of H/Hkv query heads reads one K/V head:
@@ -217,7 +301,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(D, config.rms_norm_eps)
             self.k_norm = RMSNorm(D, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, past=None):
+    def forward(self, x, cos, sin, mask, past=None, cache=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)      # (B, T, H, D)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)   # (B, T, Hkv, D)
@@ -227,10 +311,12 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
         v = v.transpose(1, 2)                        # (B, Hkv, T, D)
-        if past is not None:
-            # the prefix keys were rotated at their own positions when they were computed; never re-rotate
+        # the prefix keys were rotated at their own positions when they were computed; never re-rotate
+        if past is not None:   # a given prefix (the 500x/AOC carrier): concatenated, so gradients reach it
             k = torch.cat([past[0], k], dim=2)  # (B, Hkv, S, D)
             v = torch.cat([past[1], v], dim=2)  # (B, Hkv, S, D)
+        elif cache is not None:  # generate(): written into the preallocated buffers, read back with the prefix
+            k, v = cache.write(k, v)            # (B, Hkv, S, D) each
         # mask: a boolean (.., T, S) mask, True = may attend; or None = plain causal (the fast kernel), which
         # forward() only passes with no prefix, or for a single new token (it may see every key: no mask at all).
         # enable_gqa lets each K/V head serve its H/Hkv query heads without copying it.
@@ -262,8 +348,8 @@ class Block(nn.Module):
         if config.mlp == "swiglu":
             self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask, past=None):
-        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+    def forward(self, x, cos, sin, mask, past=None, cache=None):
+        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, cache)
         x = x + a
         if self.mlp_kind == "swiglu":
             x = x + self.mlp(self.post_attention_layernorm(x))
@@ -311,6 +397,9 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight  # one Parameter, two names
         # non-persistent: not in the state dict, re-derived from the config (HF checkpoints do not store it)
         self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
+        # activation checkpointing: set True to keep only each block's input for backward and recompute the
+        # block there (about one more forward of compute for far less activation memory on long sequences)
+        self.grad_ckpt = False
         self.apply(self._init_weights)
 
     @staticmethod
@@ -328,13 +417,16 @@ class Transformer(nn.Module):
         return self
 
     def forward(self, input_ids=None, *, inputs_embeds=None, position_ids=None, attn_mask=None, past_kv=None,
-                num_layers=None, output_hidden_states=False, return_kv=False, compute_logits=True) -> ModelOutput:
+                num_layers=None, output_hidden_states=False, return_kv=False, compute_logits=True,
+                cache=None) -> ModelOutput:
         """input_ids (B, T) or inputs_embeds (B, T, d), exactly one.
         position_ids: (B, T) or (T,), any integers (gaps, repeats, any order); default P + arange(T).
         attn_mask: bool, True = may attend, (T, S), (B, T, S) or (B, 1, T, S) with S = P + T; key j < P is
             prefix slot j, key P + i is new token i. Default: the whole prefix plus causal over the new tokens.
         past_kv: one (k, v) per layer, each (B, Hkv, P, D), e.g. the `kv` of another forward (the 500x/AOC carrier).
-        num_layers: run only the first k layers (GMSA encoder); last_hidden is then norm(h after layer k)."""
+        num_layers: run only the first k layers (GMSA encoder); last_hidden is then norm(h after layer k).
+        cache: one KVCache per layer (generate's), instead of past_kv: its P filled slots are the prefix, and the
+            new tokens' k/v are written into it."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, d)
@@ -345,7 +437,9 @@ class Transformer(nn.Module):
         if past_kv is not None and len(past_kv) < len(layers):
             raise ValueError(f"past_kv has {len(past_kv)} layers but {len(layers)} layers run; "
                              "pass one (k, v) per layer (or run fewer layers with num_layers)")
-        P = 0 if past_kv is None else past_kv[0][0].shape[2]
+        if past_kv is not None and cache is not None:
+            raise ValueError("pass past_kv or cache, not both (generate writes a past_kv into its cache)")
+        P = past_kv[0][0].shape[2] if past_kv is not None else cache[0].len if cache is not None else 0
 
         # RoPE angles for exactly these positions (not a table lookup: EPL positions can be anything)
         if position_ids is None:
@@ -353,8 +447,11 @@ class Transformer(nn.Module):
         pos = position_ids.reshape(-1, T)                        # (B or 1, T)
         freqs = pos[..., None].float() * self.inv_freq           # (B or 1, T, D/2), fp32
         emb = torch.cat((freqs, freqs), dim=-1)                  # (B or 1, T, D): dims i and i + D/2 share an angle
-        cos = emb.cos().to(h.dtype)[:, None]                     # (B or 1, 1, T, D), broadcast over heads
-        sin = emb.sin().to(h.dtype)[:, None]
+        # YaRN (Peng et al. 2023), as transformers' _compute_yarn_parameters: cos and sin are scaled by the
+        # attention factor, which sharpens the softmax at long range (1.0 for plain and llama3 RoPE)
+        scale = rope_attention_factor(self.config)
+        cos = (emb.cos() * scale).to(h.dtype)[:, None]           # (B or 1, 1, T, D), broadcast over heads
+        sin = (emb.sin() * scale).to(h.dtype)[:, None]
 
         if attn_mask is not None:
             if attn_mask.dtype != torch.bool or attn_mask.shape[-2:] != (T, P + T):
@@ -370,8 +467,15 @@ class Transformer(nn.Module):
 
         hidden_states = [h] if output_hidden_states else None
         kv = [] if return_kv else None
+        # only when a backward can follow; never while writing a cache, which the recomputation would write twice
+        ckpt = self.grad_ckpt and torch.is_grad_enabled() and cache is None
         for i, layer in enumerate(layers):
-            h, layer_kv = layer(h, cos, sin, mask, None if past_kv is None else past_kv[i])
+            past = None if past_kv is None else past_kv[i]
+            if ckpt:
+                # non-reentrant: gradients still reach a past_kv prefix and inputs that need no grad work
+                h, layer_kv = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, past, use_reentrant=False)
+            else:
+                h, layer_kv = layer(h, cos, sin, mask, past, None if cache is None else cache[i])
             if output_hidden_states:
                 hidden_states.append(h)
             if return_kv:
@@ -384,24 +488,43 @@ class Transformer(nn.Module):
     def generate(self, input_ids=None, *, inputs_embeds=None, position_ids=None, attn_mask=None, past_kv=None,
                  max_new_tokens=32, eos_id=None) -> torch.LongTensor:
         """Greedy decoding -> (B, n), n <= max_new_tokens. The prompt (ids or embeddings, optional KV prefix,
-        positions and mask) is prefilled in one forward; each new token then attends to everything before it
-        and takes position (last prompt position + 1, + 2, ...) per row. eos_id: an id or a list of ids
-        (None = never stop early); a finished row is padded with the (first) eos id."""
-        out = self(input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, attn_mask=attn_mask,
-                   past_kv=past_kv, return_kv=True, compute_logits=False)
-        B, T = out.last_hidden.shape[:2]
+        positions and mask, as forward() takes them) is prefilled in one forward into a preallocated KV cache.
+
+        Padded batches: the last row of attn_mask says, per sample, which of the P + T keys are real; every
+        generated token sees exactly those plus the tokens generated before it (itself included). With
+        masks.with_padding that row is the real keys under left and right padding alike (a trailing pad query
+        sees the real tokens but not itself). Each sample continues from its last real prompt token, the last
+        prompt slot that row sees, at (its position + 1, + 2, ...). eos_id: an id or a list of ids (None = never
+        stop early); a finished row is padded with the (first) eos id."""
+        B, T = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
         P = 0 if past_kv is None else past_kv[0][0].shape[2]
+        # the last generated token is returned, never fed back: P + T + max_new_tokens - 1 slots suffice
+        S_max = P + T + max_new_tokens - 1
+        cache = [KVCache(S_max) for _ in self.model.layers]
+        if past_kv is not None:
+            for c, (k, v) in zip(cache, past_kv):
+                c.write(k, v)  # the prefix fills slots 0 .. P-1
+        out = self(input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, attn_mask=attn_mask,
+                   cache=cache, compute_logits=False)
         device = out.last_hidden.device
-        if position_ids is None:
-            pos = torch.full((B,), P + T - 1, device=device)  # (B,)
+
+        # valid[b, j]: row b's new tokens may attend cache slot j; the rest of the row is set as tokens arrive
+        valid = torch.zeros(B, S_max, dtype=torch.bool, device=device)
+        if attn_mask is None:
+            valid[:, :P + T] = True  # forward's default mask: every prefix and prompt key is real
         else:
-            pos = position_ids.reshape(-1, T)[:, -1].expand(B) # (B,)
+            valid[:, :P + T] = attn_mask[..., -1, :].reshape(-1, P + T)  # the last query row, (B or 1, P+T)
+        prompt_slots = torch.arange(T, device=device)
+        last = torch.where(valid[:, P:P + T], prompt_slots, -1).amax(-1)          # (B,) last real prompt token
+        h_last = out.last_hidden[torch.arange(B, device=device), last]          # (B, d): its hidden state
+        if position_ids is None:
+            pos = P + last                                                        # (B,) the default positions
+        else:
+            pos = position_ids.reshape(-1, T).expand(B, T).gather(1, last[:, None])[:, 0]  # (B,)
+
         stop = None if eos_id is None else torch.tensor(eos_id, device=device).view(-1)  # (n_eos,)
         done = torch.zeros(B, dtype=torch.bool, device=device)
-        # the cache grows by concatenation inside forward(): one copy of it per step, small next to the step's
-        # matmuls at the lengths used here, and it keeps a single code path for prefixes, prompts and decoding
-        kv, tokens = out.kv, []
-        h_last = out.last_hidden[:, -1]  # (B, d): only the last position's logits are needed
+        tokens = []
         for step in range(max_new_tokens):
             nxt = self.lm_head(h_last).argmax(-1)  # (B,)
             if stop is not None:
@@ -410,37 +533,64 @@ class Transformer(nn.Module):
             tokens.append(nxt)
             if step == max_new_tokens - 1 or (stop is not None and bool(done.all())):
                 break
-            pos = pos + 1
-            # no mask needed: a single new token may attend to every cached key
-            out = self(nxt[:, None], position_ids=pos[:, None], past_kv=kv, return_kv=True, compute_logits=False)
-            kv, h_last = out.kv, out.last_hidden[:, -1]
+            slot, pos = P + T + step, pos + 1  # the new token's cache slot, its position per row
+            valid[:, slot] = True              # it sees itself and every valid earlier slot, never padding
+            out = self(nxt[:, None], position_ids=pos[:, None], attn_mask=valid[:, None, :slot + 1], cache=cache,
+                       compute_logits=False)  # mask (B, 1, S): one query row per sample
+            h_last = out.last_hidden[:, -1]
         return torch.stack(tokens, dim=1)  # (B, n)
+
+
+# ---------------------------------------------------------------------------- loss
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor,
+                          chunk: int = 1024) -> torch.Tensor:
+    """sum_i CE(lm_head(hidden_i).float(), targets_i) over N positions -> scalar (targets -100 are skipped, as in
+    F.cross_entropy), equal to the plain call but never holding fp32 logits for all N positions at once.
+
+    hidden (N, d), targets (N,). Why: with Qwen's 152k vocabulary, 8k supervised positions have 8k x 152k x 4 B
+    = 5 GB of fp32 logits, and autograd keeps as much again (cross_entropy saves its log-softmax). Here each
+    chunk of positions is projected, reduced to its summed loss and dropped; torch.utils.checkpoint saves only
+    the chunk's inputs and recomputes its logits in backward, so at most one chunk's logits exist at a time."""
+    def chunk_loss(h, t):  # (n, d), (n,) -> scalar
+        return F.cross_entropy(lm_head(h).float(), t, reduction="sum")
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for s in range(0, hidden.shape[0], chunk):
+        total = total + torch.utils.checkpoint.checkpoint(chunk_loss, hidden[s:s + chunk], targets[s:s + chunk],
+                                                          use_reentrant=False)
+    return total
 
 
 # ---------------------------------------------------------------------------- LoRA
 
 
 class LoRALinear(nn.Linear):
-    """y = x W^T + b + scale * (x A^T) B^T,  A (r, in), B (out, r), scale = alpha / r (Hu et al., 2021).
-    A subclass of nn.Linear holding the *same* weight/bias tensors, so the base keys stay `...q_proj.weight`."""
+    """y = x W^T + b + scale * (dropout(x) A^T) B^T,  A (r, in), B (out, r), scale = alpha / r (Hu et al., 2021);
+    the dropout acts on the LoRA branch only, as in PEFT. A subclass of nn.Linear holding the *same* weight/bias
+    tensors, so the base keys stay `...q_proj.weight`."""
 
     lora_enabled: bool = True  # lora_disabled() flips it: the module then acts as its base linear (ICAE decoder)
 
-    def __init__(self, base: nn.Linear, r: int = 8, alpha: float = 16):
+    def __init__(self, base: nn.Linear, r: int = 8, alpha: float = 16, dropout: float = 0.0):
         # built on meta so nn.Linear allocates (and randomly inits) nothing; the base tensors are reused below
         super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
         self.weight, self.bias = base.weight, base.bias
         w = base.weight
         self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=w.device, dtype=w.dtype))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=w.device, dtype=w.dtype))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # PEFT's default; B = 0 makes the start exact
+        # PEFT's default (what ICAE uses): A is (r, in), so kaiming_uniform with a=√5 bounds it by 1/√in; EPL's
+        # hand-written LoRA stores A as (in, r), so its fan_in is r and its init is √(in/r) times larger.
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # B = 0 makes the start exact
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()  # PEFT: Identity when p = 0
         self.r, self.scale = r, alpha / r
 
     def forward(self, x):
-        y = F.linear(x, self.weight, self.bias)  # (..., out): the frozen base
+        y = F.linear(x, self.weight, self.bias)  # (..., out): the frozen base, never dropped out
         if self.lora_enabled:
             # through the rank-r bottleneck, never forming B A: (..., in) -> (..., r) -> (..., out)
-            y = y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+            y = y + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scale
         return y
 
     def extra_repr(self):
@@ -452,15 +602,17 @@ def _swap_module(model: nn.Module, name: str, new: nn.Module):
     setattr(model.get_submodule(parent), child, new)
 
 
-def add_lora(model: nn.Module, targets=("q_proj", "v_proj"), r: int = 8, alpha: float = 16) -> list[str]:
+def add_lora(model: nn.Module, targets=("q_proj", "v_proj"), r: int = 8, alpha: float = 16,
+             dropout: float = 0.0) -> list[str]:
     """Wrap every nn.Linear whose name ends in one of `targets` with LoRA (in place, weights shared, not
-    copied); freeze everything else in `model`. Returns the names of the LoRA parameters."""
+    copied); freeze everything else in `model`. Returns the names of the LoRA parameters.
+    dropout: on the LoRA branch's input in train mode (ICAE's and AOC's LoRA use 0.05)."""
     names = [n for n, m in model.named_modules()
              if n.rpartition(".")[2] in targets and type(m) is nn.Linear]  # type(): skip existing LoRALinear
     if not names:
         raise ValueError(f"add_lora: no nn.Linear named {targets} in the model")
     for n in names:
-        _swap_module(model, n, LoRALinear(model.get_submodule(n), r, alpha))
+        _swap_module(model, n, LoRALinear(model.get_submodule(n), r, alpha, dropout))
     for n, p in model.named_parameters():
         p.requires_grad_("lora_" in n)
     return [n for n, _ in model.named_parameters() if "lora_" in n]

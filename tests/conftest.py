@@ -7,6 +7,7 @@
 `transformers` is imported lazily, so test files that do not use these fixtures never pay for it.
 """
 
+import copy
 import os
 import sys
 from pathlib import Path
@@ -44,7 +45,9 @@ def build_hf_checkpoint(folder: Path, config: dict, seed: int = 0, max_shard_siz
 
     from model import byte_tokenizer
 
-    cfg = transformers.AutoConfig.for_model(**config)
+    # a deep copy: transformers writes into the nested rope dict it is given (adds rope_theta), which would
+    # change the test module's config constants for every later test
+    cfg = transformers.AutoConfig.for_model(**copy.deepcopy(config))
     hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     randomize_(hf, seed, std).eval()
     folder.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import (ModelConfig, Transformer, add_lora, build_tiny, load_pretrained, lora_disabled, merge_lora,
-                   rope_frequencies)
+import masks
+
+from model import (LoRALinear, ModelConfig, Transformer, add_lora, build_tiny, chunked_cross_entropy, copy_model,
+                   load_pretrained, lora_disabled, merge_lora, rope_attention_factor, rope_frequencies)
 
 SPECIALS = dict(vocab_size=300, bos_token_id=256, eos_token_id=257, pad_token_id=258)
 LLAMA3 = dict(  # untied, llama3 RoPE scaling with a short original context so all three frequency bands occur
@@ -26,6 +28,9 @@ QWEN3 = dict(  # per-head q/k RMSNorm, head_dim 32 != 64 / 4
     model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False, **SPECIALS)
 CONFIGS = {"llama3": LLAMA3, "qwen2": QWEN2, "qwen3": QWEN3}
+# Qwen3's 128k setting (factor 4 over 32k), shrunk: an original context of 64, so 200 tokens reach far past it
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
+QWEN3_YARN = dict(QWEN3, max_position_embeddings=256, rope_scaling=YARN)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +74,38 @@ def test_checkpoints_exercise_what_they_claim(pairs):
     cfg = pairs["llama3"][2].config
     scaled, plain = rope_frequencies(cfg), rope_frequencies(replace(cfg, rope_scaling=None))
     assert (scaled == plain).any() and (scaled != plain).any()
+
+
+def test_yarn_logits_match_transformers(hf_checkpoint):
+    folder, hf = hf_checkpoint(QWEN3_YARN)
+    ours, _ = load_pretrained(str(folder))
+    assert ours.config.rope_scaling["rope_type"] == "yarn"
+    ids = ids_(B=1, T=200)
+    plain = copy_model(ours, rope_scaling=None)  # same weights, unscaled RoPE
+    with torch.no_grad():
+        got, ref = ours(ids).logits, hf(ids).logits
+        close(got[:, 64:], ref[:, 64:])  # beyond the original context ...
+        close(got, ref)                  # ... and everywhere (the attention factor acts at every position)
+        # the scaling really matters here: plain RoPE gives other logits
+        assert (plain(ids).logits[:, 64:] - ref[:, 64:]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("extra", [{}, dict(beta_fast=16, beta_slow=2), dict(truncate=False),
+                                   dict(mscale=1.0, mscale_all_dim=0.5), dict(attention_factor=1.3)])
+def test_yarn_parameters_equal_transformers(extra):
+    """Every YaRN option, against transformers' _compute_yarn_parameters: inv_freq bit for bit, attention factor."""
+    import transformers
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    scaling = dict(YARN, **extra)
+    inv_freq, attention_factor = _compute_yarn_parameters(
+        transformers.AutoConfig.for_model(**dict(QWEN3_YARN, rope_scaling=dict(scaling))))
+    ours = ModelConfig.from_hf(dict(QWEN3_YARN, rope_scaling=scaling))
+    assert torch.equal(rope_frequencies(ours), inv_freq)
+    assert rope_attention_factor(ours) == attention_factor
+    # a real YaRN: some frequencies kept, some divided by the factor, and q.k scaled
+    plain = rope_frequencies(replace(ours, rope_scaling=None))
+    assert (inv_freq == plain).any() and (inv_freq != plain).any() and attention_factor != 1.0
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen3"])
@@ -158,6 +195,45 @@ def test_explicit_causal_mask_equals_default(pairs):
         assert not torch.allclose(ours(ids[:, 4:], past_kv=prefix, attn_mask=blind).logits, ref[:, 4:])
 
 
+def test_grad_ckpt_gives_the_same_loss_and_gradients(pairs):
+    """Activation checkpointing recomputes each block in backward (its forward runs twice) and changes no
+    number: loss, every parameter's gradient and the gradient of a K/V prefix (the 500x/AOC carrier, which
+    trains the encoder through the decoder) stay equal; without a backward to come, nothing is recomputed."""
+    model = copy_model(pairs["qwen3"][2])
+    ids, targets = ids_(T=10), ids_(T=10, seed=1)
+    prefix = [tuple(t.detach().requires_grad_() for t in kv) for kv in model(ids_(T=4, seed=2), return_kv=True).kv]
+    valid = torch.ones(2, 14, dtype=torch.bool)
+    valid[0, 2], valid[1, 12:] = False, False  # a hidden prefix slot, right padding: the mask goes through too
+    mask = masks.with_padding(masks.with_prefix(masks.causal(10), 4), valid)
+    calls = []
+    model.model.layers[0].register_forward_pre_hook(lambda mod, args: calls.append(1))
+
+    def loss_and_grads(ckpt):
+        model.grad_ckpt, calls[:] = ckpt, []
+        model.zero_grad()
+        for kv in prefix:
+            for t in kv:
+                t.grad = None
+        logits = model(ids, attn_mask=mask, past_kv=prefix).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads |= {f"prefix.{i}.{j}": t.grad.clone() for i, kv in enumerate(prefix) for j, t in enumerate(kv)}
+        return loss.detach(), grads, len(calls)
+
+    (loss, grads, n_plain), (loss_c, grads_c, n_ckpt) = loss_and_grads(False), loss_and_grads(True)
+    assert n_plain == 1 and n_ckpt == 2  # the block really was recomputed in backward
+    close(loss_c, loss, atol=1e-5)
+    assert grads.keys() == grads_c.keys() and len(grads) > 20
+    for name in grads:
+        close(grads_c[name], grads[name], atol=1e-5)
+    assert all(grads[f"prefix.{i}.0"].abs().sum() > 0 for i in range(len(prefix)))  # gradients reach the prefix
+    calls[:] = []
+    with torch.no_grad():
+        model(ids, attn_mask=mask, past_kv=prefix)
+    assert len(calls) == 1  # no grad: no checkpoint, no recomputation
+
+
 def test_num_layers_equals_truncated_model(pairs):
     folder, _, ours = pairs["llama3"]
     config = json.loads((folder / "config.json").read_text())
@@ -180,7 +256,7 @@ def test_past_kv_too_short_is_an_error(pairs):
 
 def test_generate_with_prefix_positions_and_mask_equals_uncached_greedy(pairs):
     """The carrier case: KV prefix from another forward, custom prompt positions and mask; each generated token
-    continues at (last prompt position + 1) and sees everything before it."""
+    continues at (last prompt position + 1) and sees what the last prompt token saw, plus the generated tokens."""
     ours = pairs["qwen3"][2]
     ctx, prompt = ids_(T=6, seed=1), ids_(T=5, seed=2)
     ctx_pos, prompt_pos = torch.tensor([1, 3, 5, 7, 9, 11]), torch.tensor([0, 20, 21, 22, 23])
@@ -194,9 +270,76 @@ def test_generate_with_prefix_positions_and_mask_equals_uncached_greedy(pairs):
         for _ in range(6):
             nxt = ours(seq, position_ids=pos, attn_mask=m, past_kv=prefix).logits[:, -1].argmax(-1)
             seq, pos = torch.cat([seq, nxt[:, None]], 1), torch.cat([pos, pos[-1:] + 1])
-            m = torch.cat([torch.cat([m, torch.zeros(m.shape[0], 1, dtype=torch.bool)], 1),
-                           torch.ones(1, m.shape[1] + 1, dtype=torch.bool)], 0)  # the new row sees everything
+            new_row = torch.cat([m[-1:], torch.ones(1, 1, dtype=torch.bool)], 1)  # the last row's keys + itself
+            m = torch.cat([torch.cat([m, torch.zeros(m.shape[0], 1, dtype=torch.bool)], 1), new_row], 0)
         assert torch.equal(got, seq[:, 5:])
+
+
+def test_generate_writes_into_one_preallocated_cache(pairs):
+    """gpt-fast's cache: each layer's K buffer is allocated once, at its final length, and every step returns a
+    view of that same storage one slot longer (a torch.cat cache would be new storage of a new size each step)."""
+    ours = pairs["qwen3"][2]
+    ids, prefix = ids_(T=5), ours(ids_(T=3, seed=1), return_kv=True).kv  # P = 3, T = 5
+    seen = []  # (storage address, storage bytes, filled length) of layer 0's keys, per forward
+    hook = ours.model.layers[1].self_attn.register_forward_hook(
+        lambda mod, args, out: seen.append((out[1][0].untyped_storage().data_ptr(),
+                                            out[1][0].untyped_storage().nbytes(), out[1][0].shape[2])))
+    try:
+        ours.generate(ids, past_kv=prefix, max_new_tokens=6)
+    finally:
+        hook.remove()
+    B, Hkv, D = 2, 2, 32
+    assert [n for _, _, n in seen] == [3 + 5 + i for i in range(6)]          # prefill, then 5 fed-back tokens
+    assert {(ptr, size) for ptr, size, _ in seen} == {(seen[0][0], B * Hkv * (3 + 5 + 6 - 1) * D * 4)}
+
+
+def pad_rows(rows, side, seed=0):
+    """Pad token lists to one length with random tokens (garbage a model would notice): -> ids (B, T), valid (B, T)."""
+    g = torch.Generator().manual_seed(seed)
+    T = max(map(len, rows))
+    ids = torch.randint(0, 256, (len(rows), T), generator=g)
+    valid = torch.zeros(len(rows), T, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        span = slice(0, len(r)) if side == "right" else slice(T - len(r), T)
+        ids[b, span], valid[b, span] = torch.tensor(r), True
+    return ids, valid
+
+
+@pytest.mark.parametrize("case", ["right", "left", "prefix"])
+def test_padded_batch_generates_as_one_at_a_time(pairs, case):
+    """Greedy outputs of a padded batch equal each sample generated alone, token for token: padded prompt slots
+    (right or left padding) and padded KV-prefix slots stay invisible on every decoding step."""
+    ours = pairs["qwen3"][2]
+    prompts = [ids_(B=1, T=n, seed=10 + n)[0].tolist() for n in (5, 9, 7)]
+    ids, valid = pad_rows(prompts, "left" if case == "left" else "right")
+    B, T = ids.shape
+    # positions count real tokens only: 0, 1, ... from each row's first real token (left padding shifts them)
+    pos = (valid.cumsum(1) - 1).clamp(min=0)
+    kw, alone = {}, [{} for _ in range(B)]
+    if case == "prefix":
+        # the 500x/AOC carrier: a KV prefix per sample with 6, 3 and 8 real slots, right-padded with garbage K/V
+        ctx_lens, P = (6, 3, 8), 8
+        kvs = [ours(ids_(B=1, T=n, seed=20 + n), return_kv=True).kv for n in ctx_lens]
+        g = torch.Generator().manual_seed(1)
+        past = []
+        for layer in range(ours.config.num_hidden_layers):
+            k, v = (torch.randn(B, 2, P, 32, generator=g) for _ in range(2))  # (B, Hkv, P, D) garbage
+            for b, n in enumerate(ctx_lens):
+                k[b, :, :n], v[b, :, :n] = kvs[b][layer][0][0], kvs[b][layer][1][0]
+            past.append((k, v))
+        prefix_valid = torch.arange(P)[None] < torch.tensor(ctx_lens)[:, None]          # (B, P)
+        pos = pos + torch.tensor(ctx_lens)[:, None]  # the prompt continues after its context
+        mask = masks.with_padding(masks.with_prefix(masks.causal(T), P), torch.cat([prefix_valid, valid], 1))
+        kw = dict(past_kv=past)
+        alone = [dict(past_kv=kv) for kv in kvs]
+    else:
+        mask = masks.with_padding(masks.causal(T), valid)
+    with torch.no_grad():
+        got = ours.generate(ids, position_ids=pos, attn_mask=mask, max_new_tokens=10, **kw)
+        for b, prompt in enumerate(prompts):
+            ref = ours.generate(torch.tensor([prompt]), position_ids=pos[b, valid[b]], max_new_tokens=10, **alone[b])
+            assert torch.equal(got[b], ref[0]), f"row {b}"
+    assert len({tuple(r) for r in got.tolist()}) == B and len(got.unique()) > 10  # the outputs do vary
 
 
 def test_generate_stops_and_pads_with_eos(pairs):
@@ -255,6 +398,63 @@ def test_mlp_none_has_no_second_sub_block(pairs):
         close(bare(ids, output_hidden_states=True).hidden_states[1], h, atol=1e-6)
 
 
+# ---------------------------------------------------------------------------- chunked cross-entropy
+
+
+def ce_problem(N=1000, d=32, V=2000, seed=0):
+    """hidden (N, d) and an lm_head (V x d) that need grad, targets (N,) with some -100 (no loss taken)."""
+    g = torch.Generator().manual_seed(seed)
+    lm_head = torch.nn.Linear(d, V, bias=False)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.randn(V, d, generator=g))
+    hidden = torch.randn(N, d, generator=g).requires_grad_()
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[::7] = -100
+    return hidden, lm_head, targets
+
+
+def plain_cross_entropy(hidden, lm_head, targets):
+    return torch.nn.functional.cross_entropy(lm_head(hidden).float(), targets, reduction="sum")
+
+
+def test_chunked_cross_entropy_equals_plain():
+    hidden, lm_head, targets = ce_problem()
+    results = []
+    for fn in (plain_cross_entropy, lambda h, w, t: chunked_cross_entropy(h, w, t, chunk=256)):  # 1000 = 3x256 + 232
+        hidden.grad = lm_head.weight.grad = None
+        loss = fn(hidden, lm_head, targets)
+        loss.backward()
+        results.append((loss.detach(), hidden.grad.clone(), lm_head.weight.grad.clone()))
+    (loss, g_h, g_w), (loss_c, g_h_c, g_w_c) = results
+    torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=1e-5)  # a sum of ~850 terms: relative
+    close(g_h_c, g_h, atol=1e-5)
+    close(g_w_c, g_w, atol=1e-5)
+
+
+def test_chunked_cross_entropy_saves_no_logits():
+    """What autograd keeps for backward, summed over saved tensors: the plain loss keeps at least the fp32
+    logits' worth (N x V x 4 bytes); the chunked one only its inputs, however large the vocabulary."""
+    hidden, lm_head, targets = ce_problem()
+    N, d, V = hidden.shape[0], hidden.shape[1], lm_head.out_features
+
+    def saved_bytes(fn):
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(hidden, lm_head, targets)
+        return total
+
+    assert saved_bytes(plain_cross_entropy) >= N * V * 4
+    chunked = saved_bytes(lambda h, w, t: chunked_cross_entropy(h, w, t, chunk=256))
+    assert chunked <= N * d * 4 + N * 8  # the hidden rows and the int64 targets, nothing V-sized
+    assert chunked < N * V * 4 / 10
+
+
 # ---------------------------------------------------------------------------- LoRA
 
 
@@ -303,6 +503,40 @@ def test_lora_trains_only_lora(tiny):
     assert grads and all("lora_" in n for n in grads)
 
 
+def test_lora_dropout_acts_on_the_lora_branch_only(tiny):
+    """PEFT's LoRA: y = base(x) + B(A(dropout(x))) * scale; eval mode and p = 0 are deterministic."""
+    add_lora(tiny, r=4, alpha=8, dropout=0.3)
+    layer = tiny.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.5)  # B = 0 would hide the branch (and its dropout) entirely
+    x = torch.randn(3, 5, 64)
+    base = torch.nn.functional.linear(x, layer.weight)
+    lora = lambda inp: torch.nn.functional.linear(torch.nn.functional.linear(inp, layer.lora_A), layer.lora_B) * 2
+    with torch.no_grad():
+        tiny.eval()
+        close(layer(x), base + lora(x), atol=1e-6)  # eval: no dropout
+        tiny.train()
+        torch.manual_seed(0)
+        y1 = layer(x)
+        torch.manual_seed(0)
+        close(y1, base + lora(torch.nn.functional.dropout(x, 0.3, training=True)), atol=1e-6)  # x dropped, base not
+        assert not torch.allclose(layer(x), y1)  # a fresh dropout mask each call
+        with lora_disabled(tiny):
+            close(layer(x), base, atol=0)  # the base path never sees the dropout
+    plain = LoRALinear(torch.nn.Linear(64, 32), r=4).train()  # default p = 0: deterministic in train mode too
+    plain.lora_B.data.normal_()
+    assert torch.equal(plain(x), plain(x))
+
+
+def test_lora_A_init_is_peft_bound():
+    """kaiming_uniform(a=√5) on A of shape (r, in) bounds A by 1/√in (PEFT); an (in, r) A would reach 1/√r."""
+    torch.manual_seed(0)
+    layer = LoRALinear(torch.nn.Linear(2048, 64, bias=False), r=8)
+    bound = 1 / 2048 ** 0.5
+    assert layer.lora_A.shape == (8, 2048)
+    assert 0.9 * bound <= layer.lora_A.abs().max() <= bound
+
+
 # ---------------------------------------------------------------------------- tiny, tokenizer, dtype, config
 
 
@@ -346,6 +580,14 @@ def test_config_v4_and_v5_rope_layouts_agree():
     a, b = ModelConfig.from_hf(v4), ModelConfig.from_hf(v5)
     assert a == b and a.rope_theta == 500000.0 and a.rope_scaling["factor"] == 8.0
     assert ModelConfig.from_hf(a.to_hf()) == a
+    # yarn too; both layouts fill in HF's defaults (original context = max_position_embeddings, factor = ratio)
+    yarn_v4 = dict(QWEN3_YARN)
+    yarn_v5 = {k: v for k, v in QWEN3_YARN.items() if k not in ("rope_theta", "rope_scaling")}
+    yarn_v5["rope_parameters"] = {"rope_theta": 1000000.0, **YARN}
+    a, b = ModelConfig.from_hf(yarn_v4), ModelConfig.from_hf(yarn_v5)
+    assert a == b and a.rope_scaling == YARN and ModelConfig.from_hf(a.to_hf()) == a
+    bare = ModelConfig.from_hf(dict(QWEN3_YARN, rope_scaling=dict(rope_type="yarn", factor=None)))
+    assert bare.rope_scaling == dict(rope_type="yarn", factor=1.0, original_max_position_embeddings=256)
     q2 = ModelConfig.from_hf(QWEN2)
     assert q2.attention_bias and not q2.qk_norm and q2.head_dim == 16
     assert ModelConfig.from_hf(QWEN3).head_dim == 32 and ModelConfig.from_hf(QWEN3).qk_norm
@@ -372,8 +614,8 @@ def test_error_unsupported_architecture(tmp_path):
     with pytest.raises(ValueError, match=r"unsupported architecture 'gpt2' \(GPT2LMHeadModel\); supported "
                                          r"model_type: llama, qwen2, qwen3, mistral"):
         load_pretrained(str(tmp_path))
-    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
-        ModelConfig.from_hf({**QWEN3, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="unsupported rope_type 'longrope'"):
+        ModelConfig.from_hf({**QWEN3, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
 
 
 def test_error_wrong_shape_missing_unexpected(tmp_path, pairs):
