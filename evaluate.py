@@ -248,6 +248,20 @@ def prefix_em(hyp_tokens, ref_tokens):
     return prefix / len(ref)
 
 
+def aoc_exact_match(candidate, reference):
+    """AOC's "exact_match" (AOC util_funs.compute_exact_match): the character-level prefix EM.
+
+    Both strings are stripped; the score is (length of their common character prefix) /
+    len(reference). Not binary: a strict prefix of the reference scores len(candidate) /
+    len(reference), and a candidate that starts with the whole reference scores 1.0 (trailing
+    text is not penalised). Case, inner whitespace and punctuation all count. This is prefix_em()
+    on characters instead of tokens. Empty inputs (after strip), where the original raises
+    (unbound loop index / division by zero): both empty -> 1.0; empty candidate -> 0.0; empty
+    reference with a non-empty candidate -> 0.0 — prefix_em's conventions.
+    """
+    return prefix_em(list(candidate.strip()), list(reference.strip()))
+
+
 def token_accuracy(hyp_tokens, ref_tokens):
     """AOC Eq. (6) as printed: (1/n) Σ_{i=1..n} 1[X_i = X̂_i], n = len(ref).
 

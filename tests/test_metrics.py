@@ -13,6 +13,7 @@ import warnings
 import pytest
 
 from evaluate import (
+    aoc_exact_match,
     bleu4,
     bleu_n_precision,
     brevity_penalty,
@@ -261,6 +262,23 @@ def test_prefix_em_vs_token_accuracy():
     assert prefix_em([], []) == 1.0 and token_accuracy([], []) == 1.0
     assert prefix_em([1], []) == 0.0 and token_accuracy([1], []) == 0.0
     assert prefix_em([], [1]) == 0.0 and token_accuracy([], [1]) == 0.0
+
+
+def test_aoc_exact_match():
+    """AOC util_funs.compute_exact_match, worked by hand: common character prefix / len(reference)."""
+    assert aoc_exact_match("The cat sat.", "The cat sat.") == 1.0
+    assert aoc_exact_match("The cat sat. And more", "The cat sat.") == 1.0   # trailing text is free
+    assert aoc_exact_match("The cat", "The cat sat.") == 7 / 12              # a strict prefix
+    assert aoc_exact_match("The dog sat.", "The cat sat.") == 4 / 12         # "The " then c != d
+    assert aoc_exact_match("the cat sat.", "The cat sat.") == 0.0            # case counts
+    assert aoc_exact_match("The  cat sat.", "The cat sat.") == 4 / 12        # inner whitespace counts
+    assert aoc_exact_match("  The cat\n", "\tThe cat sat. ") == 7 / 12       # both sides are stripped
+    # characters, not tokens: one wrong letter late in a word keeps the prefix before it
+    assert aoc_exact_match("abcX", "abcd") == 0.75
+    # empty after strip (the original raises): both -> 1.0, either one alone -> 0.0
+    assert aoc_exact_match("", "") == 1.0 and aoc_exact_match(" \n", "  ") == 1.0
+    assert aoc_exact_match("", "abc") == 0.0 and aoc_exact_match("  ", "abc") == 0.0
+    assert aoc_exact_match("abc", "") == 0.0
 
 
 # -----------------------------------------------------------------------------
