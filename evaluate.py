@@ -188,7 +188,8 @@ def rouge_n_f1(hyp_tokens, ref_tokens, n):
     R = overlap / #ref n-grams (each denominator at least 1); F = 2PR / (P + R).
     Empty hypothesis or reference (or fewer than n tokens on either side) -> 0.0.
     rouge-score tokenises raw strings itself (lowercase, [a-z0-9]+ only, punctuation dropped);
-    here the caller chooses the tokens — token ids for EPL, word_tokens(text) for words.
+    here the caller chooses the tokens — token ids or word_tokens(text). The `rouge` package
+    (pltrdy) that 500x/AOC/EPL call counts each distinct n-gram once instead: rouge_pltrdy().
     """
     hyp, ref = _tokens(hyp_tokens), _tokens(ref_tokens)
     hyp_counts, ref_counts = _ngram_counts(hyp, n), _ngram_counts(ref, n)
@@ -216,14 +217,106 @@ def rouge_l_f1(hyp_tokens, ref_tokens):
     """ROUGE-L F1: P = LCS / len(hyp), R = LCS / len(ref), F = 2PR / (P + R).
 
     This is rouge-score's sentence-level "rougeL" (β = 1), as PCC uses it; not "rougeLsum", and
-    not the F_lcs with β = P/R of the `rouge` package (pltrdy) that the 500x scripts call — that
-    one equals this F1 only when P = R. Either side empty -> 0.0.
+    not the summary-level, distinct-word rouge-l of the `rouge` package (pltrdy) that the 500x/AOC
+    scripts call — that one is rouge_pltrdy(). Either side empty -> 0.0.
     """
     hyp, ref = _tokens(hyp_tokens), _tokens(ref_tokens)
     if not hyp or not ref:
         return 0.0
     lcs = _lcs_length(hyp, ref)
     return _f1(lcs / len(hyp), lcs / len(ref))
+
+
+# ROUGE as the `rouge` package 1.0.1 (pltrdy) computes it: Rouge().get_scores(hyp, ref)[0], which
+# the 500x/AOC evaluation scripts (ROUGE-1/2/L) and EPL's QA evaluator ("F1" = ROUGE-1 F) call. It
+# differs from rouge_n_f1 / rouge_l_f1 above (rouge-score, Lin 2004) in four ways:
+#   - it takes raw strings: sentences are the pieces between "." characters, words are split on
+#     whitespace; no lowercasing, no stemming, punctuation other than "." stays on the word ("Paris,");
+#   - with its default exclusive=True it counts every n-gram and word ONCE: n-gram sets, not
+#     clipped multisets, so "the the the" against "the cat" is P = 1/1, not 1/3;
+#   - rouge-l is summary-level: the union, over (reference sentence, hypothesis sentence) pairs, of
+#     the words on one LCS of each pair; its size over the distinct words of each side gives R and P;
+#   - F = 2PR / (P + R + 1e-8): a perfect match scores 0.999999995, not 1.
+
+
+def _pltrdy_sentences(text):
+    """rouge 1.0.1 Rouge._get_scores: the non-empty pieces of text.split("."), whitespace-squeezed,
+    each returned as its words, sentence.split(" ").
+
+    Footgun kept on purpose: a piece made only of whitespace (the " " after "Paris. ") is non-empty
+    before squeezing, so it survives as the sentence "" whose one word is the empty string.
+    "Paris. " thus has the words ["Paris", ""] and scores P = 1/2 against "Paris".
+    """
+    sentences = [" ".join(piece.split()) for piece in text.split(".") if len(piece) > 0]
+    return [sentence.split(" ") for sentence in sentences]
+
+
+def _pltrdy_lcs_words(ref, hyp):
+    """The words on one longest common subsequence of a reference and a hypothesis sentence, picked
+    as rouge 1.0.1's _recon_lcs picks it: backtrack from the ends, take a match, else drop the last
+    reference word only if that keeps a strictly longer LCS, else drop the last hypothesis word.
+
+    The pick matters: rouge-l counts the distinct words of the union of the picks, and two LCSs of
+    equal length can hold different words (ref "a b" vs hyp "b a": this picks "b", not "a").
+    The package backtracks recursively and raises RecursionError once a path is ~1000 steps long
+    (e.g. two sentences of 1000 words with nothing in common); this loop has no such limit.
+    """
+    # table[i][j] = LCS length of ref[:i] and hyp[:j]; the full table, since the backtrack reads it
+    table = [[0] * (len(hyp) + 1) for _ in range(len(ref) + 1)]
+    for i, r in enumerate(ref, 1):
+        for j, h in enumerate(hyp, 1):
+            table[i][j] = table[i - 1][j - 1] + 1 if r == h else max(table[i - 1][j], table[i][j - 1])
+    words, i, j = [], len(ref), len(hyp)
+    while i > 0 and j > 0:
+        if ref[i - 1] == hyp[j - 1]:
+            words.append(ref[i - 1])
+            i, j = i - 1, j - 1
+        elif table[i - 1][j] > table[i][j - 1]:  # strict ">": ties step along the hypothesis
+            i -= 1
+        else:
+            j -= 1
+    return words
+
+
+def _pltrdy_prf(overlap, hyp_count, ref_count):
+    """rouge 1.0.1 f_r_p_rouge_n: P and R (0.0 over a zero count), F = 2PR / (P + R + 1e-8)."""
+    precision = overlap / hyp_count if hyp_count > 0 else 0.0
+    recall = overlap / ref_count if ref_count > 0 else 0.0
+    return {"r": recall, "p": precision, "f": 2.0 * ((precision * recall) / (precision + recall + 1e-8))}
+
+
+def rouge_pltrdy(hypothesis, reference):
+    """rouge 1.0.1 (pltrdy) Rouge().get_scores(hypothesis, reference)[0], stdlib only.
+
+    Returns the package's dict {"rouge-1": {"r", "p", "f"}, "rouge-2": {...}, "rouge-l": {...}}
+    (the 500x/AOC scripts read all three, EPL reads ["rouge-1"]["f"]); equal to the package to the
+    last bit, tested on random and hand-picked texts. The rules are in the comment above:
+      rouge-n: the sets of word n-grams of each whole text (n-grams run across sentence ends);
+               overlap = |H ∩ R|, P = overlap / |H|, R = overlap / |R|, 0.0 when a set is empty
+               (fewer than n words);
+      rouge-l: U = ∪ over reference sentences r_i and hypothesis sentences c_j of the words on
+               one LCS(r_i, c_j); P = |U| / #distinct hypothesis words, R = |U| / #distinct
+               reference words.
+    Empty input: a text with no sentence ("" or only "."s) makes the package raise ValueError
+    ("Hypothesis is empty." / "Reference is empty."); EPL's evaluator catches it and scores 0.0,
+    AOC's crashes. Here every score is 0.0. A whitespace-only text is not empty to the package
+    (it is one sentence with the word ""), and is scored as the package scores it.
+    """
+    hyp, ref = _pltrdy_sentences(hypothesis), _pltrdy_sentences(reference)
+    if not hyp or not ref:
+        return {metric: {"r": 0.0, "p": 0.0, "f": 0.0} for metric in ("rouge-1", "rouge-2", "rouge-l")}
+    hyp_words = [w for sentence in hyp for w in sentence]
+    ref_words = [w for sentence in ref for w in sentence]
+    scores = {}
+    for n in (1, 2):
+        hyp_grams, ref_grams = set(_ngram_counts(hyp_words, n)), set(_ngram_counts(ref_words, n))
+        scores[f"rouge-{n}"] = _pltrdy_prf(len(hyp_grams & ref_grams), len(hyp_grams), len(ref_grams))
+    union = set()  # the package grows one union across all reference sentences
+    for ref_sentence in ref:
+        for hyp_sentence in hyp:
+            union.update(_pltrdy_lcs_words(ref_sentence, hyp_sentence))
+    scores["rouge-l"] = _pltrdy_prf(len(union), len(set(hyp_words)), len(set(ref_words)))
+    return scores
 
 
 def prefix_em(hyp_tokens, ref_tokens):
