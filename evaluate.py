@@ -434,6 +434,27 @@ def token_f1(prediction, references):
     return max((_bag_f1(pred, word_tokens(r)) for r in _references(references)), default=0.0)
 
 
+def epl_qa_f1(generation, answers):
+    """EPL's QA "F1" (EPL sft/instruction_evaluator.py): the ROUGE-1 F of rouge 1.0.1 (pltrdy),
+    Rouge().get_scores(generation, answers[0])[0]["rouge-1"]["f"] — not SQuAD F1.
+
+    Only the first answer counts (no max over references); the words are whitespace tokens,
+    case-sensitive, distinct (see rouge_pltrdy). The evaluator scores 0.0 on any exception, i.e.
+    on an empty generation or answer (rouge_pltrdy already returns 0.0 there); no answers -> 0.0.
+    """
+    refs = _references(answers)
+    return rouge_pltrdy(generation, refs[0])["rouge-1"]["f"] if refs else 0.0
+
+
+def epl_qa_em(generation, answers):
+    """EPL's QA EM (EPL sft/instruction_evaluator.py): 1.0 iff the decoded generation equals
+    answers[0] exactly — no strip, no normalisation, first answer only ("Paris " != "Paris",
+    unlike exact_match). "" vs "" -> 1.0; no answers -> 0.0.
+    """
+    refs = _references(answers)
+    return float(generation == refs[0]) if refs else 0.0
+
+
 def substring_acc(prediction, references):
     """GMSA "Acc": 1.0 if any normalised reference occurs as a substring of the normalised
     prediction — the best_subspan_em of the Lost-in-the-Middle / LongLLMLingua QA evaluation

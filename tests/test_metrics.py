@@ -21,6 +21,8 @@ from evaluate import (
     bleu4,
     bleu_n_precision,
     brevity_penalty,
+    epl_qa_em,
+    epl_qa_f1,
     exact_match,
     mean_scores,
     normalize_answer,
@@ -358,6 +360,25 @@ def test_unnormalised_qa_metrics():
     # case matters: [The, cat] vs [the, cat] share only "cat" -> P = R = 1/2
     assert token_f1("The cat", "the cat") == 0.5 and squad_f1("The cat", "the cat") == 1.0
     assert token_f1("a b", ["c", "a b"]) == 1.0 and token_f1("", "") == 0.0
+
+
+def test_epl_qa_metrics(pltrdy):
+    """EPL's "F1" is pltrdy ROUGE-1 F against answers[0] only; its EM is raw equality with answers[0]."""
+    rouge = pltrdy.Rouge()
+    for gen, answers in [("in Paris", ["Paris"]), ("Paris , France", ["Paris, France", "x"]),
+                         ("the the cat", "the cat sat"), ("Paris.", ["Paris"]), ("It is 3.14", ["3.14"])]:
+        expected = rouge.get_scores(gen, answers if isinstance(answers, str) else answers[0])[0]["rouge-1"]["f"]
+        assert epl_qa_f1(gen, answers) == expected, (gen, answers)
+    # in Paris vs Paris: P = 1/2, R = 1 -> 2 * (1/2) / (3/2 + 1e-8)
+    assert epl_qa_f1("in Paris", ["Paris"]) == 2.0 * (0.5 / (1.5 + 1e-8))
+    assert epl_qa_f1("Lyon", ["Paris", "Lyon"]) == 0.0        # answers[0] only, no max
+    assert epl_qa_f1("paris", ["Paris"]) == 0.0               # case-sensitive
+    assert epl_qa_f1("", ["Paris"]) == 0.0 and epl_qa_f1("...", ["Paris"]) == 0.0   # the package raises
+    assert epl_qa_f1("Paris", []) == 0.0
+    assert epl_qa_em("Paris", ["Paris", "Lyon"]) == 1.0 and epl_qa_em("Paris", "Paris") == 1.0
+    assert epl_qa_em("Lyon", ["Paris", "Lyon"]) == 0.0        # answers[0] only
+    assert epl_qa_em("Paris ", ["Paris"]) == 0.0 and exact_match("Paris ", ["Paris"]) == 1.0   # no strip
+    assert epl_qa_em("paris", ["Paris"]) == 0.0 and epl_qa_em("", [""]) == 1.0 and epl_qa_em("x", []) == 0.0
 
 
 def test_substring_acc():
