@@ -9,30 +9,37 @@ linear, prefill quadratic, TTFT speedup -> C²); interpolate (AOC Eq. 5); heatma
 and 7: memory-token cosine and attention maps, written as PNG by a small zlib PNG encoder).
 
 Metrics (the first section) are written from scratch — stdlib only — and tested against the
-reference packages the papers used (nltk's sentence_bleu, Google's rouge-score, the official
-SQuAD v1.1 script). Every score is a float in [0, 1] except perplexity.
+reference packages the papers used (nltk's sentence_bleu, Google's rouge-score, the `rouge` 1.0.1
+package of pltrdy, the official SQuAD v1.1 script). Every score is a float in [0, 1] except
+perplexity.
 
-    reconstruction (AE)   bleu4, bleu_n_precision, rouge_n_f1, rouge_l_f1, prefix_em, token_accuracy
+    reconstruction (AE)   bleu4, bleu_n_precision, rouge_n_f1, rouge_l_f1 (rouge-score),
+                          rouge_pltrdy (rouge 1.0.1), prefix_em, aoc_exact_match, token_accuracy
     completion (LM)       perplexity = exp(Σ NLL / N)
     question answering    squad_em, squad_f1 (normalised) · exact_match, token_f1 (unnormalised)
-                          · substring_acc (GMSA "Acc") · rouge_n_f1(n=1) (EPL's "F1")
+                          · substring_acc (GMSA "Acc") · epl_qa_f1, epl_qa_em (EPL)
 
-Which paper scores how (SPEC "How each paper scores"):
+Which paper scores how (SPEC "How each paper scores"): what the official script computes, our
+function for it, and [its key] in ae_scores / qa_scores.
 
-    EPL          BLEU-4 on token ids, no smoothing          bleu4(ids, ids)
-                 QA "F1" is ROUGE-1 F, EM unnormalised       rouge_n_f1(.., 1), exact_match
-    500x / AOC   BLEU on nltk word tokens, method1           bleu4(word_tokens(h), word_tokens(r), smooth=True)
-                 ROUGE-1/2/L F, prefix EM (AOC Eq. 6)        rouge_n_f1, rouge_l_f1, prefix_em
-                 QA: EM stripped, F1 unnormalised            exact_match, token_f1
-    PCC / PIC    BLEU-1..4, ROUGE-L on word tokens           see the bleu_n_precision trap
-                 QA: SQuAD normalisation, max over refs      squad_em, squad_f1
-    GMSA         BLEU, prefix EM, ROUGE (+ BERTScore)        bleu4, prefix_em, rouge_*
-                 QA: Acc, EM, F1                             substring_acc, squad_em, squad_f1
+    EPL          BLEU-4 on token ids, no smoothing          bleu4(ids, ids)                      [bleu4_ids]
+                 QA "F1" = pltrdy ROUGE-1 F vs answers[0]   epl_qa_f1                            [epl_f1]
+                 QA EM = raw equality with answers[0]       epl_qa_em                            [epl_em]
+    500x / AOC   BLEU on nltk word tokens, method1          bleu4(words, words, smooth=True)     [bleu4_words]
+                 ROUGE-1/2/L F of pltrdy rouge 1.0.1        rouge_pltrdy(h, r)[m]["f"]           [aoc_rouge1/2/L]
+                 AOC script "exact_match": char. prefix     aoc_exact_match(h, r)                [aoc_em]
+                 AOC text / Eq. 6 as printed, on tokens     prefix_em, token_accuracy            [same names]
+                 QA: EM stripped, F1 unnormalised           exact_match, token_f1                [same names]
+    PCC / PIC    BLEU-1..4, ROUGE-L on word tokens          bleu_n_precision (trap), rouge_l_f1  [rougeL]
+                 QA: SQuAD normalisation, max over refs     squad_em, squad_f1                   [same names]
+    GMSA         BLEU, prefix EM, ROUGE (+ BERTScore)       bleu4, prefix_em, rouge_*            [bleu4_*, prefix_em, rouge*]
+                 QA: Acc, EM, F1                            substring_acc, squad_em, squad_f1    [same names]
 
 Token arguments are sequences of hashables: token ids (ints) or words (str). Conventions for
 empty inputs follow the reference packages and are stated in each docstring; in short: BLEU and
-ROUGE give 0.0 whenever either side is empty, exact-match-like scores give 1.0 when both sides
-are empty, and SQuAD F1 follows the v1.1 script (0.0 when nothing overlaps, even if both empty).
+ROUGE give 0.0 whenever either side is empty (rouge 1.0.1 raises there; its callers score 0.0 or
+crash), exact-match-like scores give 1.0 when both sides are empty, and SQuAD F1 follows the v1.1
+script (0.0 when nothing overlaps, even if both empty).
 """
 
 import argparse
@@ -630,15 +637,23 @@ def summarize(rows):
 
 def ae_scores(hyp_ids, ref_ids, tok):
     """Every reconstruction score of the papers for one regeneration (see the table at the top)."""
-    hyp_words, ref_words = word_tokens(tok.decode(hyp_ids)), word_tokens(tok.decode(ref_ids))
+    hyp_text, ref_text = tok.decode(hyp_ids), tok.decode(ref_ids)
+    hyp_words, ref_words = word_tokens(hyp_text), word_tokens(ref_text)
+    # AOC pretrain_and_eval.py post-processes both decoded texts before scoring: "\n" -> " ", strip
+    aoc_hyp, aoc_ref = (text.replace("\n", " ").strip() for text in (hyp_text, ref_text))
+    aoc_rouge = rouge_pltrdy(aoc_hyp, aoc_ref)
     return {
         "bleu4_ids": bleu4(hyp_ids, ref_ids),                       # EPL: token ids, no smoothing
         "bleu4_words": bleu4(hyp_words, ref_words, smooth=True),    # 500x / AOC: words, method1
         "prefix_em": prefix_em(hyp_ids, ref_ids),                   # AOC text, GMSA footnote 3
         "token_accuracy": token_accuracy(hyp_ids, ref_ids),         # AOC Eq. (6) as printed
-        "rouge1": rouge_n_f1(hyp_words, ref_words, 1),
+        "rouge1": rouge_n_f1(hyp_words, ref_words, 1),              # rouge-score on word tokens
         "rouge2": rouge_n_f1(hyp_words, ref_words, 2),
         "rougeL": rouge_l_f1(hyp_words, ref_words),
+        "aoc_em": aoc_exact_match(aoc_hyp, aoc_ref),                # AOC script: character prefix
+        "aoc_rouge1": aoc_rouge["rouge-1"]["f"],                    # 500x / AOC scripts: rouge 1.0.1
+        "aoc_rouge2": aoc_rouge["rouge-2"]["f"],
+        "aoc_rougeL": aoc_rouge["rouge-l"]["f"],
     }
 
 
@@ -690,14 +705,19 @@ def run_lm(comp, examples):
 
 
 def qa_scores(prediction, answers):
-    """Every QA score of the papers for one prediction (answers: a str or a list of str)."""
+    """Every QA score of the papers for one prediction (answers: a str or a list of str).
+
+    EPL scores the whole decoded generation, where text after the answer (even a newline) makes
+    EM 0; run_qa passes the first line of the stripped text, so epl_f1/epl_em score that line.
+    """
     return {
         "squad_f1": squad_f1(prediction, answers), "squad_em": squad_em(prediction, answers),   # PCC/PIC, GMSA
-        "exact_match": exact_match(prediction, answers),                                        # 500x/AOC, EPL
+        "exact_match": exact_match(prediction, answers),                                        # 500x/AOC
         "token_f1": token_f1(prediction, answers),                                              # 500x/AOC
         "substring_acc": substring_acc(prediction, answers),                                    # GMSA "Acc"
-        "rouge1": max(rouge_n_f1(word_tokens(prediction), word_tokens(a), 1)                    # EPL's "F1"
-                      for a in _references(answers)),
+        "rouge1": max(rouge_n_f1(word_tokens(prediction), word_tokens(a), 1)                    # rouge-score,
+                      for a in _references(answers)),                                           # max over refs
+        "epl_f1": epl_qa_f1(prediction, answers), "epl_em": epl_qa_em(prediction, answers),     # EPL, answers[0]
     }
 
 
