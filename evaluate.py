@@ -9,30 +9,37 @@ linear, prefill quadratic, TTFT speedup -> C²); interpolate (AOC Eq. 5); heatma
 and 7: memory-token cosine and attention maps, written as PNG by a small zlib PNG encoder).
 
 Metrics (the first section) are written from scratch — stdlib only — and tested against the
-reference packages the papers used (nltk's sentence_bleu, Google's rouge-score, the official
-SQuAD v1.1 script). Every score is a float in [0, 1] except perplexity.
+reference packages the papers used (nltk's sentence_bleu, Google's rouge-score, the `rouge` 1.0.1
+package of pltrdy, the official SQuAD v1.1 script). Every score is a float in [0, 1] except
+perplexity.
 
-    reconstruction (AE)   bleu4, bleu_n_precision, rouge_n_f1, rouge_l_f1, prefix_em, token_accuracy
+    reconstruction (AE)   bleu4, bleu_n_precision, rouge_n_f1, rouge_l_f1 (rouge-score),
+                          rouge_pltrdy (rouge 1.0.1), prefix_em, aoc_exact_match, token_accuracy
     completion (LM)       perplexity = exp(Σ NLL / N)
     question answering    squad_em, squad_f1 (normalised) · exact_match, token_f1 (unnormalised)
-                          · substring_acc (GMSA "Acc") · rouge_n_f1(n=1) (EPL's "F1")
+                          · substring_acc (GMSA "Acc") · epl_qa_f1, epl_qa_em (EPL)
 
-Which paper scores how (SPEC "How each paper scores"):
+Which paper scores how (SPEC "How each paper scores"): what the official script computes, our
+function for it, and [its key] in ae_scores / qa_scores.
 
-    EPL          BLEU-4 on token ids, no smoothing          bleu4(ids, ids)
-                 QA "F1" is ROUGE-1 F, EM unnormalised       rouge_n_f1(.., 1), exact_match
-    500x / AOC   BLEU on nltk word tokens, method1           bleu4(word_tokens(h), word_tokens(r), smooth=True)
-                 ROUGE-1/2/L F, prefix EM (AOC Eq. 6)        rouge_n_f1, rouge_l_f1, prefix_em
-                 QA: EM stripped, F1 unnormalised            exact_match, token_f1
-    PCC / PIC    BLEU-1..4, ROUGE-L on word tokens           see the bleu_n_precision trap
-                 QA: SQuAD normalisation, max over refs      squad_em, squad_f1
-    GMSA         BLEU, prefix EM, ROUGE (+ BERTScore)        bleu4, prefix_em, rouge_*
-                 QA: Acc, EM, F1                             substring_acc, squad_em, squad_f1
+    EPL          BLEU-4 on token ids, no smoothing          bleu4(ids, ids)                      [bleu4_ids]
+                 QA "F1" = pltrdy ROUGE-1 F vs answers[0]   epl_qa_f1                            [epl_f1]
+                 QA EM = raw equality with answers[0]       epl_qa_em                            [epl_em]
+    500x / AOC   BLEU on nltk word tokens, method1          bleu4(words, words, smooth=True)     [bleu4_words]
+                 ROUGE-1/2/L F of pltrdy rouge 1.0.1        rouge_pltrdy(h, r)[m]["f"]           [aoc_rouge1/2/L]
+                 AOC script "exact_match": char. prefix     aoc_exact_match(h, r)                [aoc_em]
+                 AOC text / Eq. 6 as printed, on tokens     prefix_em, token_accuracy            [same names]
+                 QA: EM stripped, F1 unnormalised           exact_match, token_f1                [same names]
+    PCC / PIC    BLEU-1..4, ROUGE-L on word tokens          bleu_n_precision (trap), rouge_l_f1  [rougeL]
+                 QA: SQuAD normalisation, max over refs     squad_em, squad_f1                   [same names]
+    GMSA         BLEU, prefix EM, ROUGE (+ BERTScore)       bleu4, prefix_em, rouge_*            [bleu4_*, prefix_em, rouge*]
+                 QA: Acc, EM, F1                            substring_acc, squad_em, squad_f1    [same names]
 
 Token arguments are sequences of hashables: token ids (ints) or words (str). Conventions for
 empty inputs follow the reference packages and are stated in each docstring; in short: BLEU and
-ROUGE give 0.0 whenever either side is empty, exact-match-like scores give 1.0 when both sides
-are empty, and SQuAD F1 follows the v1.1 script (0.0 when nothing overlaps, even if both empty).
+ROUGE give 0.0 whenever either side is empty (rouge 1.0.1 raises there; its callers score 0.0 or
+crash), exact-match-like scores give 1.0 when both sides are empty, and SQuAD F1 follows the v1.1
+script (0.0 when nothing overlaps, even if both empty).
 """
 
 import argparse
@@ -188,7 +195,8 @@ def rouge_n_f1(hyp_tokens, ref_tokens, n):
     R = overlap / #ref n-grams (each denominator at least 1); F = 2PR / (P + R).
     Empty hypothesis or reference (or fewer than n tokens on either side) -> 0.0.
     rouge-score tokenises raw strings itself (lowercase, [a-z0-9]+ only, punctuation dropped);
-    here the caller chooses the tokens — token ids for EPL, word_tokens(text) for words.
+    here the caller chooses the tokens — token ids or word_tokens(text). The `rouge` package
+    (pltrdy) that 500x/AOC/EPL call counts each distinct n-gram once instead: rouge_pltrdy().
     """
     hyp, ref = _tokens(hyp_tokens), _tokens(ref_tokens)
     hyp_counts, ref_counts = _ngram_counts(hyp, n), _ngram_counts(ref, n)
@@ -216,14 +224,106 @@ def rouge_l_f1(hyp_tokens, ref_tokens):
     """ROUGE-L F1: P = LCS / len(hyp), R = LCS / len(ref), F = 2PR / (P + R).
 
     This is rouge-score's sentence-level "rougeL" (β = 1), as PCC uses it; not "rougeLsum", and
-    not the F_lcs with β = P/R of the `rouge` package (pltrdy) that the 500x scripts call — that
-    one equals this F1 only when P = R. Either side empty -> 0.0.
+    not the summary-level, distinct-word rouge-l of the `rouge` package (pltrdy) that the 500x/AOC
+    scripts call — that one is rouge_pltrdy(). Either side empty -> 0.0.
     """
     hyp, ref = _tokens(hyp_tokens), _tokens(ref_tokens)
     if not hyp or not ref:
         return 0.0
     lcs = _lcs_length(hyp, ref)
     return _f1(lcs / len(hyp), lcs / len(ref))
+
+
+# ROUGE as the `rouge` package 1.0.1 (pltrdy) computes it: Rouge().get_scores(hyp, ref)[0], which
+# the 500x/AOC evaluation scripts (ROUGE-1/2/L) and EPL's QA evaluator ("F1" = ROUGE-1 F) call. It
+# differs from rouge_n_f1 / rouge_l_f1 above (rouge-score, Lin 2004) in four ways:
+#   - it takes raw strings: sentences are the pieces between "." characters, words are split on
+#     whitespace; no lowercasing, no stemming, punctuation other than "." stays on the word ("Paris,");
+#   - with its default exclusive=True it counts every n-gram and word ONCE: n-gram sets, not
+#     clipped multisets, so "the the the" against "the cat" is P = 1/1, not 1/3;
+#   - rouge-l is summary-level: the union, over (reference sentence, hypothesis sentence) pairs, of
+#     the words on one LCS of each pair; its size over the distinct words of each side gives R and P;
+#   - F = 2PR / (P + R + 1e-8): a perfect match scores 0.999999995, not 1.
+
+
+def _pltrdy_sentences(text):
+    """rouge 1.0.1 Rouge._get_scores: the non-empty pieces of text.split("."), whitespace-squeezed,
+    each returned as its words, sentence.split(" ").
+
+    Footgun kept on purpose: a piece made only of whitespace (the " " after "Paris. ") is non-empty
+    before squeezing, so it survives as the sentence "" whose one word is the empty string.
+    "Paris. " thus has the words ["Paris", ""] and scores P = 1/2 against "Paris".
+    """
+    sentences = [" ".join(piece.split()) for piece in text.split(".") if len(piece) > 0]
+    return [sentence.split(" ") for sentence in sentences]
+
+
+def _pltrdy_lcs_words(ref, hyp):
+    """The words on one longest common subsequence of a reference and a hypothesis sentence, picked
+    as rouge 1.0.1's _recon_lcs picks it: backtrack from the ends, take a match, else drop the last
+    reference word only if that keeps a strictly longer LCS, else drop the last hypothesis word.
+
+    The pick matters: rouge-l counts the distinct words of the union of the picks, and two LCSs of
+    equal length can hold different words (ref "a b" vs hyp "b a": this picks "b", not "a").
+    The package backtracks recursively and raises RecursionError once a path is ~1000 steps long
+    (e.g. two sentences of 1000 words with nothing in common); this loop has no such limit.
+    """
+    # table[i][j] = LCS length of ref[:i] and hyp[:j]; the full table, since the backtrack reads it
+    table = [[0] * (len(hyp) + 1) for _ in range(len(ref) + 1)]
+    for i, r in enumerate(ref, 1):
+        for j, h in enumerate(hyp, 1):
+            table[i][j] = table[i - 1][j - 1] + 1 if r == h else max(table[i - 1][j], table[i][j - 1])
+    words, i, j = [], len(ref), len(hyp)
+    while i > 0 and j > 0:
+        if ref[i - 1] == hyp[j - 1]:
+            words.append(ref[i - 1])
+            i, j = i - 1, j - 1
+        elif table[i - 1][j] > table[i][j - 1]:  # strict ">": ties step along the hypothesis
+            i -= 1
+        else:
+            j -= 1
+    return words
+
+
+def _pltrdy_prf(overlap, hyp_count, ref_count):
+    """rouge 1.0.1 f_r_p_rouge_n: P and R (0.0 over a zero count), F = 2PR / (P + R + 1e-8)."""
+    precision = overlap / hyp_count if hyp_count > 0 else 0.0
+    recall = overlap / ref_count if ref_count > 0 else 0.0
+    return {"r": recall, "p": precision, "f": 2.0 * ((precision * recall) / (precision + recall + 1e-8))}
+
+
+def rouge_pltrdy(hypothesis, reference):
+    """rouge 1.0.1 (pltrdy) Rouge().get_scores(hypothesis, reference)[0], stdlib only.
+
+    Returns the package's dict {"rouge-1": {"r", "p", "f"}, "rouge-2": {...}, "rouge-l": {...}}
+    (the 500x/AOC scripts read all three, EPL reads ["rouge-1"]["f"]); equal to the package to the
+    last bit, tested on random and hand-picked texts. The rules are in the comment above:
+      rouge-n: the sets of word n-grams of each whole text (n-grams run across sentence ends);
+               overlap = |H ∩ R|, P = overlap / |H|, R = overlap / |R|, 0.0 when a set is empty
+               (fewer than n words);
+      rouge-l: U = ∪ over reference sentences r_i and hypothesis sentences c_j of the words on
+               one LCS(r_i, c_j); P = |U| / #distinct hypothesis words, R = |U| / #distinct
+               reference words.
+    Empty input: a text with no sentence ("" or only "."s) makes the package raise ValueError
+    ("Hypothesis is empty." / "Reference is empty."); EPL's evaluator catches it and scores 0.0,
+    AOC's crashes. Here every score is 0.0. A whitespace-only text is not empty to the package
+    (it is one sentence with the word ""), and is scored as the package scores it.
+    """
+    hyp, ref = _pltrdy_sentences(hypothesis), _pltrdy_sentences(reference)
+    if not hyp or not ref:
+        return {metric: {"r": 0.0, "p": 0.0, "f": 0.0} for metric in ("rouge-1", "rouge-2", "rouge-l")}
+    hyp_words = [w for sentence in hyp for w in sentence]
+    ref_words = [w for sentence in ref for w in sentence]
+    scores = {}
+    for n in (1, 2):
+        hyp_grams, ref_grams = set(_ngram_counts(hyp_words, n)), set(_ngram_counts(ref_words, n))
+        scores[f"rouge-{n}"] = _pltrdy_prf(len(hyp_grams & ref_grams), len(hyp_grams), len(ref_grams))
+    union = set()  # the package grows one union across all reference sentences
+    for ref_sentence in ref:
+        for hyp_sentence in hyp:
+            union.update(_pltrdy_lcs_words(ref_sentence, hyp_sentence))
+    scores["rouge-l"] = _pltrdy_prf(len(union), len(set(hyp_words)), len(set(ref_words)))
+    return scores
 
 
 def prefix_em(hyp_tokens, ref_tokens):
@@ -246,6 +346,20 @@ def prefix_em(hyp_tokens, ref_tokens):
             break
         prefix += 1
     return prefix / len(ref)
+
+
+def aoc_exact_match(candidate, reference):
+    """AOC's "exact_match" (AOC util_funs.compute_exact_match): the character-level prefix EM.
+
+    Both strings are stripped; the score is (length of their common character prefix) /
+    len(reference). Not binary: a strict prefix of the reference scores len(candidate) /
+    len(reference), and a candidate that starts with the whole reference scores 1.0 (trailing
+    text is not penalised). Case, inner whitespace and punctuation all count. This is prefix_em()
+    on characters instead of tokens. Empty inputs (after strip), where the original raises
+    (unbound loop index / division by zero): both empty -> 1.0; empty candidate -> 0.0; empty
+    reference with a non-empty candidate -> 0.0 — prefix_em's conventions.
+    """
+    return prefix_em(list(candidate.strip()), list(reference.strip()))
 
 
 def token_accuracy(hyp_tokens, ref_tokens):
@@ -325,6 +439,27 @@ def token_f1(prediction, references):
     """
     pred = word_tokens(prediction)
     return max((_bag_f1(pred, word_tokens(r)) for r in _references(references)), default=0.0)
+
+
+def epl_qa_f1(generation, answers):
+    """EPL's QA "F1" (EPL sft/instruction_evaluator.py): the ROUGE-1 F of rouge 1.0.1 (pltrdy),
+    Rouge().get_scores(generation, answers[0])[0]["rouge-1"]["f"] — not SQuAD F1.
+
+    Only the first answer counts (no max over references); the words are whitespace tokens,
+    case-sensitive, distinct (see rouge_pltrdy). The evaluator scores 0.0 on any exception, i.e.
+    on an empty generation or answer (rouge_pltrdy already returns 0.0 there); no answers -> 0.0.
+    """
+    refs = _references(answers)
+    return rouge_pltrdy(generation, refs[0])["rouge-1"]["f"] if refs else 0.0
+
+
+def epl_qa_em(generation, answers):
+    """EPL's QA EM (EPL sft/instruction_evaluator.py): 1.0 iff the decoded generation equals
+    answers[0] exactly — no strip, no normalisation, first answer only ("Paris " != "Paris",
+    unlike exact_match). "" vs "" -> 1.0; no answers -> 0.0.
+    """
+    refs = _references(answers)
+    return float(generation == refs[0]) if refs else 0.0
 
 
 def substring_acc(prediction, references):
@@ -502,15 +637,23 @@ def summarize(rows):
 
 def ae_scores(hyp_ids, ref_ids, tok):
     """Every reconstruction score of the papers for one regeneration (see the table at the top)."""
-    hyp_words, ref_words = word_tokens(tok.decode(hyp_ids)), word_tokens(tok.decode(ref_ids))
+    hyp_text, ref_text = tok.decode(hyp_ids), tok.decode(ref_ids)
+    hyp_words, ref_words = word_tokens(hyp_text), word_tokens(ref_text)
+    # AOC pretrain_and_eval.py post-processes both decoded texts before scoring: "\n" -> " ", strip
+    aoc_hyp, aoc_ref = (text.replace("\n", " ").strip() for text in (hyp_text, ref_text))
+    aoc_rouge = rouge_pltrdy(aoc_hyp, aoc_ref)
     return {
         "bleu4_ids": bleu4(hyp_ids, ref_ids),                       # EPL: token ids, no smoothing
         "bleu4_words": bleu4(hyp_words, ref_words, smooth=True),    # 500x / AOC: words, method1
         "prefix_em": prefix_em(hyp_ids, ref_ids),                   # AOC text, GMSA footnote 3
         "token_accuracy": token_accuracy(hyp_ids, ref_ids),         # AOC Eq. (6) as printed
-        "rouge1": rouge_n_f1(hyp_words, ref_words, 1),
+        "rouge1": rouge_n_f1(hyp_words, ref_words, 1),              # rouge-score on word tokens
         "rouge2": rouge_n_f1(hyp_words, ref_words, 2),
         "rougeL": rouge_l_f1(hyp_words, ref_words),
+        "aoc_em": aoc_exact_match(aoc_hyp, aoc_ref),                # AOC script: character prefix
+        "aoc_rouge1": aoc_rouge["rouge-1"]["f"],                    # 500x / AOC scripts: rouge 1.0.1
+        "aoc_rouge2": aoc_rouge["rouge-2"]["f"],
+        "aoc_rougeL": aoc_rouge["rouge-l"]["f"],
     }
 
 
@@ -562,14 +705,19 @@ def run_lm(comp, examples):
 
 
 def qa_scores(prediction, answers):
-    """Every QA score of the papers for one prediction (answers: a str or a list of str)."""
+    """Every QA score of the papers for one prediction (answers: a str or a list of str).
+
+    EPL scores the whole decoded generation, where text after the answer (even a newline) makes
+    EM 0; run_qa passes the first line of the stripped text, so epl_f1/epl_em score that line.
+    """
     return {
         "squad_f1": squad_f1(prediction, answers), "squad_em": squad_em(prediction, answers),   # PCC/PIC, GMSA
-        "exact_match": exact_match(prediction, answers),                                        # 500x/AOC, EPL
+        "exact_match": exact_match(prediction, answers),                                        # 500x/AOC
         "token_f1": token_f1(prediction, answers),                                              # 500x/AOC
         "substring_acc": substring_acc(prediction, answers),                                    # GMSA "Acc"
-        "rouge1": max(rouge_n_f1(word_tokens(prediction), word_tokens(a), 1)                    # EPL's "F1"
-                      for a in _references(answers)),
+        "rouge1": max(rouge_n_f1(word_tokens(prediction), word_tokens(a), 1)                    # rouge-score,
+                      for a in _references(answers)),                                           # max over refs
+        "epl_f1": epl_qa_f1(prediction, answers), "epl_em": epl_qa_em(prediction, answers),     # EPL, answers[0]
     }
 
 

@@ -85,10 +85,15 @@ def test_ae_scores_are_the_metrics_of_the_saved_generations(ckpt, capsys):
             hyp = ex[mode]["ids"]
             assert comp_tok.decode(hyp) == ex[mode]["text"] and len(hyp) <= 24
             hw, rw = E.word_tokens(ex[mode]["text"]), E.word_tokens(comp_tok.decode(ref))
+            # AOC's texts: newlines to spaces, stripped
+            ht, rt = (t.replace("\n", " ").strip() for t in (ex[mode]["text"], comp_tok.decode(ref)))
+            pltrdy = E.rouge_pltrdy(ht, rt)
             expect = {"bleu4_ids": E.bleu4(hyp, ref), "bleu4_words": E.bleu4(hw, rw, smooth=True),
                       "prefix_em": E.prefix_em(hyp, ref), "token_accuracy": E.token_accuracy(hyp, ref),
                       "rouge1": E.rouge_n_f1(hw, rw, 1), "rouge2": E.rouge_n_f1(hw, rw, 2),
-                      "rougeL": E.rouge_l_f1(hw, rw)}
+                      "rougeL": E.rouge_l_f1(hw, rw), "aoc_em": E.aoc_exact_match(ht, rt),
+                      "aoc_rouge1": pltrdy["rouge-1"]["f"], "aoc_rouge2": pltrdy["rouge-2"]["f"],
+                      "aoc_rougeL": pltrdy["rouge-l"]["f"]}
             assert ex[mode]["scores"] == expect
             per_example.append(expect)
         for k in per_example[0]:
@@ -97,7 +102,8 @@ def test_ae_scores_are_the_metrics_of_the_saved_generations(ckpt, capsys):
 
 def test_ae_scores_the_compressed_generation_against_its_own_context(monkeypatch):
     """A compressor that regenerates the first 10 tokens right and then goes wrong: prefix EM is exactly
-    10 / |ref|, token accuracy and BLEU are above zero, and the references are untouched by the patch."""
+    10 / |ref| (and so is AOC's character prefix EM: one byte per token), token accuracy and BLEU are
+    above zero, and the references are untouched by the patch."""
     comp = random_comp("aoc", mem=4, chunk_len=64)
     text = E.BUILTIN_TEXTS[1]
     ref = comp.tok.encode(text)
@@ -105,9 +111,9 @@ def test_ae_scores_the_compressed_generation_against_its_own_context(monkeypatch
     monkeypatch.setattr(comp, "generate", lambda memory, task, **kw: ref[:10] + [wrong] + ref[11:40])
     result = E.run_ae(comp, [{"text": text}], max_new_tokens=12)
     s = result["scores"]["compressed"]
-    assert s["prefix_em"] == 10 / len(ref)
+    assert s["prefix_em"] == 10 / len(ref) == s["aoc_em"] and len(text) == len(ref)
     assert s["token_accuracy"] == 39 / len(ref)
-    assert 0 < s["bleu4_ids"] < 1 and 0 < s["rougeL"] < 1
+    assert 0 < s["bleu4_ids"] < 1 and 0 < s["rougeL"] < 1 and 0 < s["aoc_rougeL"] < 1
     assert len(result["examples"][0]["full"]["ids"]) <= 12   # the plain-LLM rows still generate
 
 
@@ -161,6 +167,7 @@ def test_qa_right_answer_scores_one(monkeypatch):
     s = E.run_qa(comp, [ex], max_new_tokens=4)["scores"]["compressed"]
     assert s["squad_em"] == s["squad_f1"] == s["substring_acc"] == 1.0    # normalised: case ignored
     assert s["exact_match"] == 0.0 and 0 < s["token_f1"] < 1               # unnormalised: "Away" != "away"
+    assert s["epl_em"] == 0.0 and s["epl_f1"] == pytest.approx(0.75)      # EPL: 3 of 4 words, case-sensitive
 
 
 def test_data_files(tmp_path):
@@ -175,6 +182,7 @@ def test_data_files(tmp_path):
     txt.write_text("first text\n\nsecond text\n")
     assert E.load_examples(str(txt), "lm") == [{"text": "first text"}, {"text": "second text"}]
     assert E.qa_scores("in Paris", ["Paris", "in Paris"])["exact_match"] == 1.0    # max over references
+    assert E.qa_scores("in Paris", ["Paris", "in Paris"])["epl_em"] == 0.0         # EPL: answers[0] only
 
 
 # ---- speed ----

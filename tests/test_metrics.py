@@ -1,27 +1,35 @@
 """Metrics of evaluate.py against the reference implementations the papers used.
 
 BLEU is checked against nltk's sentence_bleu (the 500x/AOC/PCC/EPL scripts call it), ROUGE
-against Google's rouge-score, word tokens against nltk's tokenizer; SQuAD normalisation, EM/F1,
-prefix EM and token accuracy against values worked out by hand from the official SQuAD v1.1
-script's rules and the AOC/GMSA definitions. nltk and rouge-score are test-only dependencies.
+against Google's rouge-score and against the `rouge` 1.0.1 package of pltrdy (the 500x/AOC/EPL
+scripts call that one), word tokens against nltk's tokenizer; SQuAD normalisation, EM/F1, prefix
+EM, AOC's character prefix EM and token accuracy against values worked out by hand from the
+official SQuAD v1.1 script's rules and the AOC/GMSA definitions. nltk, rouge-score and rouge are
+test-only dependencies.
 """
 
+import importlib.metadata
 import math
 import random
 import warnings
+from collections import Counter
 
 import pytest
 
 from evaluate import (
+    aoc_exact_match,
     bleu4,
     bleu_n_precision,
     brevity_penalty,
+    epl_qa_em,
+    epl_qa_f1,
     exact_match,
     mean_scores,
     normalize_answer,
     perplexity,
     prefix_em,
     rouge_l_f1,
+    rouge_pltrdy,
     rouge_n_f1,
     squad_em,
     squad_f1,
@@ -197,6 +205,125 @@ def test_rouge_hand_values():
 
 
 # -----------------------------------------------------------------------------
+# ROUGE vs the `rouge` 1.0.1 package (pltrdy), as the 500x/AOC scripts and EPL's QA evaluator call it
+
+# words with attached punctuation, case variants, repeats, and "." inside words (3.14, e.g.)
+PLTRDY_WORDS = "the The the cat cat, sat on mat a dog Dog ran 3.14 e.g. Paris it's (big) red".split()
+PLTRDY_SEPS = [" "] * 8 + ["  ", "\n", "\t", ".", ". ", " . ", "...", ". \n"]
+
+PLTRDY_HAND_CASES = [
+    ("the cat sat on the mat", "the cat sat on the mat"),
+    ("the the the", "the cat"),                        # sets: P = 1/1
+    ("a b", "b a. b"),                                # which LCS is picked decides rouge-l
+    ("The cat. It sat on the mat.", "The cat sat. It sat on the mat"),
+    ("Paris. ", "Paris"),                             # the empty word after the last "."
+    ("   ", "  "),                                    # whitespace only: the word "" on each side
+    ("   ", "Paris"),
+    (" . . ", "Paris. Lyon"),
+    ("Paris, France", "Paris"),                       # "Paris," != "Paris"
+    ("It costs 3.14 dollars", "It costs 3.15 dollars"),   # "." splits numbers
+    ("a", "a b c"),                                   # no bigram on one side -> rouge-2 P = 0
+    ("x y z", "a b c"),
+]
+
+
+def random_text_pairs(n_pairs, seed):
+    """Seeded (hypothesis, reference) strings: a random reference of words and separators, and a
+    hypothesis that is either independent or a copy with words dropped, changed or inserted."""
+    rng = random.Random(seed)
+
+    def piece():
+        return [rng.choice(PLTRDY_WORDS), rng.choice(PLTRDY_SEPS)]
+
+    pairs = []
+    for _ in range(n_pairs):
+        ref = [p for _ in range(rng.randint(0, 14)) for p in piece()]
+        if rng.random() < 0.3:
+            hyp = [p for _ in range(rng.randint(0, 14)) for p in piece()]
+        else:
+            hyp = []
+            for i in range(0, len(ref), 2):
+                r = rng.random()
+                if r < 0.1:
+                    continue
+                hyp += piece() if r < 0.25 else ref[i : i + 2]
+                if rng.random() < 0.05:
+                    hyp += piece()
+        pairs.append(("".join(hyp), "".join(ref)))
+    return pairs
+
+
+@pytest.fixture
+def pltrdy():
+    """The `rouge` 1.0.1 package (pltrdy; not rouge-score). Skips only the tests that need it."""
+    rouge = pytest.importorskip("rouge")
+    assert importlib.metadata.version("rouge") == "1.0.1"  # the version the papers' scripts pin
+    return rouge
+
+
+def package_scores(pltrdy, hyp, ref):
+    """Rouge().get_scores(hyp, ref)[0], or None where the package raises (an empty side)."""
+    try:
+        return pltrdy.Rouge().get_scores(hyp, ref)[0]
+    except ValueError:
+        return None
+
+
+def test_rouge_pltrdy_matches_the_package(pltrdy):
+    pairs = PLTRDY_HAND_CASES + random_text_pairs(600, seed=1)
+    zeros, positive = 0, Counter()
+    for hyp, ref in pairs:
+        ours, theirs = rouge_pltrdy(hyp, ref), package_scores(pltrdy, hyp, ref)
+        if theirs is None:  # "" or only "."s on a side: the package raises, we score 0
+            zeros += 1
+            assert all(v == 0.0 for m in ours.values() for v in m.values()), (hyp, ref)
+            continue
+        assert ours.keys() == theirs.keys(), (hyp, ref)
+        for metric in theirs:
+            for stat in ("r", "p", "f"):
+                assert abs(ours[metric][stat] - theirs[metric][stat]) < 1e-9, (hyp, ref, metric, stat)
+            assert ours[metric] == theirs[metric], (hyp, ref, metric)  # in fact, to the last bit
+            positive[metric] += ours[metric]["f"] > 0.2
+    # the comparison must cover the empty cases and plenty of non-trivial scores of each kind
+    assert zeros > 10 and min(positive.values()) > 200, (zeros, positive)
+
+
+def test_rouge_pltrdy_hand_values(pltrdy):
+    s = rouge_pltrdy("the the the", "the cat")  # unique unigrams: {the} vs {the, cat}
+    assert (s["rouge-1"]["p"], s["rouge-1"]["r"]) == (1.0, 0.5)
+    assert s["rouge-1"]["f"] == 2.0 * (0.5 / (1.5 + 1e-8))  # F = 2PR / (P + R + 1e-8)
+    assert rouge_pltrdy("a b", "a b")["rouge-1"]["f"] == pytest.approx(0.999999995, abs=1e-15)  # not 1
+    # rouge-l over sentences: LCS("b a", "a b") picks "b", LCS("b", "a b") = "b"; union {b} of the
+    # distinct words {a, b} on each side -> P = R = 1/2 (had the first pick been "a", it would be 1)
+    s = rouge_pltrdy("b a. b", "a b")
+    assert (s["rouge-l"]["p"], s["rouge-l"]["r"]) == (0.5, 0.5)
+    s = rouge_pltrdy("b a. a", "a b")
+    assert (s["rouge-l"]["p"], s["rouge-l"]["r"]) == (1.0, 1.0)
+    # "Paris. " has the words [Paris, ""]: P = 1/2 against "Paris"
+    assert rouge_pltrdy("Paris. ", "Paris")["rouge-1"]["p"] == 0.5
+    assert rouge_pltrdy("Paris.", "Paris")["rouge-1"]["p"] == 1.0
+    # case-sensitive, punctuation other than "." kept on the word
+    assert rouge_pltrdy("The cat", "the cat")["rouge-1"]["p"] == 0.5
+    assert rouge_pltrdy("cat,", "cat")["rouge-1"]["f"] == 0.0
+    # bigrams run across the sentence end: [a, b, c] -> (a b), (b c)
+    assert rouge_pltrdy("a b. c", "a b c")["rouge-2"]["p"] == 1.0
+    # empty: 0.0 everywhere where the package raises
+    for hyp, ref in [("", "a"), ("...", "a"), ("a", ""), ("", "")]:
+        assert all(v == 0.0 for m in rouge_pltrdy(hyp, ref).values() for v in m.values())
+    with pytest.raises(ValueError, match="Hypothesis is empty"):
+        pltrdy.Rouge().get_scores("...", "a")
+
+
+def test_rouge_pltrdy_has_no_recursion_limit(pltrdy):
+    """The package backtracks its LCS recursively: two 1000-word sentences with no word in common
+    raise RecursionError there (EPL's evaluator would score such a generation 0.0). Here: the score."""
+    hyp, ref = " ".join(f"h{i}" for i in range(1000)), " ".join(f"r{i}" for i in range(1000))
+    with pytest.raises(RecursionError):
+        pltrdy.Rouge().get_scores(hyp, ref)
+    assert rouge_pltrdy(hyp, ref)["rouge-l"] == {"r": 0.0, "p": 0.0, "f": 0.0}
+
+
+# -----------------------------------------------------------------------------
 # SQuAD normalisation, EM and F1 (official v1.1 rules, values worked by hand)
 
 
@@ -235,6 +362,25 @@ def test_unnormalised_qa_metrics():
     assert token_f1("a b", ["c", "a b"]) == 1.0 and token_f1("", "") == 0.0
 
 
+def test_epl_qa_metrics(pltrdy):
+    """EPL's "F1" is pltrdy ROUGE-1 F against answers[0] only; its EM is raw equality with answers[0]."""
+    rouge = pltrdy.Rouge()
+    for gen, answers in [("in Paris", ["Paris"]), ("Paris , France", ["Paris, France", "x"]),
+                         ("the the cat", "the cat sat"), ("Paris.", ["Paris"]), ("It is 3.14", ["3.14"])]:
+        expected = rouge.get_scores(gen, answers if isinstance(answers, str) else answers[0])[0]["rouge-1"]["f"]
+        assert epl_qa_f1(gen, answers) == expected, (gen, answers)
+    # in Paris vs Paris: P = 1/2, R = 1 -> 2 * (1/2) / (3/2 + 1e-8)
+    assert epl_qa_f1("in Paris", ["Paris"]) == 2.0 * (0.5 / (1.5 + 1e-8))
+    assert epl_qa_f1("Lyon", ["Paris", "Lyon"]) == 0.0        # answers[0] only, no max
+    assert epl_qa_f1("paris", ["Paris"]) == 0.0               # case-sensitive
+    assert epl_qa_f1("", ["Paris"]) == 0.0 and epl_qa_f1("...", ["Paris"]) == 0.0   # the package raises
+    assert epl_qa_f1("Paris", []) == 0.0
+    assert epl_qa_em("Paris", ["Paris", "Lyon"]) == 1.0 and epl_qa_em("Paris", "Paris") == 1.0
+    assert epl_qa_em("Lyon", ["Paris", "Lyon"]) == 0.0        # answers[0] only
+    assert epl_qa_em("Paris ", ["Paris"]) == 0.0 and exact_match("Paris ", ["Paris"]) == 1.0   # no strip
+    assert epl_qa_em("paris", ["Paris"]) == 0.0 and epl_qa_em("", [""]) == 1.0 and epl_qa_em("x", []) == 0.0
+
+
 def test_substring_acc():
     assert substring_acc("I think it is the Eiffel Tower.", ["eiffel tower"]) == 1.0
     assert substring_acc("I think it is the Eiffel Tower.", ["Louvre", "The Eiffel tower!"]) == 1.0
@@ -261,6 +407,23 @@ def test_prefix_em_vs_token_accuracy():
     assert prefix_em([], []) == 1.0 and token_accuracy([], []) == 1.0
     assert prefix_em([1], []) == 0.0 and token_accuracy([1], []) == 0.0
     assert prefix_em([], [1]) == 0.0 and token_accuracy([], [1]) == 0.0
+
+
+def test_aoc_exact_match():
+    """AOC util_funs.compute_exact_match, worked by hand: common character prefix / len(reference)."""
+    assert aoc_exact_match("The cat sat.", "The cat sat.") == 1.0
+    assert aoc_exact_match("The cat sat. And more", "The cat sat.") == 1.0   # trailing text is free
+    assert aoc_exact_match("The cat", "The cat sat.") == 7 / 12              # a strict prefix
+    assert aoc_exact_match("The dog sat.", "The cat sat.") == 4 / 12         # "The " then c != d
+    assert aoc_exact_match("the cat sat.", "The cat sat.") == 0.0            # case counts
+    assert aoc_exact_match("The  cat sat.", "The cat sat.") == 4 / 12        # inner whitespace counts
+    assert aoc_exact_match("  The cat\n", "\tThe cat sat. ") == 7 / 12       # both sides are stripped
+    # characters, not tokens: one wrong letter late in a word keeps the prefix before it
+    assert aoc_exact_match("abcX", "abcd") == 0.75
+    # empty after strip (the original raises): both -> 1.0, either one alone -> 0.0
+    assert aoc_exact_match("", "") == 1.0 and aoc_exact_match(" \n", "  ") == 1.0
+    assert aoc_exact_match("", "abc") == 0.0 and aoc_exact_match("  ", "abc") == 0.0
+    assert aoc_exact_match("abc", "") == 0.0
 
 
 # -----------------------------------------------------------------------------
