@@ -50,45 +50,62 @@ from model import load_pretrained
 
 # ---- arguments ----
 
-# Each paper's training recipe; any flag overrides it. "ours" marks a value the paper does not give.
-# lengths = (shortest, longest) text |X| in tokens per example (pretrain compresses the first half, ae all
-# of it), at the preset's chunk length; `qa` holds what changes for fine-tuning (--objective qa).
+# Each paper's training recipe; any flag overrides it. "ours" marks a value the paper and its code do not give.
+# lengths = (shortest, longest) text |X| in tokens per example (pretrain compresses the first half, ae all of
+# it), at the preset's chunk length. A key named after an objective holds what changes for it (--objective qa:
+# fine-tuning); such a row may also change compressor settings, e.g. the original 500x regenerates from [BOS].
 PAPER_DEFAULTS = {
-    # EPL App. C, Table 8 (ICAE continued pretraining, 1B/3B): AdamW β=(0.9, 0.95), wd 0.1, lr 1e-4 pretrain /
-    # 5e-5 fine-tune, constant schedule, warmup 300, batch 16, 20k steps, clip 2.0; |X| ∈ [510, 2040], α = 0.5
+    # EPL App. C, Table 8 and code (ICAE continued pretraining, 1B/3B): AdamW β=(0.9, 0.95), wd 0.1, lr 1e-4
+    # pretrain / 5e-5 fine-tune, constant schedule, warmup 300, batch 16, 20k steps, clip 2.0; |X| ∈ [510, 2040],
+    # α = 0.5 (the code averages the two losses 1:1)
     "icae": dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, schedule="constant",
-                 warmup=300, batch_size=16, clip=2.0, steps=20000, lengths=(510, 2040), lm_weight=0.5,
+                 warmup=300, batch_size=16, clip=2.0, steps=20000, lengths=(510, 2040), lm_weight=0.5, crop="window",
                  qa=dict(lr=5e-5)),
-    # EPL App. C, Table 8: the same recipe for 500xCompressor
+    # EPL App. C, Table 8: the same recipe for 500xCompressor (EPL's 500xCompressor branch). `ae`: the original
+    # 500xCompressor code (train_500xCompressor.py): AE only from [BOS], memory tokens N(0, 1), no BOS in the
+    # context, LoRA r 64, α 32, dropout 0.05 (PEFT's default q, v), lr 1e-4, HF Trainer's AdamW (wd 0, clip 1.0),
+    # constant after 300 warmup steps, texts cut to their first 500 tokens
     "500x": dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, schedule="constant",
-                 warmup=300, batch_size=16, clip=2.0, steps=20000, lengths=(510, 2040), lm_weight=0.5,
-                 qa=dict(lr=5e-5)),
-    # PIC §4.1.2: lr 1e-4, full fine-tuning of the compressor; Eq. (8): λ = 0.5. The rest is not given: EPL's
-    # recipe and |X| range at PIC's 512-token chunks (ours)
-    "pcc": dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, schedule="constant",
-                warmup=300, batch_size=16, clip=2.0, steps=20000, lengths=(512, 2048), lm_weight=0.5, qa=dict()),
-    "pic": dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, schedule="constant",
-                warmup=300, batch_size=16, clip=2.0, steps=20000, lengths=(512, 2048), lm_weight=0.5, qa=dict()),
+                 warmup=300, batch_size=16, clip=2.0, steps=20000, lengths=(510, 2040), lm_weight=0.5, crop="window",
+                 qa=dict(lr=5e-5),
+                 ae=dict(betas=(0.9, 0.999), weight_decay=0.0, clip=1.0, lengths=(500, 500), crop="head",
+                         ae_token="bos", lm_token="bos", mem_init="normal", bos=False, lora_r=64, lora_alpha=32,
+                         lora_dropout=0.05, template="plain")),
+    # PCC code (PIC §3.4: "we align our training pipeline with the established PCC framework"): AdamW β=(0.9,
+    # 0.999), wd 0, lr 1e-4 (PIC §4.1.2 too), cosine after 300 warmup steps, clip 0.5, batch 256; 256-token
+    # texts to compress (|X| = 512: p = 256, then its continuation). QA fine-tuning: lr 5e-5, cosine, warmup 100,
+    # batch 128. Steps: one epoch in the paper (ours: 20k)
+    "pcc": dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="cosine",
+                warmup=300, batch_size=256, clip=0.5, steps=20000, lengths=(512, 512), lm_weight=0.5, crop="window",
+                qa=dict(lr=5e-5, warmup=100, batch_size=128)),
+    "pic": dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="cosine",
+                warmup=300, batch_size=256, clip=0.5, steps=20000, lengths=(512, 512), lm_weight=0.5, crop="window",
+                qa=dict(lr=5e-5, warmup=100, batch_size=128)),
     # CompLLM §4.1: Adam (= AdamW with weight decay 0), lr 1e-4, batch 4, "until convergence". Schedule, warmup,
     # clip, steps and the |X| range for --objective pretrain/ae are ours
     "compllm": dict(objective="distill", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="constant",
-                    warmup=0, batch_size=4, clip=1.0, steps=20000, lengths=(510, 2040), lm_weight=0.5, qa=dict()),
+                    warmup=0, batch_size=4, clip=1.0, steps=20000, lengths=(510, 2040), lm_weight=0.5, crop="window",
+                    qa=dict()),
     # GMSA App. C, Table 3: AdamW, linear schedule, clip 2.0, batch 4 (AE) / 16 (KEFT); 10k AE / 5k KEFT steps
-    # (PwC). Its learning rates are not legible in our copy of the paper: 1e-4 (AE) / 1e-5 (KEFT) are ours, as
-    # are betas, weight decay (PyTorch's AdamW defaults), warmup, and |X| around PwC's 609-token average (App. D)
+    # (PwC); texts of at most 512 tokens for PwC (§4.1), QA contexts up to 3072. Its learning rates are not
+    # legible in our copy of the paper: 1e-4 (AE) / 1e-5 (KEFT) are ours, as are betas, weight decay (PyTorch's
+    # AdamW defaults), warmup, and the shortest text
     "gmsa": dict(objective="ae", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01, schedule="linear",
-                 warmup=300, batch_size=4, clip=2.0, steps=10000, lengths=(256, 1024), lm_weight=0.5,
-                 qa=dict(lr=1e-5, batch_size=16, steps=5000)),
-    # AOC §2-3: AdamW (PyTorch's: betas, weight decay as its defaults), 300 warmup steps to lr 2e-4; prompts of
-    # n ∈ {96, 192, 288, 384, 480} tokens, which we sample uniformly in [96, 480]. Schedule after warmup,
-    # batch, clip and steps are ours
-    "aoc": dict(objective="ae", lr=2e-4, betas=(0.9, 0.999), weight_decay=0.01, schedule="constant",
-                warmup=300, batch_size=16, clip=2.0, steps=20000, lengths=(96, 480), lm_weight=0.5, qa=dict()),
+                 warmup=300, batch_size=4, clip=2.0, steps=10000, lengths=(256, 512), lm_weight=0.5, crop="window",
+                 qa=dict(lr=1e-5, batch_size=16, steps=5000, lengths=(256, 3072))),
+    # AOC §2 and code (pretrain_and_eval.py, HF Trainer defaults): AdamW β=(0.9, 0.999), wd 0, 300 warmup steps to
+    # lr 2e-4 (the paper; the code's default is 5e-4), then constant; clip 1.0; batch 16; one model per prompt
+    # length n: every text is the first n tokens of a document (head crop, a short one padded with EOS and
+    # trained on), n = 96 in the code; 300k abstracts at batch 16 = 18,750 steps
+    "aoc": dict(objective="ae", lr=2e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="constant",
+                warmup=300, batch_size=16, clip=1.0, steps=18750, lengths=(96, 96), lm_weight=0.5, crop="head",
+                qa=dict()),
 }
 # --model tiny is a CPU smoke test (ours): a quarter of the paper's lengths and batch 4 keep a step near 0.2 s
 TINY = dict(length_scale=0.25, batch_size=4)
 # flags that may change when a run is continued with --resume; every other flag must match the checkpoint
-RUN_FLAGS = {"resume", "out", "steps", "stop_after", "save_every", "micro_batch", "compile", "device", "cache_dir"}
+RUN_FLAGS = {"resume", "out", "steps", "stop_after", "save_every", "keep_every", "micro_batch", "compile",
+             "grad_ckpt", "device", "cache_dir"}
 EXAMPLES = """examples:
   python train.py --method aoc --mem 16 --model tiny --steps 1000 --out runs/aoc       # CPU quickstart
   python train.py --method aoc --mem 16 --model meta-llama/Llama-3.2-1B-Instruct --data corpus/ --steps 20000
@@ -97,8 +114,11 @@ EXAMPLES = """examples:
   python train.py --method gmsa --stage keft --init runs/gmsa --data qa.jsonl --out runs/gmsa-keft
   python train.py --resume runs/aoc --stop-after 4000                                  # time-sliced jobs
   torchrun --nproc_per_node 8 train.py --method icae ...                               # one process per GPU"""
+# every compressor axis (compressors.CompressorConfig) that a flag can set
 COMPRESSOR_FLAGS = ("mem", "ratio", "ratios", "layout", "mask", "carrier", "bridge", "encoder", "mlp", "chunk_len",
-                    "lora_r", "lora_alpha", "enc_layers")
+                    "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "enc_layers", "mem_init", "cap_mem", "bos",
+                    "delimiters", "ae_token", "lm_token", "train_specials", "template")
+RECIPE_FLAGS = ("lr", "betas", "weight_decay", "schedule", "batch_size", "clip", "steps", "lm_weight", "crop")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,9 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "start it from the stage-1 run with --init (default: ae)")
     g.add_argument("--init", help="start from the compressor of a finished run (its --out): QA fine-tuning "
                    "after pretraining, GMSA KEFT after stage 1. The compressor settings come from that run")
-    g.add_argument("--data", help="plain text (.txt, any other extension) or JSON lines (.jsonl: {\"text\"} or "
-                   "{\"context\", \"question\", \"answer\"}), a folder of them, or hf://datasets/OWNER/NAME/PATH "
-                   "(one file of a hub data set). Default: a small built-in corpus")
+    g.add_argument("--data", help="plain text (.txt, any other extension), JSON lines (.jsonl) or Parquet (.parquet, "
+                   "needs pyarrow) with a \"text\" column or \"context\", \"question\", \"answer\" (SQuAD's "
+                   "{\"text\": [...]} answers too), a folder of them, or hf://datasets/OWNER/NAME/PATH (one file "
+                   "of a hub data set). Default: a small built-in corpus")
     g.add_argument("--out", help="run directory: checkpoints, log.jsonl, token cache (default: runs/METHOD, or "
                    "the --resume directory)")
 
@@ -149,6 +170,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora-r", type=int, help="LoRA rank (EPL 128, CompLLM 32)")
     g.add_argument("--lora-alpha", type=int, help="LoRA alpha (EPL 256)")
     g.add_argument("--enc-layers", type=int, help="first_k encoder: layers kept (GMSA: 8 of 32)")
+    g.add_argument("--lora-dropout", type=float, help="dropout on the LoRA branch (ICAE, AOC's LoRA baselines: 0.05)")
+    g.add_argument("--lora-targets", nargs="+", metavar="NAME", help="linear layers that get LoRA (EPL: q_proj "
+                   "v_proj; AOC's baselines: q_proj k_proj v_proj o_proj)")
+    g.add_argument("--mem-init", choices=("embed", "normal", "hf"), help="memory and learned special tokens: "
+                   "N(mean, std of the embedding table) (EPL), N(0, 1) (ICAE, 500x, AOC) or N(0, 0.02) (PCC)")
+    g.add_argument("--cap-mem", action=argparse.BooleanOptionalAction, help="ours: a chunk shorter than --mem "
+                   "gets as many slots as tokens (the papers' code gives it all --mem)")
+    g.add_argument("--bos", action=argparse.BooleanOptionalAction, help="the context starts with [BOS] and AE "
+                   "reconstructs it (ICAE, EPL code)")
+    g.add_argument("--delimiters", action=argparse.BooleanOptionalAction, help="PCC: [BOS] and <mem> ... </mem> "
+                   "around each chunk's memory in the decoder input")
+    g.add_argument("--ae-token", choices=("learned", "bos", "none"), help="after the memory for AE: a learned [AE] "
+                   "(ICAE, EPL), [BOS] (500x, AOC) or nothing")
+    g.add_argument("--lm-token", choices=("learned", "bos", "last", "none"), help="after the memory for LM and "
+                   "QA: a learned [LM] (EPL), [BOS], x_k (PIC Eq. 7) or nothing (CompLLM)")
+    g.add_argument("--train-specials", action=argparse.BooleanOptionalAction, help="learned [AE]/[LM] and "
+                   "delimiters train (PCC code keeps them random and frozen)")
+    g.add_argument("--template", choices=("plain", "pcc", "epl", "chat", "chatml", "llama3", "gemma"),
+                   help="QA prompt around context and question (compressors.TEMPLATES; chat: the model's own)")
 
     g = p.add_argument_group("optimization (default: the method's row in the table below)")
     g.add_argument("--steps", type=int, help="optimizer steps of the whole run")
@@ -169,8 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-len", type=int, help="shortest text |X| in tokens (default: the paper's, scaled "
                    "down with a shorter --chunk-len and for --model tiny)")
     g.add_argument("--max-len", type=int, help="longest text |X|; also caps QA contexts")
-    g.add_argument("--answer-tokens", type=int, default=64, help="distill: longest answer the frozen LLM "
-                   "generates as the teacher (ours; default 64)")
+    g.add_argument("--crop", choices=("window", "head"), help="how a text is cut from a document: a window of "
+                   "|X| tokens at a random offset, or its first --max-len tokens, a short document padded with EOS "
+                   "(AOC code: one model per prompt length). Default per method")
+    g.add_argument("--answer-tokens", type=int, default=512, help="distill: longest answer the frozen LLM "
+                   "generates as the teacher (CompLLM's answers average 149-273 tokens; default 512)")
     g.add_argument("--cache-dir", help="token and teacher-answer cache (default: OUT/cache)")
 
     g = p.add_argument_group("run")
@@ -181,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "--cache-dir may change")
     g.add_argument("--stop-after", type=int, help="end cleanly with a checkpoint after step K (time-sliced "
                    "jobs); continue with --resume")
+    g.add_argument("--keep-every", type=int, help="also keep the checkpoint of every K-th step (PIC §4.3.2 "
+                   "fine-tunes checkpoints taken during pretraining); default: only the newest is kept")
+    g.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per transformer block "
+                   "(encoder and decoder): less memory, about a third more compute")
     g.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
     g.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     return p
@@ -231,6 +278,14 @@ def parse_args(argv=None):
 
 def resolve_defaults(args):
     """Fill every flag left unset from the method's paper recipe (PAPER_DEFAULTS), scaled for small runs."""
+    paper = dict(PAPER_DEFAULTS[args.method])
+    if args.objective is None:
+        args.objective = "qa" if args.stage == "keft" else paper["objective"]
+    paper.update(paper.get(args.objective, {}))   # what changes for this objective (fine-tuning, the original 500x)
+    if not args.init:   # compressor settings the recipe row changes, unless a flag sets them
+        for k in COMPRESSOR_FLAGS:
+            if getattr(args, k) is None and k in paper:
+                setattr(args, k, list(paper[k]) if isinstance(paper[k], tuple) else paper[k])
     try:   # validates the compressor flags before any model is loaded
         cfg = asdict(C.make_config(args.method, **{k: getattr(args, k) for k in COMPRESSOR_FLAGS}))
         if args.init:   # the models and compressor settings are the --init run's
@@ -246,13 +301,8 @@ def resolve_defaults(args):
                 fail(f"--init {args.init} was trained with {k}={cfg[k]}: drop --{k.replace('_', '-')}")
         args.model = cfg["compressor_model"] or cfg["model"]
         args.decoder = cfg["model"] if cfg["compressor_model"] else None
-    paper = dict(PAPER_DEFAULTS[args.method])
-    if args.objective is None:
-        args.objective = "qa" if args.stage == "keft" else paper["objective"]
-    if args.objective == "qa":
-        paper.update(paper["qa"])                   # fine-tuning recipe (EPL 5e-5; GMSA KEFT lr, batch, steps)
     tiny = args.model == "tiny" and args.decoder is None
-    for k in ("lr", "betas", "weight_decay", "schedule", "batch_size", "clip", "steps", "lm_weight"):
+    for k in RECIPE_FLAGS:
         if getattr(args, k) is None:
             v = TINY[k] if tiny and k in TINY else paper[k]
             setattr(args, k, list(v) if isinstance(v, tuple) else v)   # a list, as argparse gives --betas
@@ -263,8 +313,11 @@ def resolve_defaults(args):
     scale = min(1.0, cfg["chunk_len"] / C.PRESETS[args.method].get("chunk_len", C.CompressorConfig.chunk_len))
     scale *= TINY["length_scale"] if tiny else 1
     lo, hi = paper["lengths"]
-    args.min_len = args.min_len or max(2, round(lo * scale))
-    args.max_len = args.max_len or max(args.min_len, round(hi * scale))
+    args.max_len = args.max_len or max(args.min_len or 2, round(hi * scale))
+    if args.crop == "head":   # AOC: every text is the first n = --max-len tokens of its document
+        args.min_len = args.max_len
+    else:
+        args.min_len = args.min_len or min(args.max_len, max(2, round(lo * scale)))
     if not 2 <= args.min_len <= args.max_len:
         fail(f"need 2 <= --min-len <= --max-len, got {args.min_len} and {args.max_len}")
     args.out = args.out or os.path.join("runs", args.method)
@@ -349,33 +402,66 @@ def read_corpus(path):
     if not os.path.exists(path):
         fail(f"data path '{path}' does not exist")
     files = [path] if os.path.isfile(path) else sorted(
-        f for ext in ("txt", "jsonl") for f in glob(os.path.join(path, "**", f"*.{ext}"), recursive=True))
+        f for ext in ("txt", "jsonl", "parquet") for f in glob(os.path.join(path, "**", f"*.{ext}"), recursive=True))
     texts, qa = [], []
     for f in files:
-        if f.endswith(".jsonl"):
-            with open(f, encoding="utf-8", errors="replace") as fh:
-                for i, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        fail(f"{f} line {i} is not JSON ({e.msg})")
-                    if isinstance(rec, dict) and isinstance(rec.get("text"), str):
-                        texts.append(rec["text"])
-                    elif isinstance(rec, dict) and {"context", "question", "answer"} <= rec.keys():
-                        answer = rec["answer"][0] if isinstance(rec["answer"], list) else rec["answer"]
-                        qa.append((rec["context"], rec["question"], str(answer)))
-                    else:
-                        fail(f'{f} line {i}: expected {{"text"}} or {{"context", "question", "answer"}}')
+        if f.endswith((".jsonl", ".parquet")):
+            for where, rec in records(f):
+                kind = record_kind(rec)
+                if kind is None:
+                    fail(f'{f} {where}: expected {{"text"}} or {{"context", "question", "answer"}}')
+                if kind == "text":
+                    texts.append(rec["text"])
+                else:
+                    qa.append((rec["context"], rec["question"], first_answer(rec["answer"])))
         else:
             with open(f, encoding="utf-8", errors="replace") as fh:
                 texts.append(fh.read())   # a whole file is one document: windows never straddle two files
     texts = [t for t in texts if t.strip()]
     if not texts and not qa:
-        fail(f"no text in '{path}' (empty files, or a folder without .txt / .jsonl files)")
+        fail(f"no text in '{path}' (empty files, or a folder without .txt / .jsonl / .parquet files)")
     identity = json.dumps([(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files])
     return texts, qa, identity
+
+
+def records(path):
+    """(where, record) for every row of a .jsonl or .parquet file; a bad line is a one-line error."""
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            fail(f"reading {path} needs pyarrow: pip install pyarrow")
+        for i, rec in enumerate(pq.read_table(path).to_pylist(), 1):
+            yield f"row {i}", rec
+        return
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for i, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"line {i}", json.loads(line)
+            except json.JSONDecodeError as e:
+                fail(f"{path} line {i} is not JSON ({e.msg})")
+
+
+def record_kind(rec):
+    """"text", "qa" or None (not a record train.py reads)."""
+    if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+        return "text"
+    if isinstance(rec, dict) and {"context", "question", "answer"} <= rec.keys():
+        return "qa"
+    if isinstance(rec, dict) and {"context", "question", "answers"} <= rec.keys():   # SQuAD on the hub
+        rec["answer"] = rec["answers"]
+        return "qa"
+    return None
+
+
+def first_answer(answer):
+    """A str, a list of str, or SQuAD's {"text": [...], "answer_start": [...]}: the first answer, as QA training
+    uses answers[0] (EPL code)."""
+    if isinstance(answer, dict):
+        answer = answer.get("text", [""])
+    return str(answer[0] if isinstance(answer, (list, tuple)) and answer else answer)
 
 
 def hub_file(url):
@@ -392,21 +478,23 @@ def hub_file(url):
 
 
 def tokenize_corpus(texts, qa, identity, comp, cache_dir):
-    """Tokenise every document once and cache the ids, keyed by the data and the tokenizers. Texts become one
-    flat tensor of decoder ids plus offsets (document d is tokens[offsets[d]:offsets[d + 1]]); QA triples keep
-    decoder ids, and their contexts also compressor ids when the compressor has a tokenizer of its own."""
+    """Tokenise every document once and cache the ids, keyed by the data, the tokenizers and the QA template.
+    Texts become one flat tensor of decoder ids plus offsets (document d is tokens[offsets[d]:offsets[d + 1]]);
+    QA triples become the template's pieces (Compressor.qa_parts): prefix, the context for the decoder and for
+    the compressor, the prompt after it, and the answer."""
     tok, enc_tok = comp.tok, comp.enc_tok
     vocab = tok.tk.to_str() + ("" if enc_tok is tok else enc_tok.tk.to_str())
-    key = hashlib.sha256((identity + vocab).encode()).hexdigest()[:16]
+    key = hashlib.sha256((identity + vocab + json.dumps(comp.template())).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir, f"tokens-{key}.pt")
     if os.path.exists(path):
         return torch.load(path, weights_only=True), key
     as_ids = lambda s, t=tok: torch.tensor(t.encode(s), dtype=torch.int32)
     docs = [d for d in map(as_ids, tqdm(texts, desc="tokenizing", disable=len(texts) < 1000)) if len(d) >= 2]
     offsets = torch.tensor([0] + [len(d) for d in docs], dtype=torch.int64).cumsum(0)   # (n_docs + 1,)
+    pieces = [{**{k: torch.tensor(v, dtype=torch.int32) for k, v in comp.qa_parts(c, q).items()},
+               "answer": as_ids(a)} for c, q, a in qa]
     data = {"tokens": torch.cat(docs) if docs else torch.zeros(0, dtype=torch.int32), "offsets": offsets,
-            "qa": [(as_ids(c), None if enc_tok is tok else as_ids(c, enc_tok), as_ids(q), as_ids(a))
-                   for c, q, a in qa]}
+            "qa": pieces}
     os.makedirs(cache_dir, exist_ok=True)
     # atomic: a killed run never leaves half a cache behind (one temp file per process: DDP ranks all write)
     torch.save(data, f"{path}.{os.getpid()}.tmp")
@@ -418,26 +506,35 @@ def sample_example(data, objective, rng, args, comp):
     """One training example, drawn with `rng`. Context ids are the compressor's, everything else the decoder's."""
     eos = comp.tok.eos_id
     if objective in ("qa", "distill"):
-        ctx, enc_ctx, q, a = data["qa"][rng.integers(len(data["qa"]))]
-        enc_ctx = ctx if enc_ctx is None else enc_ctx                    # one tokenizer: the same ids
-        ctx, enc_ctx = ctx[:args.max_len].tolist(), enc_ctx[:args.max_len].tolist()   # cut at --max-len (ours)
+        ex = {k: v.tolist() for k, v in data["qa"][rng.integers(len(data["qa"]))].items()}
+        # contexts cut at --max-len (ours)
+        ctx, enc_ctx = ex["dec_context"][:args.max_len], ex["enc_context"][:args.max_len]
         if objective == "distill":   # the answer is the teacher's own (teacher_answer), not the data set's
-            return dict(context=enc_ctx, dec_context=ctx, question=q.tolist())
-        # [memory; [LM]; question] -> answer: the loss covers answer + EOS only
-        return dict(context=enc_ctx, qa=q.tolist() + a.tolist() + [eos], n_answer=len(a) + 1)
-    # the document of a random token (so each with probability proportional to its length), then a window
-    # of |X| tokens at a random offset inside it: a text never straddles two documents
+            return dict(context=enc_ctx, dec_context=ctx, prefix=ex["prefix"], question=ex["prompt"])
+        # [prefix; memory; [LM]; prompt] -> answer: the loss covers answer + EOS only (EPL code)
+        return dict(context=enc_ctx, prefix=ex["prefix"], qa=ex["prompt"] + ex["answer"] + [eos],
+                    n_answer=len(ex["answer"]) + 1)
     offsets = data["offsets"]
-    d = int(torch.searchsorted(offsets, int(rng.integers(offsets[-1])), right=True)) - 1
-    lo, hi = int(offsets[d]), int(offsets[d + 1])
-    n = min(int(rng.integers(args.min_len, args.max_len + 1)), hi - lo)   # a short document gives a short text
-    start = lo + int(rng.integers(0, hi - lo - n + 1))
-    x = data["tokens"][start:start + n].tolist()
-    if objective == "ae":   # ICAE AE / AOC Eq. (4): regenerate all of X, then stop
-        return dict(context=comp.encoder_ids(x), ae=x + [eos])
-    # pretrain (EPL App. C): compress the first p = ⌊|X|/2⌋ tokens, reconstruct them and continue with the rest
+    if args.crop == "head":
+        # AOC code: each text is the first n tokens of a document (tokenizer truncation), a shorter one right-padded
+        # with EOS to n; the padding is compressed and reconstructed like any token (no mask, no -100)
+        d = int(rng.integers(len(offsets) - 1))
+        n = args.max_len
+        x = data["tokens"][offsets[d]:min(offsets[d] + n, offsets[d + 1])].tolist()
+        x = x + [comp.tok.pad_id if comp.tok.pad_id is not None else eos] * (n - len(x))
+    else:
+        # the document of a random token (so each with probability proportional to its length), then a window
+        # of |X| tokens at a random offset inside it: a text never straddles two documents
+        d = int(torch.searchsorted(offsets, int(rng.integers(offsets[-1])), right=True)) - 1
+        lo, hi = int(offsets[d]), int(offsets[d + 1])
+        n = min(int(rng.integers(args.min_len, args.max_len + 1)), hi - lo)   # a short document gives a short text
+        start = lo + int(rng.integers(0, hi - lo - n + 1))
+        x = data["tokens"][start:start + n].tolist()
+    if objective == "ae":   # ICAE AE / AOC Eq. (4): regenerate all of X, then EOS
+        return dict(context=comp.encoder_ids(x), ae=comp.ae_target(x))
+    # pretrain (EPL code): compress the first p = ⌊|X|/2⌋ tokens, reconstruct them, continue with the rest + EOS
     p = max(1, n // 2)
-    return dict(context=comp.encoder_ids(x[:p]), ae=x[:p] + [eos], lm=x[p:], last=x[p - 1])
+    return dict(context=comp.encoder_ids(x[:p]), ae=comp.ae_target(x[:p]), lm=x[p:] + [eos], last=x[p - 1])
 
 
 def make_batch(data, objective, args, comp, step, indices):
@@ -452,12 +549,13 @@ def make_batch(data, objective, args, comp, step, indices):
     return batch
 
 
-def teacher_answer(comp, cache, context, question, max_new, autocast):
+def teacher_answer(comp, cache, prompt, max_new, autocast):
     """CompLLM §3: the answer the frozen LLM itself gives with the full context (greedy), memoised in `cache`
-    (saved to disk with each checkpoint). Includes the EOS when the LLM stops, so A is never empty."""
-    example_key = hashlib.sha1(json.dumps([context, question]).encode()).hexdigest()[:20]
+    (saved to disk with each checkpoint). prompt: the template's [prefix, context, question] ids, as the student
+    reads them with the context compressed. Includes the EOS when the LLM stops, so A is never empty."""
+    example_key = hashlib.sha1(json.dumps(prompt).encode()).hexdigest()[:20]
     if example_key not in cache:
-        ids = torch.tensor([context + question], device=comp.decoder.lm_head.weight.device)
+        ids = torch.tensor([prompt], device=comp.device)
         with torch.no_grad(), comp.decoding(), autocast:
             out = comp.decoder.generate(ids, max_new_tokens=max_new, eos_id=comp.tok.eos_ids or None)[0].tolist()
         eos = [i for i, t in enumerate(out) if t in comp.tok.eos_ids]
@@ -508,14 +606,14 @@ def loss_ae(comp, b):
 
 def loss_qa(comp, b):
     """QA fine-tuning (EPL §4, GMSA KEFT Eq. 8): [memory; [LM]; question] -> answer, loss on answer + EOS only."""
-    l_qa, _ = comp.lm_loss(comp.compress(b["context"]), "qa", b["qa"], n_supervised=b["n_answer"])
+    l_qa, _ = comp.lm_loss(comp.compress(b["context"]), "qa", b["qa"], n_supervised=b["n_answer"], prefix=b["prefix"])
     return l_qa, {"qa": l_qa}
 
 
 def loss_distill(comp, b):
     """CompLLM Eq. (1)-(3): Σ_ℓ SmoothL1(H̃_ℓ, H_ℓ) / σ_ℓ over the answer tokens, teacher = the LLM with
     the full context, student = the LLM with the concept embeddings."""
-    l, _ = comp.distill_loss(b["context"], b["question"], b["answer"])
+    l, _ = comp.distill_loss(b["context"], b["question"], b["answer"], b["prefix"], b["dec_context"])
     return l, {"distill": l}
 
 
@@ -546,6 +644,8 @@ def main(argv=None):
         comp = build_compressor(args, device, ckpt_dir)
     except (ValueError, OSError) as e:
         fail(e)
+    for model in (comp.encoder, comp.decoder):   # activation checkpointing per block (model.py)
+        model.grad_ckpt = args.grad_ckpt
     if args.compile:
         compile_blocks(comp)
     step_fn = TrainStep(comp, args.objective, args.lm_weight)
@@ -610,17 +710,25 @@ def main(argv=None):
                 first = (m * world + rank) * micro   # this rank's slice of the step's examples
                 batch = make_batch(data, args.objective, args, comp, step, range(first, first + micro))
                 if args.objective == "distill":   # the frozen LLM answers first (once per example, cached)
-                    batch["answer"] = [teacher_answer(comp, answers, c, q, args.answer_tokens, autocast)
-                                       for c, q in zip(batch["dec_context"], batch["question"])]
+                    batch["answer"] = [teacher_answer(comp, answers, p + c + q, args.answer_tokens, autocast)
+                                       for p, c, q in zip(batch["prefix"], batch["dec_context"], batch["question"])]
                     batch["tokens"] += sum(len(c) + len(q) + 2 * len(a) for c, q, a in   # teacher + student
                                            zip(batch["dec_context"], batch["question"], batch["answer"]))
                 # DDP all-reduces gradients after every backward; only the last micro-batch needs it
                 sync = step_fn.no_sync() if world > 1 and m < accum - 1 else nullcontext()
-                with sync, autocast:
-                    loss, part = step_fn(batch)
-                # each micro-batch's loss is a mean over its own tokens; dividing by their number makes the
-                # summed gradients the mean over the whole batch, as if it had been one forward pass
-                (loss / accum).backward()
+                try:
+                    with sync, autocast:
+                        loss, part = step_fn(batch)
+                    # each micro-batch's loss is a mean over its own tokens; dividing by their number makes the
+                    # summed gradients the mean over the whole batch, as if it had been one forward pass
+                    (loss / accum).backward()
+                except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
+                    if not is_out_of_memory(e):
+                        raise
+                    # nothing is saved: the last checkpoint in --out stays the last good state
+                    fail(f"out of memory at step {step + 1} on {device} with a micro-batch of {micro} "
+                         f"({batch_shape(batch)}): use --micro-batch {max(1, micro // 2)}"
+                         f"{'' if args.grad_ckpt else ' or --grad-ckpt'}; the last good checkpoint in {args.out} is kept")
                 total += loss.item() / accum
                 for k, v in part.items():
                     parts[k] = parts.get(k, 0.0) + v.item() / accum
@@ -657,10 +765,10 @@ def main(argv=None):
                 bar.update(1)
             done = step + 1
             # save on schedule, at the end of this job, or when asked to stop: never after a bad step (above)
-            if stop_now or done == end or done % args.save_every == 0:
+            if stop_now or done == end or done % args.save_every == 0 or (args.keep_every and done % args.keep_every == 0):
                 rng = gather_rng_states(world)       # every rank takes part; rank 0 writes
                 if master:
-                    save_checkpoint(args.out, done, comp, opt, args, rng, data_key)
+                    save_checkpoint(args.out, done, comp, opt, args, rng, data_key, args.keep_every)
                     if answers:
                         torch.save(answers, answers_path + ".tmp")
                         os.replace(answers_path + ".tmp", answers_path)
@@ -690,7 +798,19 @@ def main(argv=None):
 #   OUT/args.json, OUT/log.jsonl, OUT/cache/
 
 
-def save_checkpoint(out, step, comp, opt, args, rng, data_key):
+def is_out_of_memory(e) -> bool:
+    """A CUDA OOM, or a CPU allocation failure (PyTorch raises RuntimeError "can't allocate memory")."""
+    return isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or any(
+        m in str(e) for m in ("out of memory", "can't allocate memory"))
+
+
+def batch_shape(batch) -> str:
+    """'contexts 4 x <= 480 tokens, ae 4 x <= 481' : what a micro-batch asks of the GPU."""
+    return ", ".join(f"{'contexts' if k == 'context' else k} {len(batch[k])} x <= {max(map(len, batch[k]))} tokens"
+                     for k in ("context", "ae", "lm", "qa", "answer") if k in batch)
+
+
+def save_checkpoint(out, step, comp, opt, args, rng, data_key, keep_every=None):
     """Write everything a run needs to continue into a temporary directory, then rename it into place: a run
     killed at any moment leaves the previous checkpoint or the new one, never half of one. Then point the
     top-level compressor files at it and drop older checkpoints. (Atomic against a killed process; without
@@ -717,8 +837,11 @@ def save_checkpoint(out, step, comp, opt, args, rng, data_key):
     with open(os.path.join(out, "args.json.tmp"), "w") as f:
         json.dump(vars(args), f, indent=2)
     os.replace(os.path.join(out, "args.json.tmp"), os.path.join(out, "args.json"))
-    for old in glob(os.path.join(out, "ckpt-*")) + glob(os.path.join(out, ".tmp-ckpt-*")):
-        if old != final:
+    for old in glob(os.path.join(out, ".tmp-ckpt-*")):
+        shutil.rmtree(old, ignore_errors=True)
+    for old in glob(os.path.join(out, "ckpt-*")):
+        kept = keep_every and int(old.rpartition("-")[2]) % keep_every == 0   # --keep-every (PIC §4.3.2)
+        if old != final and not kept:
             shutil.rmtree(old, ignore_errors=True)
 
 

@@ -62,17 +62,18 @@ def test_icae_memory_is_final_norm_hidden_states_of_lora_encoder():
                 p.normal_(0, 0.5)
     ids = tok.encode("Compress this short context.")[:12]
     memory = comp.compress([ids])
-    # by hand: [context, memory tokens] through the LoRA'd LLM, causal, positions 0..n+m-1 (DPL)
-    x = torch.cat([dec.model.embed_tokens(torch.tensor(ids)), comp.mem_tokens[:4]])[None]
+    # by hand: [[BOS], context, memory tokens] through the LoRA'd LLM, causal, positions 0..n+m (DPL); the
+    # context starts with [BOS] as in the ICAE and EPL code
+    x = torch.cat([dec.model.embed_tokens(torch.tensor([tok.bos_id] + ids)), comp.mem_tokens[:4]])[None]
     out = dec(inputs_embeds=x, output_hidden_states=True)
-    raw = out.hidden_states[-1][0, len(ids):]
+    raw = out.hidden_states[-1][0, len(ids) + 1:]
     want = dec.model.norm(raw)   # ICAE: the memory is the *final-norm* output
     torch.testing.assert_close(memory.embeds[0], want, rtol=0, atol=1e-5)
     assert (want - raw).abs().max() > 1e-3   # the final norm really is applied
     # ... and the LoRA really is on in the encoder (without it the memory differs)
     from model import lora_disabled
     with lora_disabled(dec):
-        plain = dec.model.norm(dec(inputs_embeds=x, output_hidden_states=True).hidden_states[-1][0, len(ids):])
+        plain = dec.model.norm(dec(inputs_embeds=x, output_hidden_states=True).hidden_states[-1][0, len(ids) + 1:])
     assert (plain - want).abs().max() > 1e-3
 
 
@@ -101,7 +102,9 @@ def test_icae_decoder_is_the_frozen_llm_without_lora_and_only_lora_mem_specials_
 @pytest.mark.parametrize("method", ["500x", "aoc"])
 def test_kv_carrier_decoder_sees_only_memory_kv_at_encoder_positions(method):
     dec, tok = tiny()
-    comp = C.build(method, dec, tok, mem=3, chunk_len=32)
+    # the original 500xCompressor code: AE only, from [BOS], no [BOS] in the context (train.py's 500x `ae` recipe)
+    original = dict(ae_token="bos", bos=False) if method == "500x" else {}
+    comp = C.build(method, dec, tok, mem=3, chunk_len=32, **original)
     ids = tok.encode("Only the memory may reach the decoder.")[:20]
     memory = comp.compress([ids])
     calls = capture(dec, "generate")
@@ -133,7 +136,11 @@ def test_aoc_encoder_has_no_mlp_and_trains_every_weight():
     names = [n for n, _ in comp.encoder.named_parameters()]
     assert not any(".mlp." in n for n in names)                               # AOC Eq. (3)
     assert any("post_attention_layernorm" in n for n in names)                # LN_post is kept (Eq. 3, blue)
-    assert all(p.requires_grad for p in comp.encoder.parameters())           # no LoRA: all trained
+    # AOC code: the prompt is embedded with the frozen LLM's table (self.llm.get_input_embeddings())
+    assert comp.encoder.model.embed_tokens is comp.decoder.model.embed_tokens
+    assert not comp.encoder.model.embed_tokens.weight.requires_grad
+    own = [p for n, p in comp.encoder.named_parameters() if "embed_tokens" not in n and "lm_head" not in n]
+    assert own and all(p.requires_grad for p in own)                         # no LoRA: every block weight trains
     assert not any(p.requires_grad for p in comp.decoder.parameters())       # the decoder is frozen
     # the encoder is a copy, not the decoder: training it leaves the decoder bit-identical
     before = step(comp, [tok.encode("attention only")])
@@ -212,7 +219,7 @@ def test_epl_positions_fed_to_encoder_and_decoder_match_the_paper(carrier):
     # EPL worked example: k = 2 chunks of L = 510, |M| = 102 (r = 5), p = 1020
     dec, tok = tiny()
     method = "icae" if carrier == "embeds" else "500x"
-    comp = C.build(method, dec, tok, mem=102, chunk_len=510, layout="epl", lora_r=2, lora_alpha=4)
+    comp = C.build(method, dec, tok, mem=102, chunk_len=510, layout="epl", lora_r=2, lora_alpha=4, bos=False)
     torch.manual_seed(0)
     ctx = torch.randint(0, 250, (1020,)).tolist()
     enc_calls = capture(dec)   # the LoRA encoder is the decoder module: first call = encoder
@@ -242,7 +249,7 @@ def test_epl_positions_fed_to_encoder_and_decoder_match_the_paper(carrier):
 def test_dpl_icae_decoder_positions_match_the_paper():
     # EPL Table 13, DPL(ICAE): memory 0..203, [AE] 204, x_0..x_1019 at 205..1224
     dec, tok = tiny()
-    comp = C.build("icae", dec, tok, mem=102, chunk_len=510, lora_r=2, lora_alpha=4)
+    comp = C.build("icae", dec, tok, mem=102, chunk_len=510, lora_r=2, lora_alpha=4, bos=False)
     ctx = torch.randint(0, 250, (1020,), generator=torch.Generator().manual_seed(0)).tolist()
     calls = capture(dec)
     with torch.no_grad():
@@ -364,7 +371,10 @@ def test_gmsa_lsa_starts_as_decoder_layer_zero_and_is_independent():
     assert len(comp.lsa.model.layers) == 1 and lsa.keys() == first.keys()
     for k in lsa:
         assert torch.equal(lsa[k], first[k]) and lsa[k].data_ptr() != first[k].data_ptr()
-    assert all(p.requires_grad for p in comp.lsa.parameters())       # GMSA §3.3: fully trained
+    assert all(p.requires_grad for p in comp.lsa.model.layers.parameters())   # GMSA §3.3: fully trained
+    # ... and it borrows the decoder's embedding and lm_head (frozen, never used) instead of carrying its own
+    assert comp.lsa.model.embed_tokens is dec.model.embed_tokens and comp.lsa.lm_head is dec.lm_head
+    assert comp.lsa.model.norm is dec.model.norm and not dec.model.norm.weight.requires_grad   # unused as well
     before = step(comp, [tok.encode("group merging and alignment")])
     assert any(n.startswith("lsa.") for n in changed(comp, before))
     assert not any(n.startswith("decoder.") for n in changed(comp, before))
@@ -434,3 +444,155 @@ def test_gmsa_ratio_fixes_the_group_size():
     comp = C.Compressor(cfg, *tiny())
     memory = comp.compress([list(range(10))])
     assert memory.mem_counts == [[5]]          # 10 tokens in groups of 2, every time
+
+
+# ---------------------------------------------------------------------------- faithful to the papers' code
+
+
+def test_500x_pretraining_reads_a_different_token_for_ae_and_lm():
+    """EPL's 500xCompressor branch feeds learned [AE] / [LM] after the K/V memory: with [BOS] for both, "reconstruct"
+    and "continue" would give the decoder the identical input."""
+    dec, tok = tiny()
+    comp = C.build("500x", dec, tok, mem=4, chunk_len=32, lora_r=2, lora_alpha=4)
+    memory = comp.compress([tok.encode("Two tasks, one memory.")])
+    ae = comp.decoder_batch(memory, "ae", [[tok.eos_id]])["inputs_embeds"][0, 0]
+    lm = comp.decoder_batch(memory, "lm", [[tok.eos_id]])["inputs_embeds"][0, 0]
+    assert (ae - lm).abs().max() > 1e-3
+    torch.testing.assert_close(ae, comp.ae_embed.detach()) and torch.testing.assert_close(lm, comp.lm_embed.detach())
+
+
+def llama_3_2_1b_compressor(method, **kw):
+    """A compressor around the Llama-3.2-1B config, built on the meta device (no memory, no download)."""
+    hf = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+              num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+              rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True)
+    with torch.device("meta"):
+        dec = Transformer(ModelConfig.from_hf(hf))
+    return C.build(method, dec, tiny()[1], **kw)
+
+
+def test_aoc_trains_attention_norms_and_memory_tokens_only_on_llama_3_2_1b():
+    comp = llama_3_2_1b_compressor("aoc", mem=16)
+    d, L, kv = 2048, 16, 8 * 64
+    attention = L * (d * d + d * kv + d * kv + d * d)         # q, k, v, o
+    norms = L * 2 * d + d                                       # input / post-attention norms, final norm
+    trained = sum(p.numel() for p in comp.trainable_parameters())
+    print(f"\nAOC on Llama-3.2-1B trains {trained / 1e6:.1f}M: attention {attention / 1e6:.1f}M, norms, 16 memory tokens")
+    assert trained == attention + norms + 16 * d               # no embedding table (262.7M) and no lm_head
+
+
+def test_memory_tokens_are_drawn_as_each_papers_code_draws_them():
+    dec, tok = tiny()
+    emb = dec.model.embed_tokens.weight.detach()
+    torch.manual_seed(0)
+    aoc = C.build("aoc", dec, tok, mem=256, chunk_len=512)       # AOC / 500x code: torch.randn, N(0, 1)
+    assert abs(aoc.mem_tokens.std().item() - 1.0) < 0.05
+    icae = C.build("icae", *tiny(), mem=256, chunk_len=512, lora_r=2, lora_alpha=4)   # EPL: N(mean, std) of the table
+    assert abs(icae.mem_tokens.std().item() - emb.std().item()) < 0.1 * emb.std().item()
+    assert abs(icae.ae_embed.std().item() - emb.std().item()) < 0.3 * emb.std().item()
+    pcc = C.build("pcc", *tiny(), mem=16)                         # PCC: new vocabulary rows, N(0, 0.02)
+    assert abs(pcc.mem_tokens.std().item() - 0.02) < 0.004
+    assert abs(pcc.mem_open.std().item() - 0.02) < 0.01 and not pcc.mem_open.requires_grad   # frozen (PCC code)
+
+
+def test_lora_aoc_is_lora_on_an_mlp_free_copy_with_the_kv_carrier():
+    """AOC Tables 1-3, LoRA-AOC: a copy of the LLM without MLPs, LoRA on q, k, v, o, its norms frozen."""
+    dec, tok = tiny()
+    comp = C.build("aoc", dec, tok, mem=4, chunk_len=32, encoder="lora", lora_r=4, lora_alpha=2, lora_dropout=0.05,
+                   lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert comp.encoder is not comp.decoder and not any(".mlp." in n for n, _ in comp.encoder.named_parameters())
+    trained = {n for n, p in comp.named_parameters() if p.requires_grad}
+    assert trained == {n for n in trained if "lora_" in n} | {"mem_tokens"}
+    assert {n.split(".")[-2] for n in trained if "lora_A" in n} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    before = step(comp, [tok.encode("lora on an attention-only copy")])
+    assert all(n.startswith("encoder.") and "lora_" in n or n == "mem_tokens" for n in changed(comp, before))
+    assert set(comp.trained_state()) == trained                  # the copy's base weights are the decoder's
+
+
+def test_epl_chunks_as_the_code_cuts_them_bos_first_full_memory_nominal_upl():
+    """EPL code: context = [BOS] + x; chunks of 510, every one with all 102 memory tokens, UPL over the nominal
+    510 even for a short last chunk. Ours (cap_mem): a short chunk gets at most its length, UPL over its own."""
+    dec, tok = tiny()
+    comp = C.build("icae", dec, tok, layout="epl", lora_r=2, lora_alpha=4)
+    x = torch.randint(0, 250, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+    calls = capture(dec)
+    with torch.no_grad():
+        memory = comp.compress([x])
+    enc_ids, enc_pos = calls[0]["inputs_embeds"], calls[0]["position_ids"]
+    assert memory.chunk_lens == [[510, 3]] and memory.mem_counts == [[102, 102]]   # BOS + 509, then 3 tokens
+    torch.testing.assert_close(enc_ids[0, 0], dec.model.embed_tokens.weight[tok.bos_id])
+    assert enc_pos[1, :3].tolist() == [511, 512, 513]
+    assert enc_pos[1, 3:105].tolist() == list(range(513, 1019, 5))                # as a full chunk 2 (Table 12)
+    assert comp.ae_target(x[:3]) == [tok.bos_id] + x[:3] + [tok.eos_id]           # AE rebuilds [BOS] x [EOS]
+    ours = C.build("icae", *tiny(), layout="epl", lora_r=2, lora_alpha=4, cap_mem=True)
+    assert ours.compress([x]).mem_counts == [[102, 3]]
+
+
+def test_saved_tensors_are_exactly_what_trains(tmp_path):
+    """GMSA: the first-k encoder's base weights are the LLM's and the LSA borrows its embedding: only LoRA, the LSA
+    blocks and [AE] are written (a 7B checkpoint is megabytes); after KEFT the decoder's q/k/v too."""
+    dec, tok = tiny()
+    comp = C.build("gmsa", dec, tok)
+    trained = {n for n, p in comp.named_parameters() if p.requires_grad}
+    assert set(comp.trained_state()) == trained
+    assert not any(n.startswith("encoder.") and "lora_" not in n for n in comp.trained_state())
+    assert not any("embed_tokens" in n or "lm_head" in n for n in comp.trained_state())
+    comp.set_stage("keft")
+    qkv = {n for n, p in comp.named_parameters() if p.requires_grad}
+    assert set(comp.trained_state()) == trained | qkv
+
+
+def test_pcc_decoder_input_is_bos_then_delimited_memory_per_segment():
+    """PCC code: [BOS, <mem>, m_1..m_16, </mem>] per 256-token segment, all 16 slots even for a short segment;
+    the converter is RMSNorm -> Linear -> GELU -> Linear."""
+    dec, tok = tiny()
+    comp = C.build("pcc", dec, tok, encoder_model=small_compressor(dec))
+    x = torch.randint(0, 250, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    memory = comp.compress([x])
+    assert memory.mem_counts == [[16, 16]]                       # a 44-token second segment keeps its 16
+    emb = comp.decoder_batch(memory, "ae", [comp.ae_target(x[:5])])["inputs_embeds"][0]
+    W = dec.model.embed_tokens.weight
+    rows = [W[tok.bos_id], comp.mem_open, *memory.embeds[0, :16], comp.mem_close,
+            comp.mem_open, *memory.embeds[0, 16:], comp.mem_close, comp.ae_embed]
+    torch.testing.assert_close(emb[:len(rows)], torch.stack(rows), rtol=0, atol=0)
+    assert [type(m).__name__ for m in comp.bridge] == ["RMSNorm", "Linear", "GELU", "Linear"]
+
+
+def test_distillation_loss_is_a_mean_of_per_example_losses():
+    """CompLLM Eq. (1)-(2): σ and the mean over t∈A, j≤d are each example's own; a batch is their expectation."""
+    dec, tok = tiny()
+    comp = C.build("compllm", dec, tok)
+    ctx = [tok.encode("Cats sleep. Dogs bark."), tok.encode("The sun is hot. Snow is cold. Rain is wet.")]
+    q = [tok.encode(" Who barks?"), tok.encode(" What is wet?")]
+    a = [tok.encode(" Dogs"), tok.encode(" The rain, of course, is the wet one.")]   # lengths 5 and 36
+    with torch.no_grad():
+        both, _ = comp.distill_loss(ctx, q, a)
+        alone = [comp.distill_loss([c], [qq], [aa])[0] for c, qq, aa in zip(ctx, q, a)]
+    torch.testing.assert_close(both, (alone[0] + alone[1]) / 2, rtol=1e-5, atol=1e-6)
+
+
+def test_qa_templates_build_the_papers_prompts():
+    dec, tok = tiny()
+    parts = C.build("icae", dec, tok, lora_r=2, lora_alpha=4).qa_parts("Paris is big.", "Is it?")   # EPL code
+    assert tok.decode(parts["enc_context"]) == "### Context:\nParis is big."
+    assert tok.decode(parts["prompt"]) == "\n### Question:\nIs it?\n### Answer:\n" and parts["prefix"] == []
+    parts = C.build("pic", *tiny()).qa_parts("Paris is big.", "Is it?")                              # PCC code
+    assert tok.decode(parts["prompt"]) == "Question: Is it?\n\nAnswer: "
+    assert tok.decode(parts["dec_context"]) == "Paris is big."
+
+
+def test_cached_chunks_give_the_same_memory_without_encoding_again():
+    """CompLLM §1 "reusability": a segment's CEs depend on nothing else, so a cache keyed by its ids serves any
+    context that contains it; only new segments reach the encoder."""
+    dec, tok = tiny()
+    comp = C.build("compllm", dec, tok)
+    a, b = tok.encode("First document. It has two sentences."), tok.encode("Second one. Also two.")
+    cache, calls = {}, capture(dec)
+    with torch.no_grad():
+        fresh = comp.compress([a + b]).embeds
+        comp.compress([a], cache=cache)
+        n_before = len(calls)
+        both = comp.compress([a + b], cache=cache).embeds
+        rows_encoded = calls[n_before]["inputs_embeds"].shape[0]
+    torch.testing.assert_close(both, fresh, rtol=0, atol=1e-6)
+    assert rows_encoded == len(comp.sentence_segments(b))        # a's segments came from the cache

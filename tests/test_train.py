@@ -15,6 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -104,7 +105,9 @@ def test_quickstart_on_the_real_tiny_model_runs_and_logs(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert {"step", "loss", "lr", "grad_norm", "dt", "tokens_per_s", "ae"} <= rows[0].keys()
     args = json.load(open(os.path.join(out, "args.json")))
-    assert (args["lr"], args["batch_size"], args["min_len"], args["max_len"]) == (2e-4, 4, 24, 120)
+    # AOC §2 and code: lr 2e-4, AdamW wd 0 and clip 1.0 (HF Trainer defaults), head crop to n = 96 (a quarter on tiny)
+    assert (args["lr"], args["weight_decay"], args["clip"], args["batch_size"], args["crop"], args["min_len"],
+            args["max_len"]) == (2e-4, 0.0, 1.0, 4, "head", 24, 24)
     assert C.load(out).cfg.mem == 16
 
 
@@ -211,6 +214,105 @@ def test_paper_defaults_fill_the_unset_flags_and_flags_win(tmp_path):
     assert (args.min_len, args.max_len) == (255, 1020)            # half the chunk: half the lengths
     args, _ = train.parse_args(["--method", "compllm", "--model", "x/y"])
     assert (args.objective, args.lr, args.weight_decay, args.batch_size) == ("distill", 1e-4, 0.0, 4)
+
+
+def test_recipes_of_the_papers_code(tmp_path):
+    # EPL's 500xCompressor branch (pretrain): learned [AE]/[LM]; the original 500x code (ae): [BOS], N(0, 1) memory
+    # tokens, no [BOS] context, LoRA r 64 α 32 dropout 0.05, HF Trainer's AdamW (wd 0, clip 1.0), first 500 tokens
+    args, _ = train.parse_args(["--method", "500x", "--model", "x/y"])
+    assert (args.ae_token, args.lm_token, args.bos) == (None, None, None)     # the preset's: learned, learned, BOS
+    assert C.make_config("500x").ae_token == "learned" and C.make_config("500x").bos
+    args, _ = train.parse_args(["--method", "500x", "--model", "x/y", "--objective", "ae"])
+    assert (args.ae_token, args.mem_init, args.bos, args.lora_r, args.lora_alpha, args.lora_dropout) == \
+        ("bos", "normal", False, 64, 32, 0.05)
+    assert (args.weight_decay, args.clip, args.crop, args.max_len) == (0.0, 1.0, "head", 500)
+    args, _ = train.parse_args(["--method", "500x", "--model", "x/y", "--objective", "ae", "--ae-token", "learned"])
+    assert args.ae_token == "learned"                                         # a flag wins over the recipe
+    # PCC code (PIC follows it): AdamW (0.9, 0.999), wd 0, cosine, warmup 300, clip 0.5; QA lr 5e-5, warmup 100
+    args, _ = train.parse_args(["--method", "pic", "--model", "x/y"])
+    assert (args.betas, args.weight_decay, args.schedule, args.warmup, args.clip) == ([0.9, 0.999], 0.0, "cosine",
+                                                                                      300, 0.5)
+    args, _ = train.parse_args(["--method", "pic", "--model", "x/y", "--objective", "qa"])
+    assert (args.lr, args.schedule, args.warmup) == (5e-5, "cosine", 100)
+    # AOC's LoRA baseline runs from flags: q, k, v, o, dropout 0.05
+    args, _ = train.parse_args(["--method", "500x", "--model", "x/y", "--objective", "ae", "--lora-targets",
+                                "q_proj", "k_proj", "v_proj", "o_proj", "--lora-r", "64", "--lora-alpha", "32"])
+    cfg = C.make_config("500x", **{k: getattr(args, k) for k in train.COMPRESSOR_FLAGS})
+    assert cfg.lora_targets == ("q_proj", "k_proj", "v_proj", "o_proj") and cfg.lora_dropout == 0.05
+    # CompLLM's teacher answers are long (149-273 tokens on average): 512 by default, recorded with the run
+    assert train.parse_args(["--method", "compllm", "--model", "x/y"])[0].answer_tokens == 512
+
+
+def test_head_crop_takes_the_first_n_tokens_of_a_document_and_pads_with_eos():
+    """AOC code: tokenizer(text, truncation=True, padding="max_length", max_length=n); pad = EOS, trained on."""
+    comp = C.build("aoc", *build_tiny(), mem=4)
+    docs = ["A long document that has more than enough tokens.", "Short one."]
+    data, _ = train.tokenize_corpus(docs, [], "head-crop-test", comp, cache_dir=str(Path("/tmp") / "cache-head"))
+    args = train.argparse.Namespace(crop="head", min_len=16, max_len=16)
+    seen = set()
+    for i in range(40):
+        ex = train.sample_example(data, "ae", np.random.default_rng(i), args, comp)
+        seen.add(tuple(ex["context"]))
+        assert ex["ae"] == ex["context"] + [comp.tok.eos_id]
+    tok = comp.tok
+    assert seen == {tuple(tok.encode(docs[0])[:16]), tuple(tok.encode(docs[1]) + [tok.pad_id] * 6)}
+
+
+def test_keep_every_keeps_the_intermediate_checkpoints(tmp_path):
+    """PIC §4.3.2 fine-tunes checkpoints taken during pretraining: --keep-every K keeps every K-th one."""
+    out = tmp_path / "run"
+    train.main(["--method", "aoc", "--model", "tiny", "--mem", "4", "--batch-size", "2", "--steps", "6",
+                "--save-every", "100", "--keep-every", "2", "--out", str(out)])
+    assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-000002", "ckpt-000004", "ckpt-000006"]
+    assert C.load(str(out / "ckpt-000002")).cfg.method == "aoc"
+
+
+def test_parquet_data(tmp_path):
+    """Most hub data sets are Parquet: text rows and SQuAD-style QA rows ({"text": [...]} answers)."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"text": ["First document here.", "Second document here."]}), tmp_path / "t.parquet")
+    pq.write_table(pa.table({"context": ["Paris is in France."], "question": ["Where is Paris?"],
+                             "answers": [{"text": ["France", "in France"], "answer_start": [12, 9]}]}),
+                   tmp_path / "qa.parquet")
+    texts, qa, _ = train.read_corpus(str(tmp_path))
+    assert sorted(texts) == ["First document here.", "Second document here."]
+    assert qa == [("Paris is in France.", "Where is Paris?", "France")]
+    out = str(tmp_path / "run")
+    train.main(["--method", "aoc", "--model", "tiny", "--mem", "4", "--batch-size", "2", "--steps", "2",
+                "--data", str(tmp_path / "t.parquet"), "--out", out])
+    assert len(log_rows(out)) == 2
+
+
+@pytest.mark.parametrize("error", [
+    lambda: torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+    lambda: torch.empty(2 ** 60, dtype=torch.uint8),      # a real CPU allocation failure
+])
+def test_out_of_memory_is_one_line_with_the_fix_and_keeps_the_last_checkpoint(error, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    calls, loss_ae = [], train.loss_ae
+
+    def oom(comp, batch):          # step 3 runs out of memory
+        calls.append(1)
+        if len(calls) == 3:
+            e = error()
+            raise e
+        return loss_ae(comp, batch)
+    monkeypatch.setattr(train, "loss_ae", oom)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--method", "aoc", "--model", "tiny", "--mem", "4", "--batch-size", "2", "--steps", "6",
+                    "--save-every", "2", "--out", str(out)])
+    message = str(e.value.code)
+    assert "\n" not in message and "out of memory at step 3" in message and "--micro-batch 1" in message
+    assert "--grad-ckpt" in message and "contexts 2 x" in message
+    assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-000002"]
+
+
+def test_grad_ckpt_gives_the_same_losses(tmp_path):
+    base = ["--method", "aoc", "--model", "tiny", "--mem", "4", "--batch-size", "2", "--steps", "3", "--lr", "3e-3"]
+    train.main(base + ["--out", str(tmp_path / "plain")])
+    train.main(base + ["--out", str(tmp_path / "ckpt"), "--grad-ckpt"])
+    for a, b in zip(log_rows(tmp_path / "plain"), log_rows(tmp_path / "ckpt"), strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5
 
 
 def test_gmsa_keft_trains_only_decoder_qkv_from_the_stage_1_run(files, tmp_path):
