@@ -139,7 +139,7 @@ METHODS = tuple(PRESETS)
 # QA prompts: (decoder text before the memory, the context as it is compressed, the decoder prompt after the
 # memory and special token). Each piece is tokenised on its own and the ids concatenated, as EPL's code does.
 TEMPLATES = {
-    "plain": ("", "{context}", "{question}"),                                    # ours: question after the memory
+    "plain": ("", "{context}", "\n\n{question}"),                                # ours: the question, then the answer
     "pcc": ("", "{context}", "Question: {question}\n\nAnswer: "),                # PCC code, evaluate_qa.py
     "epl": ("", "### Context:\n{context}", "\n### Question:\n{question}\n### Answer:\n"),   # EPL code, sft data
     # "chat" resolves to the checkpoint's chat format (CompLLM uses instruction-tuned Qwen3 / Gemma 3), found by

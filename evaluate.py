@@ -6,7 +6,8 @@
 Tasks (`--help` explains each): ae reconstruction, lm completion perplexity, qa, each next to the
 plain LLM with the full context and with none; speed (CompLLM's complexity claims: compression
 linear, prefill quadratic, TTFT speedup -> C²); interpolate (AOC Eq. 5); heatmap (PIC Figures 3
-and 7: memory-token cosine and attention maps, written as PNG by a small zlib PNG encoder).
+and 7: memory-token cosine and attention maps, written as PNG with matplotlib); curves (loss curves
+of several runs on one figure, and the step, tokens and time each takes to reach a loss).
 
 Metrics (the first section) are written from scratch — stdlib only — and tested against the
 reference packages the papers used (nltk's sentence_bleu, Google's rouge-score, the `rouge` 1.0.1
@@ -49,10 +50,9 @@ import os
 import re
 import statistics
 import string
-import struct
 import time
-import zlib
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import asdict
 
 import numpy as np
@@ -501,19 +501,24 @@ def mean_scores(rows):
 # (EPL Table 4, PIC Table 2, GMSA Table 1):
 #
 #     compressed   the decoder reads [memory, special token, prompt]         the method
-#     full         the frozen LLM reads [BOS, context, "\n\n", prompt]       upper reference
-#     none         the frozen LLM reads [BOS, prompt]                        lower reference
+#     full         the plain LLM reads [BOS, context, "\n\n", prompt]        upper reference
+#     none         the plain LLM reads [BOS, prompt]                         lower reference
 #
-# "full" and "none" use the plain LLM only (a shared encoder's LoRA switched off), so they depend
-# on the base model, not on the checkpoint. For LM the continuation follows the context directly.
+# "full" and "none" use the plain LLM: the base model (a shared encoder's LoRA switched off; after GMSA's
+# KEFT, a fresh copy of the base model, since KEFT changed the decoder's q/k/v), so they depend on the base
+# model, not on the checkpoint. For LM the continuation follows the context directly; QA uses the
+# checkpoint's template (Compressor.qa_parts) for all three rows.
+#
+# A lower loss with memory than without proves little: a learned constant prompt gets that too. So ae and
+# lm also score, teacher-forced, the same targets after the memory of *another* text (a fixed derangement,
+# text i reads the memory of text i+1): own / other < 1 means each memory carries its own text.
 
 SEP = "\n\n"   # between the context and what follows it in the "full" row
 MODES = ("compressed", "full", "none")
 
 # Built-in data, so every task runs offline with no --data. Short on purpose (the tests run the
 # tasks on CPU, and AE regenerates every text token by token) and held out from train.py's
-# built-in texts. Questions are plain, as train.py's QA fine-tuning feeds them: [memory, question]
-# -> answer, so the answer follows the question directly.
+# built-in texts.
 BUILTIN_TEXTS = [
     "The old stone bridge was finished in 1932. It crosses the river at its narrowest point, "
     "and for forty years it was the only way into the town from the north.",
@@ -545,7 +550,7 @@ BUILTIN_QA = [
 def load_examples(path, task, n=None):
     """The examples of a task: dicts with "text" (ae, lm, heatmap) or "context", "question",
     "answer" (qa; answer is a str or a list of accepted answers). No path: the built-in sets.
-    path: .jsonl, one JSON object a line, as train.py reads it ({"text"} or
+    path: .jsonl or .parquet, one record a row, as train.py reads them ({"text"} or
     {"context", "question", "answer"}; a QA record serves the text tasks through its context),
     or any other file as plain text, one text per non-empty line (train.py reads a whole .txt file
     as one document to draw windows from; an evaluation needs fixed examples). n: keep the first n."""
@@ -553,16 +558,11 @@ def load_examples(path, task, n=None):
         rows = [dict(r) for r in BUILTIN_QA] if task == "qa" else [{"text": t} for t in BUILTIN_TEXTS]
     elif not os.path.isfile(path):
         raise FileNotFoundError(f"--data {path}: no such file")
-    elif path.endswith(".jsonl"):
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"--data {path} line {i} is not JSON ({e.msg})") from None
+    elif path.endswith((".jsonl", ".parquet")):
+        import train   # the one reader of .jsonl / .parquet records (its errors end the run with one line)
+        rows = [rec for _, rec in train.records(path)]
+        for r in rows:
+            train.record_kind(r)   # SQuAD's "answers" -> "answer"
     else:
         with open(path, encoding="utf-8") as f:
             rows = [{"text": line.rstrip("\n")} for line in f if line.strip()]
@@ -571,6 +571,8 @@ def load_examples(path, task, n=None):
     for i, r in enumerate(rows, 1):
         if task != "qa" and isinstance(r, dict) and "text" not in r and "context" in r:
             r = {"text": r["context"]}
+        if task == "qa" and isinstance(r, dict) and isinstance(r.get("answer"), dict):   # SQuAD {"text": [...]}
+            r = {**r, "answer": list(r["answer"].get("text", []))}
         if not isinstance(r, dict) or any(k not in r for k in need):
             raise ValueError(f"--data {path} record {i} needs the fields {', '.join(need)} for --task {task}")
         out.append(r)
@@ -579,15 +581,46 @@ def load_examples(path, task, n=None):
     return out[:n] if n else out
 
 
+def protocol(comp, ckpt=None, max_len=None):
+    """How the checkpoint was trained, so the evaluation cuts texts the same way (train.py's args, saved with
+    it): head crop -> every text is its first n tokens, padded with EOS to n, and regenerated up to n tokens
+    (AOC code); pretrain -> AE reconstructs the first ⌊|X|/2⌋ tokens, what pretraining compressed (EPL code)."""
+    train_args = (C.read_checkpoint_config(ckpt).get("train_args") or {}) if ckpt else {}
+    crop = train_args.get("crop", "window")
+    return dict(crop=crop, n=max_len or (train_args.get("max_len") if crop == "head" else None),
+                half=train_args.get("objective") == "pretrain")
+
+
+def texts_as_trained(comp, texts, proto):
+    """(what is compressed, the reference) ids of each text under the checkpoint's protocol."""
+    tok, pad = comp.tok, comp.tok.pad_id if comp.tok.pad_id is not None else comp.tok.eos_id
+    out = []
+    for text in texts:
+        ids = tok.encode(text)
+        if proto["crop"] == "head":   # AOC code: truncation + padding="max_length" with EOS; reference = first n
+            ids = ids[:proto["n"]]
+            out.append((ids + [pad] * (proto["n"] - len(ids)), ids))
+            continue
+        if proto["half"]:             # EPL code: pretraining compressed x[:p], p = ⌊|X|/2⌋
+            ids = ids[:max(1, len(ids) // 2)]
+        ids = ids[:proto["n"]] if proto["n"] else ids
+        out.append((ids, ids))
+    return out
+
+
+def batches(items, size):
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
 # -----------------------------------------------------------------------------
 # ---- running the compressor and the plain LLM ----
 
 
-def compress(comp, contexts):
+def compress(comp, contexts, ratio=None, cache=None):
     """comp.compress with a fixed rate for group merging: GMSA samples r per example while training
-    (§4.1); an evaluation must be repeatable, so it uses the first rate of the preset (4x)."""
-    rates = [comp.cfg.ratios[0]] * len(contexts) if comp.cfg.source == "group_mean" else None
-    return comp.compress(contexts, rates=rates)
+    (§4.1); an evaluation must be repeatable, so it uses --ratio, else the first rate of the preset (4x)."""
+    rates = [ratio or comp.cfg.ratios[0]] * len(contexts) if comp.cfg.source == "group_mean" else None
+    return comp.compress(contexts, rates=rates, cache=cache)
 
 
 def start_ids(tok):
@@ -596,54 +629,96 @@ def start_ids(tok):
     return [tok.bos_id if tok.bos_id is not None else tok.eos_id]
 
 
-def plain_prompt(tok, context, prompt):
-    """The "full" (context given) or "none" (context = []) reference prompt; see ---- data ----."""
-    sep = tok.encode(SEP) if context else []
-    return start_ids(tok) + list(context) + sep + list(prompt)
+class PlainLLM:
+    """The references' LLM: the base model with no memory. Usually the compressor's own decoder with a shared
+    encoder's LoRA switched off; after GMSA's KEFT (whose q/k/v are trained) a fresh copy of the base model."""
+
+    def __init__(self, comp, dtype=torch.float32):
+        self.tok, self.device = comp.tok, comp.device
+        if comp.cfg.decoder_train == "keft":
+            self.model, _ = load_pretrained(comp.cfg.model, dtype=dtype, device=comp.device)
+            self.decoding = nullcontext
+        else:
+            self.model, self.decoding = comp.decoder, comp.decoding
+
+    def _padded(self, rows, left):
+        """Token rows -> ids (B, T), positions (B, T) of the real tokens, mask (B, T, T) or None."""
+        T = max(map(len, rows))
+        pad = lambda r, v: [v] * (T - len(r)) + r if left else r + [v] * (T - len(r))
+        ids = torch.tensor([pad(list(r), 0) for r in rows], device=self.device)
+        pos = torch.tensor([pad(list(range(len(r))), 0) for r in rows], device=self.device)
+        valid = torch.tensor([pad([True] * len(r), False) for r in rows], device=self.device)
+        mask = None if bool(valid.all()) else masks.with_padding(masks.causal(T).to(self.device), valid)
+        return ids, pos, mask
+
+    @torch.no_grad()
+    def generate(self, prompts, max_new_tokens):
+        """Greedy continuations of a batch of prompts (left-padded), each cut before its first EOS."""
+        ids, pos, mask = self._padded(prompts, left=True)
+        with self.decoding():
+            out = self.model.generate(ids, position_ids=pos, attn_mask=mask, max_new_tokens=max_new_tokens,
+                                      eos_id=self.tok.eos_ids or None)
+        return [cut_at_eos(row, self.tok.eos_ids) for row in out.tolist()]
+
+    @torch.no_grad()
+    def nll(self, prefixes, follows):
+        """Per row: summed NLL of `follow` after `prefix` (prefix non-empty), and its length."""
+        rows = [list(p) + list(f) for p, f in zip(prefixes, follows)]
+        ids, pos, mask = self._padded(rows, left=False)
+        with self.decoding():
+            h = self.model(ids, position_ids=pos, attn_mask=mask, compute_logits=False).last_hidden   # (B, T, d)
+        out = []
+        for b, (p, f) in enumerate(zip(prefixes, follows)):
+            # slot t predicts token t + 1: from the last prefix token to the one before the end
+            logits = self.model.lm_head(h[b, len(p) - 1:len(p) + len(f) - 1]).float()   # (len(f), V)
+            out.append((F.cross_entropy(logits, ids[b, len(p):len(p) + len(f)], reduction="sum").item(), len(f)))
+        return out
 
 
-def cut_at_eos(ids, eos_id):
-    return ids[:ids.index(eos_id)] if eos_id in ids else ids
+def cut_at_eos(ids, eos_ids):
+    eos_ids = set(eos_ids if isinstance(eos_ids, (list, tuple, set)) else [eos_ids])
+    return next((ids[:i] for i, t in enumerate(ids) if t in eos_ids), ids)
 
 
-def plain_generate(comp, prompt, max_new_tokens):
-    """Greedy decoding of the frozen LLM (no memory) after `prompt`, cut at EOS."""
-    dev = comp.decoder.model.embed_tokens.weight.device
-    with comp.decoding():
-        out = comp.decoder.generate(torch.tensor([prompt], device=dev), max_new_tokens=max_new_tokens,
-                                    eos_id=comp.tok.eos_id)
-    return cut_at_eos(out[0].tolist(), comp.tok.eos_id)
+def summarize(rows, extra=None):
+    """Per-example rows -> {"scores": {mode: mean scores}, "examples": rows} (+ the set-level numbers)."""
+    return {"scores": {m: mean_scores([r[m]["scores"] for r in rows]) for m in MODES}, **(extra or {}),
+            "examples": rows}
 
 
-def plain_nll(comp, prefix, follow):
-    """(summed NLL, count) of the frozen LLM on `follow` after `prefix` (prefix non-empty)."""
-    dev = comp.decoder.model.embed_tokens.weight.device
-    ids = torch.tensor([list(prefix) + list(follow)], device=dev)
-    with comp.decoding():
-        h = comp.decoder(ids, compute_logits=False).last_hidden[0]              # (T, d)
-    # slot t predicts token t + 1: the slots from the last prefix token to the one before the end
-    logits = comp.decoder.lm_head(h[len(prefix) - 1:-1]).float()                # (len(follow), V)
-    return F.cross_entropy(logits, ids[0, len(prefix):], reduction="sum").item(), len(follow)
+def memory_losses(rows):
+    """Set-level teacher-forced losses (Σ NLL / Σ tokens, never a mean of per-example means) with the own
+    memory, another text's memory and no memory, and own / other: 1.0 when a memory says nothing about its own
+    text (a learned constant prompt), well below 1 when it carries it."""
+    total = lambda key: sum(r["loss"][key][0] for r in rows) / max(1, sum(r["loss"][key][1] for r in rows))
+    own, none = total("own"), total("none")
+    other = total("other") if rows[0]["loss"]["other"] is not None else None
+    return {"loss": {"own": own, "other": other, "none": none, "own_other_ratio": other and own / other,
+                     "perplexity_own": math.exp(own), "tokens": sum(r["loss"]["own"][1] for r in rows)}}
 
 
-def summarize(rows):
-    """Per-example rows -> {"scores": {mode: mean scores}, "examples": rows}."""
-    return {"scores": {m: mean_scores([r[m]["scores"] for r in rows]) for m in MODES}, "examples": rows}
+def derangement(n):
+    """The fixed derangement of the own/other test: text i reads the memory of text i + 1 (mod n); None for a
+    single text, which has no other."""
+    return [(i + 1) % n for i in range(n)] if n > 1 else None
 
 
 # -----------------------------------------------------------------------------
 # ---- ae, lm, qa ----
 
 
-def ae_scores(hyp_ids, ref_ids, tok):
-    """Every reconstruction score of the papers for one regeneration (see the table at the top)."""
+def ae_scores(hyp_ids, ref_ids, tok, epl=None):
+    """Every reconstruction score of the papers for one regeneration (see the table at the top).
+    epl: (hypothesis, reference) ids as EPL's evaluator compares them, generation incl. its EOS against
+    [BOS] x [EOS] (the AE target); default the plain ids."""
     hyp_text, ref_text = tok.decode(hyp_ids), tok.decode(ref_ids)
     hyp_words, ref_words = word_tokens(hyp_text), word_tokens(ref_text)
     # AOC pretrain_and_eval.py post-processes both decoded texts before scoring: "\n" -> " ", strip
     aoc_hyp, aoc_ref = (text.replace("\n", " ").strip() for text in (hyp_text, ref_text))
     aoc_rouge = rouge_pltrdy(aoc_hyp, aoc_ref)
+    epl_hyp, epl_ref = epl or (hyp_ids, ref_ids)
     return {
-        "bleu4_ids": bleu4(hyp_ids, ref_ids),                       # EPL: token ids, no smoothing
+        "bleu4_ids": bleu4(epl_hyp, epl_ref),                       # EPL: token ids, no smoothing
         "bleu4_words": bleu4(hyp_words, ref_words, smooth=True),    # 500x / AOC: words, method1
         "prefix_em": prefix_em(hyp_ids, ref_ids),                   # AOC text, GMSA footnote 3
         "token_accuracy": token_accuracy(hyp_ids, ref_ids),         # AOC Eq. (6) as printed
@@ -658,59 +733,100 @@ def ae_scores(hyp_ids, ref_ids, tok):
 
 
 @torch.no_grad()
-def run_ae(comp, examples, max_new_tokens=None):
-    """Reconstruction: compress each text, regenerate it greedily from its memory (ICAE's AE task,
-    AOC §3, EPL Table 6). Default budget: the reference length + 8 tokens."""
-    tok, rows = comp.tok, []
-    for ex in tqdm(examples, desc="ae", leave=False):
-        ref = tok.encode(ex["text"])
-        n_new = max_new_tokens or len(ref) + 8
-        memory = compress(comp, [comp.encoder_ids(ref)])
-        outs = {"compressed": comp.generate(memory, "ae", max_new_tokens=n_new),
-                "full": plain_generate(comp, plain_prompt(tok, ref, []), n_new),
-                "none": plain_generate(comp, plain_prompt(tok, [], []), n_new)}
-        row = {"text": ex["text"], "reference_ids": ref, "memory_slots": int(memory.valid.sum())}
-        for mode, ids in outs.items():
-            row[mode] = {"text": tok.decode(ids), "ids": ids, "scores": ae_scores(ids, ref, tok)}
-        rows.append(row)
-    return summarize(rows)
+def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=None):
+    """Reconstruction: compress each text, regenerate it greedily from its memory (ICAE's AE task, AOC §3,
+    EPL Table 6), in batches. Default budget: n for a head-cropped checkpoint (AOC code), else the reference
+    length + 8. Also the teacher-forced AE loss on the text and its EOS with the own memory, another text's
+    memory and none (EPL Table 9 reports the AE loss and its perplexity)."""
+    tok, plain = comp.tok, PlainLLM(comp)
+    proto = proto or protocol(comp)
+    pairs = texts_as_trained(comp, [ex["text"] for ex in examples], proto)
+    other = derangement(len(pairs))
+    rows = []
+    for idx in tqdm(batches(list(range(len(pairs))), batch_size), desc="ae", leave=False):
+        xs, refs = [pairs[i][0] for i in idx], [pairs[i][1] for i in idx]
+        n_new = max_new_tokens or (proto["n"] if proto["crop"] == "head" else max(len(r) for r in refs) + 8)
+        own = compress(comp, [comp.encoder_ids(x) for x in xs], ratio)
+        # targets: the AE target (comp.ae_target); the loss counts the text and its EOS, not a leading [BOS]
+        follow, n_text = [comp.ae_target(x) for x in xs], [len(x) + 1 for x in xs]
+        nll_own = comp.nll(own, "ae", follow, n_text)
+        nll_other = ([None] * len(idx),) * 2
+        if other:
+            theirs = compress(comp, [comp.encoder_ids(pairs[other[i]][0]) for i in idx], ratio)
+            nll_other = comp.nll(theirs, "ae", follow, n_text)
+        nll_none = plain.nll([start_ids(tok)] * len(xs), [x + [tok.eos_id] for x in xs])
+        outs = {"compressed": comp.generate(own, "ae", max_new_tokens=n_new),
+                "full": plain.generate([start_ids(tok) + x + tok.encode(SEP) for x in xs], n_new),
+                "none": plain.generate([start_ids(tok)] * len(xs), n_new)}
+        for j, i in enumerate(idx):
+            row = {"text": examples[i]["text"], "reference_ids": refs[j], "memory_slots": sum(own.mem_counts[j]),
+                   "loss": {"own": (nll_own[0][j], nll_own[1][j]),
+                            "other": other and (nll_other[0][j], nll_other[1][j]), "none": nll_none[j]}}
+            for mode, gen in outs.items():
+                ids = gen[j]
+                stopped = ids + [tok.eos_id] if len(ids) < n_new else ids   # EPL keeps the EOS it generated
+                row[mode] = {"text": tok.decode(ids), "ids": ids,
+                             "scores": ae_scores(ids, refs[j], tok, epl=(stopped, comp.ae_target(refs[j])))}
+            rows.append(row)
+    return summarize(rows, {"protocol": proto, **memory_losses(rows)})
 
 
 @torch.no_grad()
-def run_lm(comp, examples):
-    """Completion perplexity: cut each text at p = ⌊|X|/2⌋ (EPL §4.1) and score the second half
-    given the memory of the first (PIC Eq. 7, EPL Table 4). Perplexity is exp(Σ NLL / Σ tokens) over
-    the whole set, never a mean of per-example perplexities."""
-    tok, rows = comp.tok, []
-    for ex in tqdm(examples, desc="lm", leave=False):
+def run_lm(comp, examples, batch_size=8, ratio=None):
+    """Completion: cut each text at p = ⌊|X|/2⌋ (EPL §4.1), compress the first half and score the second half
+    and EOS (the LM target of the EPL and PCC code) given that memory (PIC Eq. 7, EPL Table 4), the memory of
+    another text's first half, the full first half, or nothing. Perplexity is exp(Σ NLL / Σ tokens) over the
+    whole set, never a mean of per-example perplexities."""
+    tok, plain = comp.tok, PlainLLM(comp)
+    cuts = []
+    for ex in examples:
         ids = tok.encode(ex["text"])
         if len(ids) < 4:
             raise ValueError(f"text too short for the LM task ({len(ids)} tokens): {ex['text']!r}")
-        p = len(ids) // 2
-        ctx, cont = ids[:p], ids[p:]
-        memory = compress(comp, [comp.encoder_ids(ctx)])
-        loss, n = comp.lm_loss(memory, "lm", [cont], last_tokens=[ctx[-1]])
-        nlls = {"compressed": (loss.item() * n, n),
-                "full": plain_nll(comp, start_ids(tok) + ctx, cont),
-                "none": plain_nll(comp, start_ids(tok), cont)}
-        row = {"text": ex["text"], "context_tokens": p, "memory_slots": int(memory.valid.sum())}
-        for mode, (nll, n) in nlls.items():
-            row[mode] = {"nll": nll, "tokens": n, "perplexity": perplexity(nll, n) if n else float("nan")}
-        rows.append(row)
+        cuts.append((ids[:len(ids) // 2], ids[len(ids) // 2:] + [tok.eos_id]))
+    other = derangement(len(cuts))
+    rows = []
+    for idx in tqdm(batches(list(range(len(cuts))), batch_size), desc="lm", leave=False):
+        ctx, cont = [cuts[i][0] for i in idx], [cuts[i][1] for i in idx]
+        own = compress(comp, [comp.encoder_ids(c) for c in ctx], ratio)
+        last = lambda cs: [c[-1] for c in cs]
+        nll_own = comp.nll(own, "lm", cont, last_tokens=last(ctx))
+        nll_other = ([None] * len(idx),) * 2
+        if other:
+            theirs_ctx = [cuts[other[i]][0] for i in idx]
+            theirs = compress(comp, [comp.encoder_ids(c) for c in theirs_ctx], ratio)
+            nll_other = comp.nll(theirs, "lm", cont, last_tokens=last(theirs_ctx))
+        nlls = {"compressed": list(zip(*nll_own)), "other": [other and x for x in zip(*nll_other)],
+                "full": plain.nll([start_ids(tok) + c for c in ctx], cont),
+                "none": plain.nll([start_ids(tok)] * len(idx), cont)}
+        for j, i in enumerate(idx):
+            row = {"text": examples[i]["text"], "context_tokens": len(ctx[j]), "memory_slots": sum(own.mem_counts[j]),
+                   "loss": {"own": nlls["compressed"][j], "other": nlls["other"][j], "none": nlls["none"][j]}}
+            for mode in MODES:
+                nll, n = nlls[mode][j]
+                row[mode] = {"nll": nll, "tokens": n, "perplexity": perplexity(nll, n)}
+            rows.append(row)
     scores = {}
     for mode in MODES:
         nll, n = sum(r[mode]["nll"] for r in rows), sum(r[mode]["tokens"] for r in rows)
         scores[mode] = {"perplexity": perplexity(nll, n), "nll": nll, "tokens": n}
-    return {"scores": scores, "examples": rows}
+    return {"scores": scores, **memory_losses(rows), "examples": rows}
+
+
+# CompLLM's multiple-choice scoring: the prompt asks the model to end with "the answer is (X)" (App. A.1)
+ANSWER_IS = re.compile(r"the answer is \(?([A-Z])\)?", re.IGNORECASE)
+
+
+def answer_letter(text):
+    """The letter X of the last "the answer is (X)" in a generation (CompLLM), or None."""
+    found = ANSWER_IS.findall(text)
+    return found[-1].upper() if found else None
 
 
 def qa_scores(prediction, answers):
-    """Every QA score of the papers for one prediction (answers: a str or a list of str).
-
-    EPL scores the whole decoded generation, where text after the answer (even a newline) makes
-    EM 0; run_qa passes the first line of the stripped text, so epl_f1/epl_em score that line.
-    """
-    return {
+    """Every QA score of the papers for one prediction, the whole generation up to EOS (answers: a str or a
+    list of str). A single-letter answer (multiple choice) is also scored by CompLLM's regex."""
+    scores = {
         "squad_f1": squad_f1(prediction, answers), "squad_em": squad_em(prediction, answers),   # PCC/PIC, GMSA
         "exact_match": exact_match(prediction, answers),                                        # 500x/AOC
         "token_f1": token_f1(prediction, answers),                                              # 500x/AOC
@@ -719,29 +835,54 @@ def qa_scores(prediction, answers):
                       for a in _references(answers)),                                           # max over refs
         "epl_f1": epl_qa_f1(prediction, answers), "epl_em": epl_qa_em(prediction, answers),     # EPL, answers[0]
     }
+    refs = [a.strip() for a in _references(answers)]
+    if refs and all(len(a) == 1 and a.isalpha() for a in refs):
+        scores["mc_accuracy"] = float(answer_letter(prediction) in {a.upper() for a in refs})   # CompLLM
+    return scores
+
+
+# the papers' QA generation budgets (new tokens), per preset
+QA_BUDGET = {"pcc": 30, "pic": 30,          # PCC evaluate_qa.py
+             "compllm": 512,                # CompLLM: answers of 149-273 tokens on average
+             "icae": 1024, "500x": 1024}    # EPL's evaluator (generate_num)
+
+
+def concatenated(examples, k):
+    """CompLLM §4 (after LOFT): the contexts of k examples joined into one, each question then asked
+    against that longer context (one question per document, so the relevant one sits anywhere)."""
+    out = []
+    for group in batches(examples, k):
+        context = SEP.join(ex["context"] for ex in group)
+        out += [{**ex, "context": context, "documents": len(group)} for ex in group]
+    return out
 
 
 @torch.no_grad()
-def run_qa(comp, examples, max_new_tokens=None):
-    """Answer from memory + question (PIC/PCC SQuAD, EPL, GMSA). Generation stops at EOS; the
-    prediction is the first line of the answer, so a plain LLM that goes on after answering (the
-    "full" and "none" rows) is scored on its answer, as SQuAD evaluations of base models do."""
-    tok, rows = comp.tok, []
-    n_new = max_new_tokens or 32
-    for ex in tqdm(examples, desc="qa", leave=False):
-        ctx, question = tok.encode(ex["context"]), tok.encode(ex["question"])
-        memory = compress(comp, [comp.encoder_ids(ctx)])
-        outs = {"compressed": comp.generate(memory, "qa", prompt=question, max_new_tokens=n_new),
-                "full": plain_generate(comp, plain_prompt(tok, ctx, question), n_new),
-                "none": plain_generate(comp, plain_prompt(tok, [], question), n_new)}
-        row = {"context": ex["context"], "question": ex["question"], "answer": ex["answer"],
-               "memory_slots": int(memory.valid.sum())}
-        for mode, ids in outs.items():
-            text = tok.decode(ids)
-            prediction = (text.strip().splitlines() or [""])[0]
-            row[mode] = {"text": text, "prediction": prediction, "scores": qa_scores(prediction, ex["answer"])}
-        rows.append(row)
-    return summarize(rows)
+def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat=1):
+    """Answer from memory + question (PIC/PCC SQuAD, EPL, CompLLM, GMSA KEFT), with the checkpoint's template
+    (Compressor.qa_parts) in all three rows. The whole generation up to EOS is scored, as the papers' scripts
+    do. concat > 1: CompLLM's long contexts; each context is compressed once (a cache of chunk memories)."""
+    tok, plain = comp.tok, PlainLLM(comp)
+    n_new = max_new_tokens or QA_BUDGET.get(comp.cfg.method, 64)
+    examples = concatenated(examples, concat) if concat > 1 else examples
+    # a chat template carries its own start; otherwise the plain LLM's prompt starts with BOS
+    lead = [] if comp.template()[0] else start_ids(tok)
+    cache, rows = {}, []
+    for group in tqdm(batches(examples, batch_size), desc="qa", leave=False):
+        parts = [comp.qa_parts(ex["context"], ex["question"]) for ex in group]
+        memory = compress(comp, [p["enc_context"] for p in parts], ratio, cache=cache)
+        outs = {"compressed": comp.generate(memory, "qa", prompt=[p["prompt"] for p in parts], max_new_tokens=n_new,
+                                            prefix=[p["prefix"] for p in parts]),
+                "full": plain.generate([lead + p["prefix"] + p["dec_context"] + p["prompt"] for p in parts], n_new),
+                "none": plain.generate([lead + p["prefix"] + p["prompt"] for p in parts], n_new)}
+        for j, ex in enumerate(group):
+            row = {"context": ex["context"], "question": ex["question"], "answer": ex["answer"],
+                   "memory_slots": sum(memory.mem_counts[j])}
+            for mode, gen in outs.items():
+                text = tok.decode(gen[j])
+                row[mode] = {"text": text, "scores": qa_scores(text, ex["answer"])}
+            rows.append(row)
+    return summarize(rows, {"max_new_tokens": n_new, "concat": concat})
 
 
 # -----------------------------------------------------------------------------
@@ -835,7 +976,11 @@ def run_speed(comp, lengths, max_new_tokens=None, repeats=3):
         try:
             enc = comp.encoder_ids(ctx)
             t_comp, memory = timed(lambda: compress(comp, [enc]), dev, repeats)
-            M = int(memory.valid.sum())
+            # CompLLM §1 "reusability": the same context again, its chunks' memories already cached
+            cache = {}
+            compress(comp, [enc], cache=cache)
+            t_cached, _ = timed(lambda: compress(comp, [enc], cache=cache), dev, repeats)
+            M = sum(memory.mem_counts[0])
             full = dict(input_ids=torch.tensor([start_ids(tok) + ctx + question], device=dev))
             t_full, (kv_full, first_full) = timed(lambda: prefill(comp, full), dev, repeats)
             mem_in = compressed_inputs(comp, memory, question)
@@ -852,7 +997,7 @@ def run_speed(comp, lengths, max_new_tokens=None, repeats=3):
         # come first in both carriers (KV prefix, or the first M input embeddings)
         b_full, b_mem = kv_bytes(kv_full, len(start_ids(tok)), T), kv_bytes(kv_mem, 0, M)
         rows.append(dict(context_tokens=T, memory_slots=M, compression=T / M,
-                         compress_s=t_comp, ttft_full_s=t_full, ttft_compressed_s=t_mem,
+                         compress_s=t_comp, compress_cached_s=t_cached, ttft_full_s=t_full, ttft_compressed_s=t_mem,
                          ttft_online_s=t_comp + t_mem, speedup_offline=t_full / t_mem,
                          speedup_online=t_full / (t_comp + t_mem),
                          decode_full_s_per_token=d_full / n_decode, decode_compressed_s_per_token=d_mem / n_decode,
@@ -878,25 +1023,28 @@ def run_speed(comp, lengths, max_new_tokens=None, repeats=3):
 
 DEFAULT_TEXT0 = "We present an awesome new idea."
 DEFAULT_TEXT1 = "Large planets may have many moons."
+DEFAULT_WEIGHTS = "0,0.25,0.5,0.53,0.55,0.6,0.75,1"   # AOC Table 4 shows w = 0.5, 0.53, 0.55 and 0.6
 
 
 @torch.no_grad()
-def run_interpolate(comp, text0, text1, weights, max_new_tokens=None):
+def run_interpolate(comp, text0, text1, weights, max_new_tokens=None, proto=None):
     """AOC Eq. (5): regenerate from Z = Z0 + w (Z1 − Z0) for each w, where Z0, Z1 compress text0,
     text1 (AOC Table 4 walks from one prompt to the other). Every tensor the decoder reads is mixed
     (memory embeddings, or every layer's K and V); the rest of the memory (chunk lengths, hence the
     EPL decoder positions) is Z0's. Needs memories of the same shape: always true for a fixed --mem
     budget and texts of at least --mem tokens, but methods that size memory by length (CompLLM,
-    PCC/PIC, GMSA) need texts that compress to the same number of slots."""
+    PCC/PIC, GMSA) need texts that compress to the same number of slots. A head-cropped checkpoint (AOC)
+    compresses each prompt padded with EOS to the trained length n, as AOC's compress() does, so the memory
+    and [BOS] sit where training put them."""
     tok = comp.tok
-    ids0, ids1 = tok.encode(text0), tok.encode(text1)
-    z0, z1 = compress(comp, [comp.encoder_ids(ids0)]), compress(comp, [comp.encoder_ids(ids1)])
-    m0, m1 = int(z0.valid.sum()), int(z1.valid.sum())
+    (x0, ids0), (x1, ids1) = texts_as_trained(comp, [text0, text1], proto or protocol(comp))
+    z0, z1 = compress(comp, [comp.encoder_ids(x0)]), compress(comp, [comp.encoder_ids(x1)])
+    m0, m1 = sum(z0.mem_counts[0]), sum(z1.mem_counts[0])
     if m0 != m1:
         raise ValueError(f"interpolate needs two memories of the same size: text0 compresses to {m0} slots and "
                          f"text1 to {m1} ({comp.cfg.method} sizes memory by length): pick texts of equal length")
     n_new = max_new_tokens or max(len(ids0), len(ids1)) + 8
-    regen = lambda z: comp.generate(z, "ae", max_new_tokens=n_new)
+    regen = lambda z: comp.generate(z, "ae", max_new_tokens=n_new)[0]
     rows = [{"w": w, "ids": ids, "text": tok.decode(ids)} for w in weights for ids in [regen(z0.lerp(z1, w))]]
     ends = {name: {"ids": ids, "text": tok.decode(ids)} for name, ids in (("z0", regen(z0)), ("z1", regen(z1)))}
     return {"text0": text0, "text1": text1, "memory_slots": m0, "rows": rows, **ends}
@@ -967,49 +1115,36 @@ def encoder_attention(comp, enc_ids):
             probs = probs + scores.masked_fill(~mask, float("-inf")).softmax(-1).mean(1)  # (R, T, T)
     probs = probs / len(calls)
     # one encoder row per chunk, laid out [chunk (n), memory (m), padding]: gather memory -> context
-    chunks = comp.chunks(list(enc_ids))
-    out = torch.zeros(int(memory.valid.sum()), len(enc_ids))
+    lens, counts = memory.chunk_lens[0], memory.mem_counts[0]
+    out = torch.zeros(sum(counts), sum(lens))
     row0 = col0 = 0
-    for r, chunk in enumerate(chunks):
-        n, m = len(chunk), comp.num_mem(len(chunk))
+    for r, (n, m) in enumerate(zip(lens, counts)):
         out[row0:row0 + m, col0:col0 + n] = probs[r, n:n + m, :n].cpu()
         row0, col0 = row0 + m, col0 + n
-    return memory, out
+    return memory, out[:, 1:] if comp.cfg.bos else out   # the columns of the text itself, not a leading [BOS]
 
 
-def heat_rgb(values):
-    """A [rows, cols] array -> uint8 RGB [rows, cols, 3] on a black-red-yellow-white scale ("hot"),
-    min-max scaled: x in [0, 1] gives (r, g, b) = clip(3x, 3x - 1, 3x - 2 to [0, 1])."""
-    v = np.asarray(values, dtype=np.float64)
-    lo, hi = v.min(), v.max()
-    x = (v - lo) / (hi - lo) if hi > lo else np.zeros_like(v)
-    rgb = np.stack([np.clip(3 * x - i, 0, 1) for i in range(3)], axis=-1)
-    return np.round(rgb * 255).astype(np.uint8)
+def pyplot():
+    """matplotlib.pyplot on its file-only Agg backend; matplotlib is optional, needed for figures only."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("figures need matplotlib: pip install matplotlib") from None
+    return plt
 
 
-def write_png(path, rgb):
-    """Minimal PNG writer (no PIL): 8-bit RGB, one IDAT, filter 0 on every scanline.
-
-    PNG = signature, then chunks of [length (4 bytes, big-endian), type, data, CRC-32 of type+data]:
-    IHDR (width, height, bit depth 8, colour type 2 = RGB, compression 0, filter 0, interlace 0),
-    IDAT (zlib stream of the scanlines, each preceded by its filter-type byte), IEND."""
-    rgb = np.ascontiguousarray(rgb, dtype=np.uint8)
-    height, width, _ = rgb.shape
-    raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(height))
-
-    def chunk(kind, data):
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n")                                  # the 8-byte signature
-        f.write(chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-
-
-def heat_png(path, values, cell):
-    """Each matrix cell as a cell x cell block of pixels."""
-    rgb = heat_rgb(values)
-    write_png(path, rgb.repeat(cell, axis=0).repeat(cell, axis=1))
+def heat_png(path, values, title, xlabel, ylabel):
+    """A [rows, cols] matrix as a PNG heatmap ("hot" colour map, one cell per entry, a colour bar)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    im = ax.imshow(np.asarray(values, dtype=np.float64), aspect="auto", cmap="hot", interpolation="nearest")
+    fig.colorbar(im, ax=ax)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 RAMP = " .:-=+*#%@"   # text heatmap: low to high
@@ -1037,17 +1172,74 @@ def run_heatmap(comp, text, png_stem):
     memory, attention = encoder_attention(comp, enc)
     cosine = memory_cosine(comp, memory, ids)
     M, T = cosine.shape
-    cell = max(1, min(16, 1024 // max(M, T)))       # pixels per cell: small maps are scaled up
-    out = {"text": text, "tokens": ids, "encoder_tokens": enc, "memory_slots": M, "cell_pixels": cell,
+    out = {"text": text, "tokens": ids, "encoder_tokens": enc, "memory_slots": M,
            "cosine": cosine.tolist(), "cosine_png": f"{png_stem}_cosine.png",
            "attention": None, "attention_png": None}
-    heat_png(out["cosine_png"], cosine.numpy(), cell)
+    name = comp.cfg.method
+    heat_png(out["cosine_png"], cosine.numpy(), f"{name}: cosine(memory slot, context token)", "context token",
+             "memory slot")
     if attention is not None:
         out["attention"], out["attention_png"] = attention.tolist(), f"{png_stem}_attention.png"
-        heat_png(out["attention_png"], attention.numpy(), cell)
+        heat_png(out["attention_png"], attention.numpy(), f"{name}: encoder attention, memory -> context",
+                 "context token", "memory slot")
     else:
         out["attention_note"] = f"{comp.cfg.method} merges hidden states into groups: no memory tokens attend"
     return out
+
+
+# -----------------------------------------------------------------------------
+# ---- curves (EPL Fig. 4, PIC Fig. 5, GMSA Fig. 5: loss against steps) ----
+
+
+def ema(values, alpha):
+    """Exponential moving average, debiased like Adam's so the first points are not pulled towards 0."""
+    out, m = [], 0.0
+    for t, v in enumerate(values, 1):
+        m = alpha * v + (1 - alpha) * m
+        out.append(m / (1 - (1 - alpha) ** t))
+    return out
+
+
+def run_curves(runs, key="loss", target=None, alpha=0.05, png=None):
+    """The training logs (log.jsonl) of several runs: each one's loss curve with an EMA on one figure, and the
+    step at which each EMA first reaches `target` (default: the highest of the runs' best EMAs, a loss every
+    run reaches), with the tokens and wall time it took to get there."""
+    curves = []
+    for run in runs:
+        path = os.path.join(run, "log.jsonl")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--runs {run}: no log.jsonl (pass train.py --out directories)")
+        rows = [json.loads(line) for line in open(path) if line.strip()]
+        rows = [r for r in rows if key in r]
+        if not rows:
+            raise ValueError(f"--runs {run}: its log has no '{key}' values")
+        method = (json.load(open(os.path.join(run, "args.json"))) if os.path.isfile(os.path.join(run, "args.json"))
+                  else {}).get("method", "?")
+        curves.append(dict(run=run, method=method, steps=[r["step"] for r in rows], raw=[r[key] for r in rows],
+                           smooth=ema([r[key] for r in rows], alpha), tokens=np.cumsum([r["tokens"] for r in rows]),
+                           seconds=np.cumsum([r["dt"] for r in rows])))
+    target = target if target is not None else max(min(c["smooth"]) for c in curves)
+    out = []
+    for c in curves:
+        hit = next((i for i, v in enumerate(c["smooth"]) if v <= target), None)
+        out.append(dict(run=c["run"], method=c["method"], last_step=c["steps"][-1], final_ema=c["smooth"][-1],
+                        best_ema=min(c["smooth"]),
+                        reached=None if hit is None else dict(step=c["steps"][hit], tokens=int(c["tokens"][hit]),
+                                                              seconds=float(c["seconds"][hit]))))
+    if png:
+        plt = pyplot()
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for c in curves:
+            name = os.path.basename(os.path.normpath(c["run"]))
+            line, = ax.plot(c["steps"], c["smooth"], label=name)
+            ax.plot(c["steps"], c["raw"], color=line.get_color(), alpha=0.2, linewidth=0.8)
+        ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+        ax.set(xlabel="step", ylabel=f"{key} (EMA {alpha:g})", title=f"training {key}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(png, dpi=100)
+        plt.close(fig)
+    return {"key": key, "target": target, "ema_alpha": alpha, "png": png, "runs": out}
 
 
 # -----------------------------------------------------------------------------
@@ -1076,12 +1268,21 @@ tasks:
   heatmap      for --text0 (default: the first text): cosine similarity of each memory slot with each
                context token, and the encoder's memory -> context attention (mean over layers and
                heads; none for gmsa, which has no memory tokens). PNGs next to --out, text on stdout.
+  curves       --runs DIR [DIR ...]: the runs' training loss (--key, e.g. ae or lm) with an EMA on one
+               PNG, and the step, tokens and seconds at which each EMA first reaches --target-loss
+               (default: a loss every run reaches). Needs matplotlib for the figure.
+
+ae and lm also report, teacher-forced, the loss with each text's own memory, with another text's
+memory (text i reads the memory of text i+1) and with none: own/other well below 1 means each memory
+carries its own text, 1.0 means it is a constant prompt. A checkpoint trained with a head crop (AOC)
+is evaluated on the first n tokens of each text, padded as in training; one pretrained with AE + LM
+(EPL) reconstructs the first half of each text, what pretraining compressed.
 
 Results go to --out (default: CKPT/eval_TASK.json), a markdown table to stdout.
-Built-in data is used when --data is not given (.jsonl with {"text"} or {"context","question",
-"answer"} records, or plain text with one text per line)."""
+Built-in data is used when --data is not given (.jsonl or .parquet with {"text"} or {"context",
+"question","answer"} records, or plain text with one text per line)."""
 
-TASKS = ("ae", "lm", "qa", "speed", "interpolate", "heatmap")
+TASKS = ("ae", "lm", "qa", "speed", "interpolate", "heatmap", "curves")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -1097,12 +1298,23 @@ def parse_args(argv=None):
     p.add_argument("--task", required=True, help=f"one of {', '.join(TASKS)} (see below)")
     p.add_argument("--method", help=f"without --ckpt (speed only): an untrained preset, {', '.join(C.METHODS)}")
     p.add_argument("--model", help="base LLM (HF id, directory or tiny); with --ckpt it must match the checkpoint's")
-    p.add_argument("--data", help="examples (.jsonl or .txt); default: the built-in sets")
+    p.add_argument("--data", help="examples (.jsonl, .parquet or .txt); default: the built-in sets")
     p.add_argument("--n", type=int, help="use the first N examples (default: all)")
-    p.add_argument("--max-new-tokens", type=int, help="generation budget (default: ae reference + 8, qa 32, "
-                                                       "speed 16 timed decode steps)")
+    p.add_argument("--batch-size", type=int, default=8, help="ae, lm, qa: examples per batch (default 8)")
+    p.add_argument("--max-new-tokens", type=int, help="generation budget (default: ae n for a head-cropped "
+                   "checkpoint, else reference + 8; qa the paper's: PCC 30, CompLLM 512, EPL 1024, else 64; "
+                   "speed 16 timed decode steps)")
+    p.add_argument("--max-len", type=int, help="ae, interpolate: cut texts to their first N tokens (default: the "
+                   "checkpoint's n when it was trained with --crop head)")
+    p.add_argument("--ratio", type=int, help="group merging (GMSA): the compression rate to evaluate at "
+                   "(default: the preset's first, 4)")
+    p.add_argument("--concat", type=int, default=1, help="qa: join the contexts of K examples into one long "
+                   "context and ask each question against it (CompLLM §4); default 1")
     p.add_argument("--lengths", default="512,1024,2048,4096,8192", help="speed: context lengths in tokens")
-    p.add_argument("--weights", default="0,0.25,0.5,0.75,1", help="interpolate: values of w")
+    p.add_argument("--weights", default=DEFAULT_WEIGHTS, help=f"interpolate: values of w (default {DEFAULT_WEIGHTS})")
+    p.add_argument("--runs", nargs="+", help="curves: run directories (train.py --out)")
+    p.add_argument("--key", default="loss", help="curves: the logged value to plot (loss, ae, lm, qa, distill)")
+    p.add_argument("--target-loss", type=float, help="curves: the loss to reach (default: one every run reaches)")
     p.add_argument("--text0", help=f"interpolate: first prompt (default {DEFAULT_TEXT0!r}); heatmap: the text")
     p.add_argument("--text1", help=f"interpolate: second prompt (default {DEFAULT_TEXT1!r})")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -1111,10 +1323,14 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.task not in TASKS:
         raise SystemExit(f"error: unknown task '{args.task}': choose one of {', '.join(TASKS)}")
+    if args.task == "curves":
+        if not args.runs:
+            raise SystemExit("error: --task curves needs --runs DIR [DIR ...]")
+        return args
     if args.ckpt is None and (args.method is None or args.task != "speed"):
         raise SystemExit(f"error: --task {args.task} needs --ckpt DIR (only speed runs an untrained compressor, "
                          "with --method M [--model tiny])")
-    for name in ("n", "max_new_tokens"):
+    for name in ("n", "max_new_tokens", "batch_size", "max_len", "ratio", "concat"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
@@ -1156,7 +1372,23 @@ def report(task, result):
     """The markdown stdout shows for a task's result."""
     if task in ("ae", "lm", "qa"):
         keys = list(result["scores"]["compressed"])
-        return markdown_table(["context"] + keys, [[m] + [s[k] for k in keys] for m, s in result["scores"].items()])
+        table = markdown_table(["context"] + keys, [[m] + [s.get(k, "") for k in keys]
+                                                    for m, s in result["scores"].items()])
+        if "loss" not in result:
+            return table
+        L = result["loss"]
+        other = "" if L["other"] is None else (
+            f", another text's memory {L['other']:.4f}; own/other {L['own_other_ratio']:.3f} "
+            "(1.0 = the memory says nothing about its own text)")
+        return table + (f"\n\nteacher-forced loss per token ({L['tokens']} tokens): own memory {L['own']:.4f}, "
+                        f"no memory {L['none']:.4f}{other}")
+    if task == "curves":
+        rows = [[os.path.basename(os.path.normpath(r["run"])), r["method"], r["last_step"], r["final_ema"],
+                 r["best_ema"]] + ([r["reached"]["step"], r["reached"]["tokens"], r["reached"]["seconds"]]
+                                   if r["reached"] else ["-", "-", "-"]) for r in result["runs"]]
+        return (markdown_table(["run", "method", "steps", f"final {result['key']} (EMA)", "best (EMA)",
+                                f"step to {result['target']:.3g}", "tokens", "seconds"], rows)
+                + (f"\n\nfigure: {result['png']}" if result["png"] else ""))
     if task == "speed":
         header = ["tokens", "mem", "compress ms", "TTFT full ms", "TTFT comp ms", "speedup off", "speedup on",
                   "decode full ms/tok", "decode comp ms/tok", "KV full MB", "KV comp MB", "KV ratio"]
@@ -1192,7 +1424,7 @@ def main(argv=None):
     args = parse_args(argv)
     torch.manual_seed(0)   # an untrained preset's memory tokens, and anything else random, repeat run to run
     out = args.out or (os.path.join(args.ckpt, f"eval_{args.task}.json") if args.ckpt
-                       else f"eval_{args.task}_{args.method}.json")
+                       else f"eval_{args.task}_{args.method or 'runs'}.json")
     try:
         try:
             lengths = [int(x) for x in args.lengths.split(",")]
@@ -1202,27 +1434,33 @@ def main(argv=None):
                              f"{args.lengths!r} and {args.weights!r}") from None
         if min(lengths) < 1:
             raise ValueError(f"--lengths must be positive, got {args.lengths}")
-        examples = None
-        if args.task in ("ae", "lm", "qa") or (args.task == "heatmap" and args.text0 is None):
-            examples = load_examples(args.data, args.task, args.n)
-        comp = load_compressor(args)
-        if args.task == "ae":
-            result = run_ae(comp, examples, args.max_new_tokens)
-        elif args.task == "lm":
-            result = run_lm(comp, examples)
-        elif args.task == "qa":
-            result = run_qa(comp, examples, args.max_new_tokens)
-        elif args.task == "speed":
-            result = run_speed(comp, lengths, args.max_new_tokens)
-        elif args.task == "interpolate":
-            result = run_interpolate(comp, args.text0 or DEFAULT_TEXT0, args.text1 or DEFAULT_TEXT1, weights,
-                                     args.max_new_tokens)
+        if args.task == "curves":
+            result = run_curves(args.runs, args.key, args.target_loss, png=os.path.splitext(out)[0] + ".png")
+            comp = None
         else:
-            result = run_heatmap(comp, args.text0 or examples[0]["text"], os.path.splitext(out)[0])
+            examples = None
+            if args.task in ("ae", "lm", "qa") or (args.task == "heatmap" and args.text0 is None):
+                examples = load_examples(args.data, args.task, args.n)
+            comp = load_compressor(args)
+            proto = protocol(comp, args.ckpt, args.max_len)
+            common = dict(batch_size=args.batch_size, ratio=args.ratio)
+            if args.task == "ae":
+                result = run_ae(comp, examples, args.max_new_tokens, proto, **common)
+            elif args.task == "lm":
+                result = run_lm(comp, examples, **common)
+            elif args.task == "qa":
+                result = run_qa(comp, examples, args.max_new_tokens, concat=args.concat, **common)
+            elif args.task == "speed":
+                result = run_speed(comp, lengths, args.max_new_tokens)
+            elif args.task == "interpolate":
+                result = run_interpolate(comp, args.text0 or DEFAULT_TEXT0, args.text1 or DEFAULT_TEXT1, weights,
+                                         args.max_new_tokens, proto)
+            else:
+                result = run_heatmap(comp, args.text0 or examples[0]["text"], os.path.splitext(out)[0])
     except (FileNotFoundError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
-    result = {"task": args.task, "checkpoint": args.ckpt, "config": asdict(comp.cfg), "device": args.device,
-              "dtype": args.dtype, **result}
+    result = {"task": args.task, "checkpoint": args.ckpt, "config": comp and asdict(comp.cfg),
+              "ratio": args.ratio, "device": args.device, "dtype": args.dtype, **result}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
