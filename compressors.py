@@ -549,7 +549,8 @@ class Compressor(nn.Module):
             counts[b].append(m)
         per_sample = [[parts[r] for r in range(len(rows)) if rows[r][0] == b] for b in range(B)]
         M = max(sum(c) for c in counts)
-        valid = torch.tensor([[j < sum(c) for j in range(M)] for c in counts], device=dev)
+        host_valid = torch.tensor([[j < sum(c) for j in range(M)] for c in counts])
+        valid = host_valid.to(dev)
         pad_to = lambda t: F.pad(t, (0, 0) * (t.dim() - 1) + (0, M - t.shape[0]))   # pad dim 0 to M
         enc_pos = torch.stack([pad_to(torch.cat([p["pos"] for p in s])) for s in per_sample])
         if cfg.carrier == "kv":
@@ -559,7 +560,7 @@ class Compressor(nn.Module):
                 kv.append((torch.stack(k).transpose(1, 2), torch.stack(v).transpose(1, 2)))   # (B, Hkv, M, D)
             return Memory(None, kv, valid, enc_pos, chunk_lens, counts)
         h = torch.stack([pad_to(torch.cat([p["h"] for p in s])) for s in per_sample])           # (B, M, d_enc)
-        return Memory(self._bridge(h, valid), None, valid, enc_pos, chunk_lens, counts)
+        return Memory(self._bridge(h, host_valid), None, valid, enc_pos, chunk_lens, counts)
 
     def _split_rows(self, todo, sizes, fresh, enc_pos) -> dict:
         """The encoded slots (S, ...) cut back into one entry per chunk row: {"h" or "kv", "pos"}."""
@@ -602,8 +603,8 @@ class Compressor(nn.Module):
         # GMSA §3.2: consecutive groups of size r; padding goes to a spare group G, dropped
         group = torch.tensor([[t // rates[b] if t < len(c) else G for t in range(T)] for b, _, c, _, _ in rows],
                              device=dev)
-        lens = torch.tensor([len(c) for _, _, c, _, _ in rows], device=dev)
-        attn = masks.with_padding(masks.causal(T).to(dev), torch.arange(T, device=dev)[None] < lens[:, None])
+        lens = torch.tensor([len(c) for _, _, c, _, _ in rows])
+        attn = masks.with_padding(masks.causal(T), torch.arange(T)[None] < lens[:, None]).to(dev)   # on the host
         with self.encoding():
             h = enc(ids, attn_mask=attn, compute_logits=False).last_hidden   # (R, T, d)
         # exact mean over each group (the last group may be shorter): sum, then divide by its size
@@ -619,18 +620,18 @@ class Compressor(nn.Module):
         M = max(sum(c) for c in counts)
         per_sample = [torch.cat([means[r, :rows[r][3]] for r in range(R) if rows[r][0] == b]) for b in range(B)]
         summary = torch.stack([F.pad(s, (0, 0, 0, M - len(s))) for s in per_sample])  # (B, M, d)
-        valid = torch.tensor([[j < sum(c) for j in range(M)] for c in counts], device=dev)
+        host_valid = torch.tensor([[j < sum(c) for j in range(M)] for c in counts])
         enc_pos = torch.zeros(B, M, dtype=torch.long, device=dev)
-        return Memory(self._bridge(summary, valid), None, valid, enc_pos, chunk_lens, counts)
+        return Memory(self._bridge(summary, host_valid), None, host_valid.to(dev), enc_pos, chunk_lens, counts)
 
     def _bridge(self, h: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Map encoder outputs (B, M, d_enc) into the decoder's input space (B, M, d_dec)."""
+        """Map encoder outputs (B, M, d_enc) into the decoder's input space (B, M, d_dec); valid (B, M) on the host."""
         if self.cfg.bridge in ("linear", "mlp"):
             return self.bridge(h)
         if self.cfg.bridge == "lsa":
             # GMSA Eq. (3): the summary vectors pass through the LSA blocks (causal, positions 0..M-1);
             # their output residual stream (no final norm) is what the decoder's layer 0 reads
-            attn = masks.with_padding(masks.causal(h.shape[1]).to(h.device), valid)
+            attn = masks.with_padding(masks.causal(h.shape[1]), valid).to(h.device)
             out = self.lsa(inputs_embeds=h, attn_mask=attn, output_hidden_states=True, compute_logits=False)
             return out.hidden_states[-1]
         return h
@@ -656,6 +657,11 @@ class Compressor(nn.Module):
         Returns inputs_embeds (B, T, d), position_ids (B, T), attn_mask (B, T, P+T) or None when nothing is
         padded, past_kv or None, targets (B, T) with -100 where no loss is taken.
         """
+        return self._decoder_inputs(memory, task, follow, n_supervised, last_tokens, prefix, left_pad)[0]
+
+    def _decoder_inputs(self, memory, task, follow, n_supervised=None, last_tokens=None, prefix=None, left_pad=False):
+        """decoder_batch, and where its loss is taken as Python lists: (batch, (flat slot b*T + t of every
+        supervised prediction, its token)). Kept on the host, so no step ever waits for the GPU to say where."""
         if task not in ("ae", "lm", "qa"):
             raise ValueError(f"unknown task '{task}': choose ae, lm or qa")
         cfg, embed, dev = self.cfg, self.decoder.model.embed_tokens, self.device
@@ -712,10 +718,12 @@ class Compressor(nn.Module):
         lens = [len(x) for x in rows_x]
         T = max(lens)
         pad = lambda row, n, value: ([value] * n + row) if left_pad else (row + [value] * n)
+        rows_tgt = [pad(t, T - len(t), -100) for t in rows_tgt]
+        supervised = [(b * T + t, tok) for b, row in enumerate(rows_tgt) for t, tok in enumerate(row) if tok != -100]
         x = torch.stack([F.pad(r, (0, 0, T - len(r), 0) if left_pad else (0, 0, 0, T - len(r)))
                          for r in rows_x])                                             # (B, T, d)
         pos = torch.tensor([pad(p, T - len(p), 0) for p in rows_pos], device=dev)      # (B, T)
-        tgt = torch.tensor([pad(t, T - len(t), -100) for t in rows_tgt], device=dev)   # (B, T)
+        tgt = torch.tensor(rows_tgt, device=dev)                                       # (B, T)
         valid = [pad([True] * n, T - n, False) for n in lens]
         past_kv, P = None, 0
         if cfg.carrier == "kv":
@@ -725,21 +733,23 @@ class Compressor(nn.Module):
         # nothing padded: the mask is the model's default (prefix + causal), and passing None lets
         # SDPA use its fused causal kernel instead of the dense-mask one
         attn_mask = None
-        if not all(all(v) for v in valid):
-            mask = masks.with_prefix(masks.causal(T), P).to(dev)
-            attn_mask = masks.with_padding(mask, torch.tensor(valid, device=dev))
-        return dict(inputs_embeds=x, position_ids=pos, attn_mask=attn_mask, past_kv=past_kv, targets=tgt)
+        if not all(all(v) for v in valid):   # built on the host, moved once
+            attn_mask = masks.with_padding(masks.with_prefix(masks.causal(T), P), torch.tensor(valid)).to(dev)
+        batch = dict(inputs_embeds=x, position_ids=pos, attn_mask=attn_mask, past_kv=past_kv, targets=tgt)
+        return batch, supervised
 
     def _supervised(self, memory, task, follow, n_supervised, last_tokens, prefix):
         """The decoder's final hidden states at the slots that predict a supervised token, and those tokens:
         (h (N, d), targets (N,), row of each (N,)). Logits are never made for every position: B*T*vocab would
         dwarf everything else."""
-        batch = self.decoder_batch(memory, task, follow, n_supervised, last_tokens, prefix)
-        tgt = batch.pop("targets")
+        batch, supervised = self._decoder_inputs(memory, task, follow, n_supervised, last_tokens, prefix)
+        batch.pop("targets")
         with self.decoding():
             h = self.decoder(**batch, compute_logits=False).last_hidden                # (B, T, d)
-        sel = (tgt != -100).nonzero(as_tuple=True)
-        return h[sel], tgt[sel], sel[0]
+        T, dev = h.shape[1], h.device
+        flat = torch.tensor([i for i, _ in supervised], dtype=torch.long, device=dev)
+        tgt = torch.tensor([t for _, t in supervised], dtype=torch.long, device=dev)
+        return h.reshape(-1, h.shape[-1])[flat], tgt, flat // T                      # (N, d), (N,), (N,)
 
     def lm_loss(self, memory: Memory, task: str, follow: list, n_supervised: list | None = None,
                 last_tokens: list | None = None, prefix: list | None = None):
@@ -777,21 +787,24 @@ class Compressor(nn.Module):
         rows = [list(p) + list(c) + list(q) + list(a) for p, c, q, a in zip(prefix, dec_contexts, questions, answers)]
         T = max(map(len, rows))
         ids = torch.tensor([r + [0] * (T - len(r)) for r in rows], device=dev)
-        valid = torch.tensor([[j < len(r) for j in range(T)] for r in rows], device=dev)
+        valid = torch.tensor([[j < len(r) for j in range(T)] for r in rows])
         with torch.no_grad(), self.decoding():
-            teacher = dec(ids, attn_mask=masks.with_padding(masks.causal(T).to(dev), valid),
+            teacher = dec(ids, attn_mask=masks.with_padding(masks.causal(T), valid).to(dev),
                           output_hidden_states=True, compute_logits=False).hidden_states
         # student: [prefix, CEs, question, answer] (no special token: the LLM reads CEs like token embeddings)
         memory = self.compress(contexts)
         follow = [list(q) + list(a) for q, a in zip(questions, answers)]
-        batch = self.decoder_batch(memory, "qa", follow, [len(a) for a in answers], prefix=prefix)
-        predicts = batch.pop("targets") != -100                    # the slots that predict an answer token ...
+        batch, supervised = self._decoder_inputs(memory, "qa", follow, [len(a) for a in answers], prefix=prefix)
+        batch.pop("targets")
         with self.decoding():
             student = dec(**batch, output_hidden_states=True, compute_logits=False).hidden_states
+        T = batch["inputs_embeds"].shape[1]
         loss = 0.0
         for b, a in enumerate(answers):
             at_t = slice(len(rows[b]) - len(a), len(rows[b]))      # the answer's own slots in the teacher ...
-            at_s = predicts[b].nonzero().squeeze(1) + 1            # ... and in the student: each follows its predictor
+            # ... and in the student: the slot after each one that predicts an answer token (right-padded rows)
+            first = min(i for i, _ in supervised if i // T == b) % T + 1
+            at_s = slice(first, first + len(a))
             example = 0.0
             for layer in range(1, len(teacher)):                   # ℓ = 1..L (0 is the embedding layer)
                 h, h_s = teacher[layer][b, at_t].float(), student[layer][b, at_s].float()
