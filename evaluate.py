@@ -647,8 +647,8 @@ class PlainLLM:
         pad = lambda r, v: [v] * (T - len(r)) + r if left else r + [v] * (T - len(r))
         ids = torch.tensor([pad(list(r), 0) for r in rows], device=self.device)
         pos = torch.tensor([pad(list(range(len(r))), 0) for r in rows], device=self.device)
-        valid = torch.tensor([pad([True] * len(r), False) for r in rows], device=self.device)
-        mask = None if bool(valid.all()) else masks.with_padding(masks.causal(T).to(self.device), valid)
+        valid = torch.tensor([pad([True] * len(r), False) for r in rows])
+        mask = None if bool(valid.all()) else masks.with_padding(masks.causal(T), valid).to(self.device)   # on the host
         return ids, pos, mask
 
     @torch.no_grad()
