@@ -13,7 +13,13 @@ What it writes into --out:
 
     train.jsonl      {"text"} per paragraph, from 90% of the documentation's files
     heldout.jsonl    {"text"} per paragraph, from the other 10% of the files: nothing trains on these
+    qa_train.jsonl   {"context", "question", "answer"}: one fill-in-the-blank question per training paragraph,
+                     for QA fine-tuning (PIC, GMSA KEFT) and CompLLM's distillation (ours, built here: the
+                     answer is a specific word of the paragraph, a name or number a model cannot guess)
     stats.json       counts, and which file went where
+
+The held-out QA set the recipes score on is recipes/qa_heldout.jsonl (60 questions written by hand about
+held-out paragraphs, each answer copied from its paragraph).
 
 The split is by *file* (a file is held out when sha1 of its path ends in a digit 0 of 10), so a held-out
 paragraph never shares a page with a training one. Scores are only ever computed on heldout.jsonl, and
@@ -82,6 +88,23 @@ def paragraphs(rst: str):
             yield text
 
 
+_SPECIFIC = re.compile(r"^(?=.*[A-Za-z0-9])[\w.]*([0-9_]|[a-z][A-Z]|\.[a-z])[\w.]*$")   # digits, snake_case, camelCase, a.b
+
+
+def cloze(paragraph: str, seed: int):
+    """One fill-in-the-blank question about a paragraph, or None: a sentence (not the first) with one specific
+    word (a number, an identifier) blanked out; the answer is that word, as it appears in the paragraph."""
+    sentences = re.split(r"(?<=[.!?])\s+", paragraph)
+    found = [(i, w.strip(".,;:()\"'")) for i, sent in enumerate(sentences) for w in sent.split()
+             if i > 0 and _SPECIFIC.match(w.strip(".,;:()\"'")) and len(w.strip(".,;:()\"'")) >= 3
+             and not re.fullmatch(r"[a-z]\.[a-z]", w.strip(".,;:()\"'"))]   # not "e.g", "i.e"
+    if not found:
+        return None
+    i, word = found[seed % len(found)]
+    blanked = sentences[i].replace(word, "___", 1)
+    return {"context": paragraph, "question": f'Which word fills the blank in: "{blanked}"', "answer": word}
+
+
 def held_out(path: str) -> bool:
     return int(hashlib.sha1(path.encode()).hexdigest(), 16) % 10 == 0
 
@@ -122,6 +145,9 @@ def main(argv=None):
     for part, texts in split.items():
         with open(os.path.join(a.out, f"{part}.jsonl"), "w") as f:
             f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    qa = [q for i, t in enumerate(split["train"]) for q in [cloze(t, i)] if q]
+    with open(os.path.join(a.out, "qa_train.jsonl"), "w") as f:
+        f.writelines(json.dumps(q) + "\n" for q in qa)
     stats = {part: {"paragraphs": len(t), "words": sum(len(x.split()) for x in t), "files": where[part]}
              for part, t in split.items()}
     with open(os.path.join(a.out, "stats.json"), "w") as f:
@@ -129,6 +155,7 @@ def main(argv=None):
     for part in split:
         print(f"{part}: {stats[part]['paragraphs']} paragraphs, {stats[part]['words']} words, "
               f"{len(where[part])} files -> {os.path.join(a.out, part + '.jsonl')}")
+    print(f"qa_train: {len(qa)} fill-in-the-blank questions -> {os.path.join(a.out, 'qa_train.jsonl')}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,68 @@
+# Shared by the recipes (sourced, not run): where the model and data are, how an arm is trained, resumed and
+# evaluated. Each recipe sets PAPER, then calls `train_arm` and `eval_arm`, then recipes/summarize.py.
+#
+#   MODEL=...      the LLM (default: SmolLM2-135M-Instruct from ../shared/tools/build_smollm2.sh if it is built,
+#                  else the hub id HuggingFaceTB/SmolLM2-135M-Instruct)
+#   SMOKE=1        the tiny random model, the built-in data, 2 steps per arm: seconds, for CI
+#   SCALE=paper    the paper's own setup (its model, hub data, its recipe) on a GPU: the commands are written
+#                  out in each recipe
+#   OUT=...        where the runs, results.json, results.md and the figure go (default runs/recipes/PAPER)
+# An arm that already has a checkpoint is continued with --resume, so a recipe stopped halfway (Ctrl-C, a
+# time limit) picks up where it stopped when it is run again.
+
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+PY=${PYTHON:-python3}
+OUT=${OUT:-runs/recipes/$PAPER}
+SMOKE=${SMOKE:-0}
+SCALE=${SCALE:-cpu}
+START=$SECONDS
+mkdir -p "$OUT"
+
+if [ "$SMOKE" = 1 ]; then
+  MODEL=tiny
+elif [ -z "${MODEL:-}" ]; then
+  LOCAL="$HOME/.cache/ctxcomp/smollm2-135m"
+  if [ -f "$LOCAL/model.safetensors" ]; then MODEL=$LOCAL; else MODEL=HuggingFaceTB/SmolLM2-135M-Instruct; fi
+fi
+
+# the real English corpus (recipes/corpus.py): trains on train.jsonl, scores on heldout.jsonl only
+CORPUS=${CORPUS:-runs/corpus}
+if [ "$SMOKE" != 1 ] && [ "$SCALE" != paper ] && [ ! -f "$CORPUS/heldout.jsonl" ]; then
+  $PY recipes/corpus.py --out "$CORPUS"
+fi
+if [ "$SMOKE" = 1 ]; then   # the built-in texts (train.py and evaluate.py hold different ones)
+  TRAIN_TEXT=() ; TRAIN_QA=() ; HELD_TEXT=() ; HELD_QA=()
+else
+  TRAIN_TEXT=(--data "$CORPUS/train.jsonl") ; TRAIN_QA=(--data "$CORPUS/qa_train.jsonl")
+  HELD_TEXT=(--data "$CORPUS/heldout.jsonl") ; HELD_QA=(--data recipes/qa_heldout.jsonl)
+fi
+
+# train_arm NAME TRAIN.PY-FLAGS...: train (or continue) the arm in $OUT/NAME
+train_arm() {
+  local name=$1; shift
+  local dir="$OUT/$name"
+  [ "$SMOKE" = 1 ] && set -- "$@" --steps 2 --save-every 1
+  if ls "$dir"/ckpt-*/train_state.pt >/dev/null 2>&1; then
+    echo "== $name: continuing $dir"
+    local steps
+    steps=$(printf '%s\n' "$@" | grep -A1 -x -- --steps | tail -1)
+    $PY train.py --resume "$dir" ${steps:+--steps "$steps"}
+  else
+    echo "== $name: python train.py $* --model $MODEL --out $dir"
+    $PY train.py "$@" --model "$MODEL" --out "$dir"
+  fi
+}
+
+# eval_arm NAME TASK EVALUATE.PY-FLAGS...: score the arm; its JSON lands in $OUT/NAME/eval_TASK.json
+eval_arm() {
+  local name=$1 task=$2; shift 2
+  [ "$SMOKE" = 1 ] && set -- "$@" --n 2 --max-new-tokens 4
+  echo "== $name: python evaluate.py --ckpt $OUT/$name --task $task $*"
+  $PY evaluate.py --ckpt "$OUT/$name" --task "$task" "$@" --out "$OUT/$name/eval_$task.json" > "$OUT/$name/eval_$task.md"
+}
+
+finish() {
+  echo "wall time: $(( (SECONDS - START) / 60 )) min $(( (SECONDS - START) % 60 )) s"
+}

@@ -1,0 +1,77 @@
+"""Collect a recipe's arms into results.json, results.md and a figure (used by every recipe).
+
+    python recipes/summarize.py --out runs/recipes/epl --title "..." --arms dpl upl epl \
+        --metric "AE BLEU-4 (ids)=ae:scores.compressed.bleu4_ids" --metric "own/other=ae:loss.own_other_ratio" \
+        --curves loss
+
+A metric is NAME=TASK:PATH, read from OUT/ARM/eval_TASK.json (evaluate.py's output) by a dotted path; the
+special task `log` reads the last line of the arm's training log and `params` its trained-parameter count.
+The figure is evaluate.py's `curves` task over the arms' training logs (one per --curves key).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import evaluate as E  # noqa: E402
+
+
+def lookup(obj, path):
+    for key in path.split("."):
+        if obj is None:
+            return None
+        obj = obj.get(key) if isinstance(obj, dict) else None
+    return obj
+
+
+def read_metric(out, arm, spec):
+    task, _, path = spec.partition(":")
+    run = os.path.join(out, arm)
+    if task == "log":
+        rows = [json.loads(line) for line in open(os.path.join(run, "log.jsonl")) if line.strip()]
+        return lookup(rows[-1], path) if rows else None
+    if task == "params":
+        import compressors as C
+        comp = C.load(run)
+        return sum(p.numel() for n, p in comp.named_parameters() if comp._saved(n) and
+                   not n.startswith(("ae_embed", "lm_embed", "mem_open", "mem_close")))
+    path_json = os.path.join(run, f"eval_{task}.json")
+    return lookup(json.load(open(path_json)), path) if os.path.isfile(path_json) else None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--title", required=True)
+    p.add_argument("--arms", nargs="+", required=True)
+    p.add_argument("--metric", action="append", default=[], help="NAME=TASK:PATH")
+    p.add_argument("--curves", nargs="*", default=["loss"], help="logged keys to plot (loss, ae, lm, ...)")
+    p.add_argument("--note", default="", help="a line under the table (the setup)")
+    a = p.parse_args(argv)
+    metrics = [m.split("=", 1) for m in a.metric]
+    rows = {arm: {name: read_metric(a.out, arm, spec) for name, spec in metrics} for arm in a.arms}
+    curves = {}
+    for key in a.curves:
+        png = os.path.join(a.out, f"curves_{key}.png")
+        curves[key] = E.run_curves([os.path.join(a.out, arm) for arm in a.arms], key=key, png=png)
+    fmt = lambda v: "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+    lines = [f"### {a.title}", "", "| arm | " + " | ".join(n for n, _ in metrics) + " |",
+             "|---|" + "---|" * len(metrics)]
+    lines += [f"| {arm} | " + " | ".join(fmt(rows[arm][n]) for n, _ in metrics) + " |" for arm in a.arms]
+    for key, c in curves.items():
+        reached = ", ".join(f"{os.path.basename(r['run'])} step {r['reached']['step']}" if r["reached"] else
+                            f"{os.path.basename(r['run'])} never" for r in c["runs"])
+        lines += ["", f"training {key} (EMA) reaches {c['target']:.3g}: {reached}. ![{key}]({os.path.basename(c['png'])})"]
+    if a.note:
+        lines += ["", a.note]
+    with open(os.path.join(a.out, "results.json"), "w") as f:
+        json.dump({"title": a.title, "arms": rows, "curves": curves, "note": a.note}, f, indent=1)
+    with open(os.path.join(a.out, "results.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
