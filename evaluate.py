@@ -858,16 +858,17 @@ def concatenated(examples, k):
 
 
 @torch.no_grad()
-def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat=1):
+def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat=1, reuse=True):
     """Answer from memory + question (PIC/PCC SQuAD, EPL, CompLLM, GMSA KEFT), with the checkpoint's template
     (Compressor.qa_parts) in all three rows. The whole generation up to EOS is scored, as the papers' scripts
-    do. concat > 1: CompLLM's long contexts; each context is compressed once (a cache of chunk memories)."""
+    do. concat > 1: CompLLM's long contexts. reuse: a chunk's memory is computed once and kept (CompLLM's
+    reusability), so a context shared by several questions is compressed once; False compresses every time."""
     tok, plain = comp.tok, PlainLLM(comp)
     n_new = max_new_tokens or QA_BUDGET.get(comp.cfg.method, 64)
     examples = concatenated(examples, concat) if concat > 1 else examples
     # a chat template carries its own start; otherwise the plain LLM's prompt starts with BOS
     lead = [] if comp.template()[0] else start_ids(tok)
-    cache, rows = {}, []
+    cache, rows = ({} if reuse else None), []
     for group in tqdm(batches(examples, batch_size), desc="qa", leave=False):
         parts = [comp.qa_parts(ex["context"], ex["question"]) for ex in group]
         memory = compress(comp, [p["enc_context"] for p in parts], ratio, cache=cache)
@@ -882,7 +883,7 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
                 text = tok.decode(gen[j])
                 row[mode] = {"text": text, "scores": qa_scores(text, ex["answer"])}
             rows.append(row)
-    return summarize(rows, {"max_new_tokens": n_new, "concat": concat})
+    return summarize(rows, {"max_new_tokens": n_new, "concat": concat, "reuse": reuse})
 
 
 # -----------------------------------------------------------------------------
@@ -1310,6 +1311,8 @@ def parse_args(argv=None):
                    "(default: the preset's first, 4)")
     p.add_argument("--concat", type=int, default=1, help="qa: join the contexts of K examples into one long "
                    "context and ask each question against it (CompLLM §4); default 1")
+    p.add_argument("--no-reuse", action="store_true", help="qa: compress every context anew (default: a chunk's "
+                   "memory is kept and reused, CompLLM's reusability)")
     p.add_argument("--lengths", default="512,1024,2048,4096,8192", help="speed: context lengths in tokens")
     p.add_argument("--weights", default=DEFAULT_WEIGHTS, help=f"interpolate: values of w (default {DEFAULT_WEIGHTS})")
     p.add_argument("--runs", nargs="+", help="curves: run directories (train.py --out)")
@@ -1449,7 +1452,8 @@ def main(argv=None):
             elif args.task == "lm":
                 result = run_lm(comp, examples, **common)
             elif args.task == "qa":
-                result = run_qa(comp, examples, args.max_new_tokens, concat=args.concat, **common)
+                result = run_qa(comp, examples, args.max_new_tokens, concat=args.concat, reuse=not args.no_reuse,
+                                **common)
             elif args.task == "speed":
                 result = run_speed(comp, lengths, args.max_new_tokens)
             elif args.task == "interpolate":

@@ -6,7 +6,8 @@
 
 A metric is NAME=TASK:PATH, read from OUT/ARM/eval_TASK.json (evaluate.py's output) by a dotted path; the
 special task `log` reads the last line of the arm's training log and `params` its trained-parameter count.
-The figure is evaluate.py's `curves` task over the arms' training logs (one per --curves key).
+The figure is evaluate.py's `curves` task over the arms' training logs (one per --curves key). --append adds a
+table to the results already written (a recipe with a pretraining and a fine-tuning comparison).
 """
 
 import argparse
@@ -19,10 +20,14 @@ import evaluate as E  # noqa: E402
 
 
 def lookup(obj, path):
+    """obj["a"]["b"][-1] for the path "a.b.-1"; None where anything is missing."""
     for key in path.split("."):
-        if obj is None:
+        if isinstance(obj, dict):
+            obj = obj.get(key)
+        elif isinstance(obj, list) and obj and key.lstrip("-").isdigit():
+            obj = obj[int(key)]
+        else:
             return None
-        obj = obj.get(key) if isinstance(obj, dict) else None
     return obj
 
 
@@ -49,6 +54,7 @@ def main(argv=None):
     p.add_argument("--metric", action="append", default=[], help="NAME=TASK:PATH")
     p.add_argument("--curves", nargs="*", default=["loss"], help="logged keys to plot (loss, ae, lm, ...)")
     p.add_argument("--note", default="", help="a line under the table (the setup)")
+    p.add_argument("--append", action="store_true", help="add this table to the existing results")
     a = p.parse_args(argv)
     metrics = [m.split("=", 1) for m in a.metric]
     rows = {arm: {name: read_metric(a.out, arm, spec) for name, spec in metrics} for arm in a.arms}
@@ -66,10 +72,15 @@ def main(argv=None):
         lines += ["", f"training {key} (EMA) reaches {c['target']:.3g}: {reached}. ![{key}]({os.path.basename(c['png'])})"]
     if a.note:
         lines += ["", a.note]
+    tables, text = [], ""
+    if a.append and os.path.isfile(os.path.join(a.out, "results.json")):
+        tables = json.load(open(os.path.join(a.out, "results.json")))["tables"]
+        text = open(os.path.join(a.out, "results.md")).read() + "\n"
+    tables.append({"title": a.title, "arms": rows, "curves": curves, "note": a.note})
     with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump({"title": a.title, "arms": rows, "curves": curves, "note": a.note}, f, indent=1)
+        json.dump({"tables": tables}, f, indent=1)
     with open(os.path.join(a.out, "results.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(text + "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -24,10 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import compressors as C  # noqa: E402
+import evaluate as E  # noqa: E402
 import train  # noqa: E402
 from model import TINY_CONFIG, build_tiny, byte_tokenizer  # noqa: E402
 
-DOC = train.BUILTIN_TEXTS[3][:48]          # 48 bytes = 48 tokens: the one fixed training example
+DOC = train.BUILTIN_TEXTS[3][:48]          # 48 bytes = 48 tokens: a one-document corpus
 LORA = ["--lora-r", "8", "--lora-alpha", "16"]
 
 
@@ -62,39 +63,51 @@ def snapshot(folder):
             for p in sorted(Path(folder).rglob("*")) if p.is_file()}
 
 
-# ---- every method learns ----
-
-# method -> (flags, minimum relative drop). Measured (first loss -> mean of the last 3 of 100 steps):
-# icae 5.72 -> 3.61 (37%), 500x 5.87 -> 2.00 (66%), pcc 5.79 -> 3.55 (39%), pic 5.60 -> 3.36 (40%),
-# gmsa 6.11 -> 3.01 (51%), aoc 5.86 -> 1.12 (81%), compllm (distill) 1.79 -> 0.021 (99%).
-FIXED = ["--min-len", "48", "--max-len", "48", "--batch-size", "2", "--steps", "100", "--warmup", "0"]
+# ---- every method learns to compress: held-out own/other ----
+# A lower loss with memory than without proves little: a learned constant prompt gets that too. So each method
+# trains on many texts (16-token windows of the built-in corpus) and is scored on texts it never saw
+# (evaluate.py's built-in set): the AE loss with a text's own memory must be below the loss with another text's
+# memory. A compressor whose memory ignores its text scores exactly 1.0 (tests/test_evaluate.py). Measured on
+# this repository's CPU (300 steps, batch 8): icae 0.979, 500x 0.947, pcc 0.943, pic 0.968, gmsa 0.936,
+# compllm 0.944, aoc 0.263 (the random tiny decoder reads memory poorly; AOC at m = n, no compression, best).
+WINDOWS = ["--objective", "ae", "--crop", "window", "--min-len", "16", "--max-len", "16", "--batch-size", "8",
+           "--steps", "300", "--warmup", "10", "--save-every", "1000"]
 RUNS = {
-    "icae": (["--mem", "12", "--chunk-len", "24", *LORA, "--lr", "1e-2"], 0.25),
-    "500x": (["--mem", "12", "--chunk-len", "24", *LORA, "--lr", "1e-2"], 0.40),
-    "pcc": (["--ratio", "2", "--chunk-len", "24", "--lr", "1e-3"], 0.25),
-    "pic": (["--ratio", "2", "--chunk-len", "24", "--lr", "1e-3"], 0.25),
-    "gmsa": (["--ratios", "2", *LORA, "--lr", "3e-3"], 0.30),
-    "aoc": (["--mem", "12", "--chunk-len", "48", "--lr", "3e-3"], 0.50),
-    "compllm": ([*LORA, "--lr", "3e-3", "--answer-tokens", "8"], 0.80),
+    "icae": (["--mem", "16", "--chunk-len", "16", "--lora-r", "32", "--lora-alpha", "64", "--lr", "1e-2"], 0.99),
+    "500x": (["--mem", "16", "--chunk-len", "16", "--lora-r", "8", "--lora-alpha", "16", "--lr", "1e-2"], 0.975),
+    "pcc": (["--mem", "16", "--chunk-len", "16", "--lr", "1e-3"], 0.975),
+    "pic": (["--mem", "8", "--chunk-len", "16", "--lr", "1e-3"], 0.985),
+    "gmsa": (["--ratios", "2", "--lora-r", "8", "--lora-alpha", "16", "--lr", "1e-2"], 0.97),
+    "compllm": (["--lora-r", "8", "--lora-alpha", "16", "--lr", "1e-2"], 0.975),
+    "aoc": (["--mem", "16", "--lr", "1e-2"], 0.5),
 }
 
 
 @pytest.mark.parametrize("method", C.METHODS)
-def test_every_method_overfits_a_fixed_batch(method, files, tmp_path):
-    flags, min_drop = RUNS[method]
-    data = files["qa"] if method == "compllm" else files["doc"]   # compllm's default objective is distill
+def test_every_method_learns_memories_that_carry_their_own_text(method, tmp_path):
+    flags, max_ratio = RUNS[method]
     out = str(tmp_path / method)
-    train.main(["--method", method, "--model", files["model"], "--data", data, "--out", out, *FIXED, *flags])
+    train.main(["--method", method, "--model", "tiny", "--out", out, *WINDOWS, *flags])
     losses = [r["loss"] for r in log_rows(out)]
-    assert len(losses) == 100
-    drop = 1 - sum(losses[-3:]) / 3 / losses[0]
-    assert drop >= min_drop, f"{method}: loss {losses[0]:.3f} -> {sum(losses[-3:]) / 3:.3f} ({drop:.0%})"
+    assert len(losses) == 300 and sum(losses[-10:]) / 10 < 0.9 * losses[0]
+    comp = C.load(out).eval()
+    held_out = [{"text": t} for t in E.BUILTIN_TEXTS]                 # never in train.py's built-in corpus
+    L = E.run_ae(comp, held_out, max_new_tokens=1, proto=dict(crop="head", n=16, half=False))["loss"]
+    assert L["own_other_ratio"] < max_ratio, f"{method}: own {L['own']:.3f} other {L['other']:.3f}"
+    assert L["own"] < L["none"]
     # the run directory is a compressor checkpoint (evaluate.py's entry point) holding the trained tensors
-    comp = C.load(out)
-    assert comp.cfg.method == method
-    final = load_file(os.path.join(out, "ckpt-000100", "compressor.safetensors"))
+    final = load_file(os.path.join(out, "ckpt-000300", "compressor.safetensors"))
     for name, t in comp.trained_state().items():
         torch.testing.assert_close(t, final[name], rtol=0, atol=0)
+
+
+def test_distillation_learns_on_one_question(files, tmp_path):
+    """CompLLM's objective (Eq. 1-3) on one QA triple: the student's hidden states approach the teacher's."""
+    out = str(tmp_path / "compllm")
+    train.main(["--method", "compllm", "--model", files["model"], "--data", files["qa"], *LORA, "--lr", "3e-3",
+                "--answer-tokens", "8", "--batch-size", "2", "--steps", "60", "--warmup", "0", "--out", out])
+    losses = [r["loss"] for r in log_rows(out)]
+    assert sum(losses[-3:]) / 3 < 0.2 * losses[0]             # measured 1.79 -> 0.05 (97%)
 
 
 def test_quickstart_on_the_real_tiny_model_runs_and_logs(tmp_path):
