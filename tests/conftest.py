@@ -8,7 +8,7 @@ our model is checked against.
 
 `transformers` is imported lazily, so test files that do not use these fixtures never pay for it.
 
-On a GPU. The suite runs on the CPU unless told otherwise (that is what CI runs); on a machine with CUDA:
+Running on a GPU: the suite runs on the CPU unless told otherwise (that is what CI runs); with CUDA:
 
     python -m pytest -q tests                    # CPU, as CI
     python -m pytest -q tests --device cuda      # every model, input, train.py and evaluate.py run on the GPU
@@ -20,6 +20,7 @@ without atomics), so "a resumed run continues exactly" stays exact. train.py aut
 evaluate.py defaults to bf16 there; the few tests that compare such runs across different kernel shapes say
 so and compare within a bf16 tolerance on CUDA only.
 """
+
 import copy
 import os
 import sys
