@@ -1,10 +1,24 @@
-"""Shared test fixtures: tiny random Hugging Face checkpoints, the reference our model is checked against.
+"""Shared test fixtures: the device every model runs on, and tiny random Hugging Face checkpoints, the reference
+our model is checked against.
 
-    def test_x(hf_checkpoint):
+    def test_x(hf_checkpoint, device):
         folder, hf_model = hf_checkpoint(dict(model_type="llama", hidden_size=64, ...), max_shard_size="40KB")
-        model, tok = load_pretrained(str(folder))
+        model, tok = load_pretrained(str(folder), device=device)
+        hf_model.to(device)
 
 `transformers` is imported lazily, so test files that do not use these fixtures never pay for it.
+
+Running on a GPU: the suite runs on the CPU unless told otherwise (that is what CI runs); with CUDA:
+
+    python -m pytest -q tests                    # CPU, as CI
+    python -m pytest -q tests --device cuda      # every model, input, train.py and evaluate.py run on the GPU
+
+`--device cuda` on a machine without CUDA stops at once with a one-line error. Tests that only make sense on
+CUDA (bf16 autocast training) skip on the CPU with the reason. On CUDA the fixture turns TF32 off, so fp32
+matmuls are fp32 and the CPU tolerances hold, and asks for deterministic kernels (scatter_add_ and index_add_
+without atomics), so "a resumed run continues exactly" stays exact. train.py autocasts to bf16 on CUDA and
+evaluate.py defaults to bf16 there; the few tests that compare such runs across different kernel shapes say
+so and compare within a bf16 tolerance on CUDA only.
 """
 
 import copy
@@ -20,6 +34,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # no test may touch the network; huggingface_hub reads this when first imported
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", help="torch device the tests build and run models on: cpu "
+                     "(default, what CI runs) or cuda")
+
+
+def pytest_configure(config):
+    try:
+        device = torch.device(config.getoption("--device"))
+    except RuntimeError as e:
+        raise pytest.UsageError(f"--device: {e}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"--device must be cpu or cuda, got {device}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise pytest.UsageError("--device cuda, but torch.cuda.is_available() is False on this machine: "
+                                    "run without --device (CPU)")
+        # cuBLAS is deterministic only with a fixed workspace; it reads this when its first handle is made,
+        # so it is set here, before any test touches the GPU (the `device` fixture asks for determinism)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig) -> torch.device:
+    """The torch.device of `--device` (default cpu). Every test that builds or runs a model puts it here."""
+    dev = torch.device(pytestconfig.getoption("--device"))
+    if dev.type == "cuda":
+        # TF32 rounds fp32 matmul inputs to 10 mantissa bits (~1e-3 relative): the fp32 parity tolerances
+        # (1e-4 on logits) are for real fp32, so it is turned off for the whole session
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        # deterministic kernels where PyTorch has them (scatter_add_, index_add_: GMSA's group means, the per-row
+        # NLL sums), so two runs of the same step agree bit for bit, as on the CPU; warn_only: an op without
+        # such a kernel warns instead of failing the test
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    return dev
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.15) -> torch.nn.Module:

@@ -53,25 +53,28 @@ def ckpt(tmp_path_factory):
     return out
 
 
-def run(argv, capsys=None):
+def run(argv, device, capsys=None, dtype="float32"):
+    """evaluate.py's main on the test device, in fp32 unless told (its own default is bf16 on CUDA): the tests
+    recompute what it reports (cosines, NLL sums) in fp32. dtype=None keeps evaluate.py's default."""
+    argv = [*argv, "--device", device, *(["--dtype", dtype] if dtype else [])]
     result = E.main([str(a) for a in argv])
     return result, (capsys.readouterr().out if capsys else "")
 
 
-def random_comp(method, **kw):
+def random_comp(method, device, **kw):
     """A compressor around a tiny decoder with larger random weights, so greedy outputs vary with the memory
-    (the std-0.02 tiny model repeats its input token whatever the memory holds)."""
+    (the std-0.02 tiny model repeats its input token whatever the memory holds), on `device`."""
     decoder, tok = build_tiny()
     randomize_(decoder, seed=0, std=0.3)
     torch.manual_seed(0)
-    return C.build(method, decoder, tok, **kw).eval()
+    return C.build(method, decoder.to(device), tok, **kw).eval()
 
 
 # ---- ae ----
 
 
-def test_ae_scores_are_the_metrics_of_the_saved_generations(ckpt, capsys):
-    result, out = run(["--ckpt", ckpt["aoc"], "--task", "ae", "--n", 2, "--max-new-tokens", 24], capsys)
+def test_ae_scores_are_the_metrics_of_the_saved_generations(ckpt, capsys, device):
+    result, out = run(["--ckpt", ckpt["aoc"], "--task", "ae", "--n", 2, "--max-new-tokens", 24], device, capsys)
     saved = json.loads(Path(ckpt["aoc"], "eval_ae.json").read_text())   # default output next to the checkpoint
     assert saved["scores"] == result["scores"] and len(saved["examples"]) == 2
     for key in ("bleu4_ids", "bleu4_words", "prefix_em", "rouge1", "rouge2", "rougeL", "compressed", "full", "none"):
@@ -103,11 +106,11 @@ def test_ae_scores_are_the_metrics_of_the_saved_generations(ckpt, capsys):
             assert saved["scores"][mode][k] == pytest.approx(sum(e[k] for e in per_example) / len(per_example))
 
 
-def test_ae_scores_the_compressed_generation_against_its_own_context(monkeypatch):
+def test_ae_scores_the_compressed_generation_against_its_own_context(monkeypatch, device):
     """A compressor that regenerates the first 10 tokens right and then goes wrong: prefix EM is exactly
     10 / |ref| (and so is AOC's character prefix EM: one byte per token), token accuracy and BLEU are
     above zero, and the references are untouched by the patch."""
-    comp = random_comp("aoc", mem=4, chunk_len=64)
+    comp = random_comp("aoc", device, mem=4, chunk_len=64)
     text = E.BUILTIN_TEXTS[1]
     ref = comp.tok.encode(text)
     wrong = (ref[10] + 1) % 256
@@ -123,8 +126,8 @@ def test_ae_scores_the_compressed_generation_against_its_own_context(monkeypatch
 # ---- lm ----
 
 
-def test_lm_perplexity_is_exp_of_the_summed_nll(ckpt, capsys):
-    result, out = run(["--ckpt", ckpt["icae"], "--task", "lm", "--n", 3], capsys)
+def test_lm_perplexity_is_exp_of_the_summed_nll(ckpt, capsys, device):
+    result, out = run(["--ckpt", ckpt["icae"], "--task", "lm", "--n", 3], device, capsys)
     assert "perplexity" in out and os.path.isfile(os.path.join(ckpt["icae"], "eval_lm.json"))
     tok = build_tiny()[1]
     for mode in ("compressed", "full", "none"):
@@ -140,29 +143,29 @@ def test_lm_perplexity_is_exp_of_the_summed_nll(ckpt, capsys):
 
 
 @pytest.mark.skipif(not SMOLLM2.is_dir(), reason="SmolLM2-135M not cached in ~/.cache/ctxcomp")
-def test_full_context_beats_no_context_on_smollm2(tmp_path):
+def test_full_context_beats_no_context_on_smollm2(tmp_path, device):
     """The upper reference must use the context: a real LLM predicts a text's second half better after its
     first half than after BOS alone (the compressed row of an untrained compressor is not checked)."""
     from model import load_pretrained
     decoder, tok = load_pretrained(str(SMOLLM2))
     C.build("icae", decoder, tok, model=str(SMOLLM2), mem=4, chunk_len=64, lora_r=2, lora_alpha=4).save(str(tmp_path))
-    result = E.main(["--ckpt", str(tmp_path), "--task", "lm", "--n", "3"])
+    result, _ = run(["--ckpt", tmp_path, "--task", "lm", "--n", 3], device)
     assert result["scores"]["full"]["perplexity"] < 0.8 * result["scores"]["none"]["perplexity"]
 
 
 # ---- qa ----
 
 
-def test_qa_runs_on_the_builtin_set_and_scores_the_whole_generation(ckpt, capsys):
-    result, out = run(["--ckpt", ckpt["icae"], "--task", "qa", "--max-new-tokens", 8], capsys)
+def test_qa_runs_on_the_builtin_set_and_scores_the_whole_generation(ckpt, capsys, device):
+    result, out = run(["--ckpt", ckpt["icae"], "--task", "qa", "--max-new-tokens", 8], device, capsys)
     assert len(result["examples"]) == len(E.BUILTIN_QA) and "squad_f1" in out and result["max_new_tokens"] == 8
     for ex in result["examples"]:
         for mode in ("compressed", "full", "none"):
             assert ex[mode]["scores"] == E.qa_scores(ex[mode]["text"], ex["answer"])
 
 
-def test_qa_right_answer_scores_one_and_what_follows_it_counts(monkeypatch):
-    comp = random_comp("icae", mem=4, chunk_len=64, lora_r=4, lora_alpha=8)
+def test_qa_right_answer_scores_one_and_what_follows_it_counts(monkeypatch, device):
+    comp = random_comp("icae", device, mem=4, chunk_len=64, lora_r=4, lora_alpha=8)
     ex = E.BUILTIN_QA[4]   # answer "away from the Sun"
     answer = comp.tok.encode(" Away from the Sun")
     monkeypatch.setattr(comp, "generate", lambda memory, task, prompt=None, **kw: [answer])
@@ -177,9 +180,9 @@ def test_qa_right_answer_scores_one_and_what_follows_it_counts(monkeypatch):
     assert s["squad_em"] == 0.0 and s["substring_acc"] == 1.0 and 0 < s["squad_f1"] < 1
 
 
-def test_qa_rows_share_the_checkpoints_template(monkeypatch):
+def test_qa_rows_share_the_checkpoints_template(monkeypatch, device):
     """One prompt builder for every row: EPL's template in the compressed row and in the plain LLM's rows."""
-    comp = random_comp("icae", mem=4, chunk_len=64, lora_r=4, lora_alpha=8)     # EPL's QA template
+    comp = random_comp("icae", device, mem=4, chunk_len=64, lora_r=4, lora_alpha=8)   # EPL's QA template
     ex, plain, contexts = E.BUILTIN_QA[0], [], []
     monkeypatch.setattr(E.PlainLLM, "generate", lambda self, prompts, n: plain.append(prompts) or [[]] * len(prompts))
     compressed = comp.compress
@@ -193,12 +196,12 @@ def test_qa_rows_share_the_checkpoints_template(monkeypatch):
     assert dec(none) == "\n### Question:\n" + ex["question"] + "\n### Answer:\n"         # no context
 
 
-def test_multiple_choice_regex_and_long_concatenated_contexts(monkeypatch):
+def test_multiple_choice_regex_and_long_concatenated_contexts(monkeypatch, device):
     """CompLLM: "the answer is (X)" scores multiple choice; §4 joins k contexts, each compressed once."""
     assert E.answer_letter("...so the answer is (B). Or is the answer is (c)?") == "C"
     assert E.qa_scores("Think... the answer is (D)", "D")["mc_accuracy"] == 1.0
     assert "mc_accuracy" not in E.qa_scores("Paris", "Paris")
-    comp = random_comp("compllm")
+    comp = random_comp("compllm", device)
     calls = []
     compressed = comp.compress
     monkeypatch.setattr(comp, "compress", lambda ctx, **kw: calls.append(kw.get("cache")) or compressed(ctx, **kw))
@@ -227,15 +230,16 @@ def test_data_files(tmp_path):
 
 
 @pytest.mark.parametrize("method", ["aoc", "compllm"])
-def test_speed_reports_times_and_the_analytic_kv_bytes(method, tmp_path, capsys):
+def test_speed_reports_times_and_the_analytic_kv_bytes(method, tmp_path, capsys, device):
     out_file = tmp_path / "speed.json"
     lengths = [64, 128, 256, 512]
     result, out = run(["--method", method, "--model", "tiny", "--task", "speed", "--out", out_file,
-                       "--lengths", ",".join(map(str, lengths)), "--max-new-tokens", 2], capsys)
+                       "--lengths", ",".join(map(str, lengths)), "--max-new-tokens", 2], device, capsys, dtype=None)
     assert json.loads(out_file.read_text())["rows"] == result["rows"]
     assert "TTFT full ms" in out and "C^2" in out
     cfg = ModelConfig.from_hf(TINY_CONFIG)
-    per_slot = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4   # fp32 K and V
+    # evaluate.py's own dtype for the device (what a GPU user times): fp32 on the CPU, bf16 on CUDA
+    per_slot = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * E.DTYPES[result["dtype"]].itemsize
     assert [r["context_tokens"] for r in result["rows"]] == lengths
     for r in result["rows"]:
         T, M = r["context_tokens"], r["memory_slots"]
@@ -259,16 +263,16 @@ def test_fit_exponent():
 # ---- interpolate ----
 
 
-def test_interpolate_end_points_regenerate_z0_and_z1():
-    comp = random_comp("aoc", mem=4, chunk_len=64)
+def test_interpolate_end_points_regenerate_z0_and_z1(device):
+    comp = random_comp("aoc", device, mem=4, chunk_len=64)
     r = E.run_interpolate(comp, E.DEFAULT_TEXT0, E.DEFAULT_TEXT1, [0, 0.5, 1], max_new_tokens=16)
     assert r["z0"]["ids"] != r["z1"]["ids"]                      # so the end-point checks have teeth
     assert r["rows"][0]["ids"] == r["z0"]["ids"] and r["rows"][-1]["ids"] == r["z1"]["ids"]
     assert [row["w"] for row in r["rows"]] == [0, 0.5, 1]
 
 
-def test_interpolate_cli(ckpt, capsys):
-    result, out = run(["--ckpt", ckpt["aoc"], "--task", "interpolate", "--max-new-tokens", 8], capsys)
+def test_interpolate_cli(ckpt, capsys, device):
+    result, out = run(["--ckpt", ckpt["aoc"], "--task", "interpolate", "--max-new-tokens", 8], device, capsys)
     assert [row["w"] for row in result["rows"]] == [0, 0.25, 0.5, 0.53, 0.55, 0.6, 0.75, 1]   # AOC Table 4
     assert result["text0"] == E.DEFAULT_TEXT0 and "w=0.53" in out
     assert os.path.isfile(os.path.join(ckpt["aoc"], "eval_interpolate.json"))
@@ -284,10 +288,10 @@ def read_png(path):
 
 
 @pytest.mark.parametrize("method", ["icae", "aoc"])
-def test_heatmap_png_and_cosine(method, ckpt, tmp_path, capsys):
+def test_heatmap_png_and_cosine(method, ckpt, tmp_path, capsys, device):
     text = "The cat sat on the mat. " * 4
     result, out = run(["--ckpt", ckpt[method], "--task", "heatmap", "--text0", text, "--out", tmp_path / "hm.json"],
-                      capsys)
+                      device, capsys)
     cos = np.array(result["cosine"])
     M, T = cos.shape
     assert (M, T) == (8, 96) and result["memory_slots"] == 8               # 2 chunks of <= 64 tokens x 4 memory
@@ -296,14 +300,14 @@ def test_heatmap_png_and_cosine(method, ckpt, tmp_path, capsys):
     assert "|" in out and result["cosine_png"] in out
 
     # one cell, computed independently of evaluate.py
-    comp = C.load(ckpt[method])
+    comp = C.load(ckpt[method], device=device)
     ids = comp.tok.encode(text)
     with torch.no_grad():
         memory = comp.compress([ids])
         if method == "icae":   # embeds carrier: memory vector vs the token's input embedding
             a, b = memory.embeds[0, 5], comp.decoder.model.embed_tokens.weight[ids[70]]
         else:                  # kv carrier: memory's last-layer keys vs the plain decoder's last-layer keys
-            k = comp.decoder(torch.tensor([ids]), return_kv=True).kv[-1][0]          # (1, Hkv, T, D)
+            k = comp.decoder(torch.tensor([ids], device=device), return_kv=True).kv[-1][0]   # (1, Hkv, T, D)
             a, b = memory.kv[-1][0][0, :, 5].flatten(), k[0, :, 70].flatten()
     assert cos[5, 70] == pytest.approx((a @ b / (a.norm() * b.norm())).item(), abs=1e-5)
 
@@ -315,9 +319,9 @@ def test_heatmap_png_and_cosine(method, ckpt, tmp_path, capsys):
     assert (att[:4, :b] > 0).all() and (att.sum(1) <= 1 + 1e-5).all()
 
 
-def test_heatmap_attention_shows_the_pic_mask():
+def test_heatmap_attention_shows_the_pic_mask(device):
     """PIC Eq. (5) rule 3: memory token m_t sees chunk c_t only, so its attention is zero elsewhere."""
-    comp = random_comp("pic", mem=4, chunk_len=64)    # a 64-token segment with 4 memory tokens: 16x
+    comp = random_comp("pic", device, mem=4, chunk_len=64)   # a 64-token segment with 4 memory tokens: 16x
     ids = comp.tok.encode(("abcdefgh" * 8))
     _, att = E.encoder_attention(comp, ids)
     assert att.shape == (4, 64)
@@ -329,9 +333,9 @@ def test_heatmap_attention_shows_the_pic_mask():
     assert (att.sum(1) <= 1 + 1e-5).all()
 
 
-def test_heatmap_group_merging_has_cosine_but_no_attention(ckpt, tmp_path):
-    result = E.main(["--ckpt", ckpt["gmsa"], "--task", "heatmap", "--text0", "x" * 40,
-                     "--out", str(tmp_path / "g.json")])
+def test_heatmap_group_merging_has_cosine_but_no_attention(ckpt, tmp_path, device):
+    result, _ = run(["--ckpt", ckpt["gmsa"], "--task", "heatmap", "--text0", "x" * 40, "--out", tmp_path / "g.json"],
+                    device)
     assert np.array(result["cosine"]).shape == (10, 40)     # groups of r = 4 (the evaluation rate)
     assert result["attention"] is None and "no memory tokens" in result["attention_note"]
     assert not (tmp_path / "g_attention.png").exists() and (tmp_path / "g_cosine.png").exists()
@@ -340,15 +344,19 @@ def test_heatmap_group_merging_has_cosine_but_no_attention(ckpt, tmp_path):
 # ---- bad input ----
 
 
-def one_line_error(argv):
-    with pytest.raises(SystemExit) as e:
-        E.main([str(a) for a in argv])
-    msg = str(e.value.code)
-    assert msg.startswith("error: ") and "\n" not in msg, msg
-    return msg
+@pytest.fixture
+def one_line_error(device):
+    """one_line_error(argv): evaluate.py's main on the test device must exit with one line `error: ...`."""
+    def check(argv):
+        with pytest.raises(SystemExit) as e:
+            E.main([str(a) for a in [*argv, "--device", device]])
+        msg = str(e.value.code)
+        assert msg.startswith("error: ") and "\n" not in msg, msg
+        return msg
+    return check
 
 
-def test_bad_input_is_a_one_line_error(ckpt, tmp_path):
+def test_bad_input_is_a_one_line_error(ckpt, tmp_path, one_line_error):
     assert "does not exist" in one_line_error(["--ckpt", tmp_path / "nope", "--task", "ae"])
     assert "compressor.json is missing" in one_line_error(["--ckpt", tmp_path, "--task", "ae"])
     assert "unknown task 'sing'" in one_line_error(["--ckpt", ckpt["aoc"], "--task", "sing"])
@@ -368,7 +376,7 @@ def test_bad_input_is_a_one_line_error(ckpt, tmp_path):
     assert "same size" in one_line_error(["--ckpt", ckpt["compllm"], "--task", "interpolate"])
 
 
-def test_checkpoint_of_another_base_model(ckpt, tmp_path):
+def test_checkpoint_of_another_base_model(ckpt, tmp_path, one_line_error):
     """A checkpoint trained on a narrower model but labelled "tiny": the tensor shapes give it away."""
     cfg = ModelConfig.from_hf({**TINY_CONFIG, "hidden_size": 32, "head_dim": 8})
     C.build("icae", Transformer(cfg), build_tiny()[1], mem=4, chunk_len=64, lora_r=4).save(str(tmp_path))
@@ -395,10 +403,10 @@ def test_help_explains_every_task(capsys):
 
 
 @pytest.mark.parametrize("method", C.METHODS)
-def test_every_method_runs_every_task(method, tmp_path):
+def test_every_method_runs_every_task(method, tmp_path, device):
     """Each preset through each task on one short example (tiny budgets); GMSA has no attention map."""
     kw = {"icae": dict(mem=8), "500x": dict(mem=8), "aoc": dict(mem=8), "compllm": {}}.get(method, {})
-    comp = random_comp(method, **kw, **({} if method == "compllm" else dict(chunk_len=64)))
+    comp = random_comp(method, device, **kw, **({} if method == "compllm" else dict(chunk_len=64)))
     text = E.BUILTIN_TEXTS[0]
     ae = E.run_ae(comp, [{"text": text}], max_new_tokens=4)
     assert ae["examples"][0]["memory_slots"] < len(comp.tok.encode(text))
@@ -415,10 +423,10 @@ def test_every_method_runs_every_task(method, tmp_path):
 # ---- does a memory carry its own text? ----
 
 
-def test_own_other_is_exactly_one_for_a_memory_that_ignores_its_text(monkeypatch):
+def test_own_other_is_exactly_one_for_a_memory_that_ignores_its_text(monkeypatch, device):
     """Negative control: a compressor whose memory is the same whatever it reads (a constant prompt) scores the
     same loss with any text's memory, so own / other is exactly 1, in ae and in lm."""
-    comp = random_comp("aoc", mem=4, chunk_len=64)
+    comp = random_comp("aoc", device, mem=4, chunk_len=64)
     fixed = comp.tok.encode("Always this text.")
     compress = comp.compress
     monkeypatch.setattr(comp, "compress", lambda ctx, **kw: compress([fixed] * len(ctx), **kw))
@@ -428,10 +436,10 @@ def test_own_other_is_exactly_one_for_a_memory_that_ignores_its_text(monkeypatch
         assert L["own"] == pytest.approx(L["other"], abs=1e-6) and L["own_other_ratio"] == pytest.approx(1.0, abs=1e-6)
 
 
-def test_own_other_uses_the_memory_of_the_next_text(monkeypatch):
+def test_own_other_uses_the_memory_of_the_next_text(monkeypatch, device):
     """The derangement: text i is scored after the memory of text i + 1 (mod n); a memory that is its own text
     (the full context, as a K/V cache) then scores far below another text's."""
-    comp = random_comp("aoc", mem=4, chunk_len=64)
+    comp = random_comp("aoc", device, mem=4, chunk_len=64)
     seen = []
     compress = comp.compress
     monkeypatch.setattr(comp, "compress", lambda ctx, **kw: seen.append([list(c) for c in ctx]) or compress(ctx, **kw))
@@ -441,10 +449,10 @@ def test_own_other_uses_the_memory_of_the_next_text(monkeypatch):
     assert seen[0] == ids and seen[1] == ids[1:] + ids[:1]
 
 
-def test_batched_evaluation_equals_one_at_a_time():
+def test_batched_evaluation_equals_one_at_a_time(device):
     """Texts of different lengths in one batch (the compressor's rows right-padded for the loss, left-padded for
     generation; the plain LLM's likewise): the same generations and losses as one example at a time."""
-    comp = random_comp("500x", mem=4, chunk_len=64, lora_r=4, lora_alpha=8)
+    comp = random_comp("500x", device, mem=4, chunk_len=64, lora_r=4, lora_alpha=8)
     with torch.no_grad():
         for p in comp.parameters():
             if p.requires_grad:
@@ -466,10 +474,10 @@ def test_batched_evaluation_equals_one_at_a_time():
 # ---- each paper's evaluation protocol ----
 
 
-def test_head_cropped_checkpoint_is_evaluated_on_its_first_n_tokens(monkeypatch):
+def test_head_cropped_checkpoint_is_evaluated_on_its_first_n_tokens(monkeypatch, device):
     """AOC code: the reference is the first n tokens, the input is them padded with EOS to n (as in training),
     generation runs up to n new tokens; interpolation pads a short prompt the same way."""
-    comp = random_comp("aoc", mem=4, chunk_len=64)
+    comp = random_comp("aoc", device, mem=4, chunk_len=64)
     proto = dict(crop="head", n=16, half=False)
     seen, budgets = [], []
     compress, generate = comp.compress, comp.generate
@@ -485,10 +493,10 @@ def test_head_cropped_checkpoint_is_evaluated_on_its_first_n_tokens(monkeypatch)
     assert all(len(c[0]) == 16 for c in seen[-2:]) and r["memory_slots"] == 4
 
 
-def test_epl_pretrained_checkpoint_reconstructs_the_first_half_scored_on_ids_with_bos_and_eos(monkeypatch):
+def test_epl_pretrained_checkpoint_reconstructs_the_first_half_scored_on_ids_with_bos_and_eos(monkeypatch, device):
     """EPL code: AE rebuilds what pretraining compressed, [BOS] + x[:⌊|X|/2⌋]; BLEU-4 on ids of the generation with
     its EOS against [BOS] x [EOS]."""
-    comp = random_comp("icae", mem=4, chunk_len=64, lora_r=4, lora_alpha=8)
+    comp = random_comp("icae", device, mem=4, chunk_len=64, lora_r=4, lora_alpha=8)
     text = E.BUILTIN_TEXTS[0]
     half = comp.tok.encode(text)[:len(comp.tok.encode(text)) // 2]
     target = comp.ae_target(half)
@@ -499,7 +507,7 @@ def test_epl_pretrained_checkpoint_reconstructs_the_first_half_scored_on_ids_wit
     assert ex["reference_ids"] == half and ex["compressed"]["scores"]["bleu4_ids"] == pytest.approx(1.0)
 
 
-def test_gmsa_ratio_and_baselines_from_the_original_llm_after_keft(tmp_path):
+def test_gmsa_ratio_and_baselines_from_the_original_llm_after_keft(tmp_path, device):
     """--ratio R evaluates group merging at R (GMSA's 8x rows); after KEFT the "full"/"none" rows come from the
     base LLM, not from the decoder whose q/k/v KEFT trained."""
     torch.manual_seed(0)
@@ -509,15 +517,15 @@ def test_gmsa_ratio_and_baselines_from_the_original_llm_after_keft(tmp_path):
         for p in comp.trainable_parameters():
             p.add_(torch.randn_like(p))                   # what KEFT training would do to q/k/v
     comp.save(str(tmp_path))
-    result = E.main(["--ckpt", str(tmp_path), "--task", "lm", "--ratio", "8", "--n", "2"])
+    result, _ = run(["--ckpt", tmp_path, "--task", "lm", "--ratio", 8, "--n", 2], device)
     text = E.BUILTIN_TEXTS[0]
     first_half = len(comp.tok.encode(text)) // 2
     assert result["examples"][0]["memory_slots"] == math.ceil(first_half / 8) and result["ratio"] == 8
     base, tok = build_tiny()
-    plain = E.PlainLLM(C.load(str(tmp_path)))
-    assert plain.model is not C.load(str(tmp_path)).decoder
+    plain = E.PlainLLM(C.load(str(tmp_path), device=device))
+    assert plain.model is not C.load(str(tmp_path), device=device).decoder
     ids = tok.encode(text)
-    want = E.PlainLLM(C.build("gmsa", base, tok, lora_r=4, lora_alpha=8)).nll([[tok.bos_id]], [ids])
+    want = E.PlainLLM(C.build("gmsa", base.to(device), tok, lora_r=4, lora_alpha=8)).nll([[tok.bos_id]], [ids])
     assert result["examples"][0]["none"]["nll"] != pytest.approx(want[0][0])   # a different text: sanity
     assert plain.nll([[tok.bos_id]], [ids])[0][0] == pytest.approx(want[0][0], rel=1e-6)
 

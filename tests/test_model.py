@@ -34,18 +34,19 @@ QWEN3_YARN = dict(QWEN3, max_position_embeddings=256, rope_scaling=YARN)
 
 
 @pytest.fixture(scope="module")
-def pairs(hf_checkpoint):
-    """name -> (folder, hf_model, our_model); the llama checkpoint is sharded."""
+def pairs(hf_checkpoint, device):
+    """name -> (folder, hf_model, our_model), both models on `device`; the llama checkpoint is sharded."""
     out = {}
     for name, cfg in CONFIGS.items():
         folder, hf = hf_checkpoint(cfg, max_shard_size="100KB" if name == "llama3" else None)
-        ours, _ = load_pretrained(str(folder))
-        out[name] = (folder, hf, ours)
+        ours, _ = load_pretrained(str(folder), device=device)
+        out[name] = (folder, hf.to(device), ours)
     return out
 
 
-def ids_(B=2, T=24, seed=0):
-    return torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(seed))
+def ids_(device, B=2, T=24, seed=0):
+    # drawn on the CPU's generator, then moved: the same ids on every device
+    return torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def close(a, b, atol=1e-4):
@@ -56,11 +57,40 @@ def close(a, b, atol=1e-4):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_logits_match_transformers(pairs, name):
+def test_logits_match_transformers(pairs, name, device):
     folder, hf, ours = pairs[name]
-    ids = ids_()
+    ids = ids_(device)
     with torch.no_grad():
         close(ours(ids).logits, hf(ids).logits)
+
+
+# bf16 parity: both models in bf16 on the test device, transformers with its eager attention (the same reference
+# as the fp32 tests) and our SDPA. bf16 keeps 8 mantissa bits, so every rounding is off by up to 2^-8 relative, and
+# two correct bf16 implementations that round in different places drift apart by a few ulps of the logits: at
+# |logit| in [4, 8) one ulp is 2^-5 = 0.031. Measured on the CPU (these three configs, weight and input seeds 0-4,
+# max |logit| 4.3-6.3): max |Δlogit| 0.062-0.145 (4.6 ulps at most); the bound is twice the worst. It catches a
+# wrong cast or a missing op in the bf16 path, not a subtle precision slip: computing RMSNorm statistics in bf16
+# or rounding the RoPE frequencies to bf16 moved the logits by 0.06-0.31 in the same measurement, kernel noise's
+# size (test_bf16_forward_and_fp32_rope checks the frequencies' dtype instead). Against transformers' SDPA path
+# ours was bit for bit equal on the CPU (same ops in the same order), a property of today's transformers only.
+BF16_LOGIT_ATOL = 0.3
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_bf16_logits_match_transformers(pairs, name, device):
+    import transformers
+
+    folder = pairs[name][0]
+    ours, _ = load_pretrained(str(folder), dtype=torch.bfloat16, device=device)
+    # from_pretrained, not .to(bfloat16): a cast of the module would round transformers' RoPE frequencies to bf16
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="eager")
+    hf = hf.to(device).eval()
+    assert hf.model.rotary_emb.inv_freq.dtype == torch.float32 and hf.lm_head.weight.dtype == torch.bfloat16
+    ids = ids_(device)
+    with torch.no_grad():
+        got, ref = ours(ids).logits, hf(ids).logits
+    assert got.dtype == ref.dtype == torch.bfloat16
+    close(got.float(), ref.float(), atol=BF16_LOGIT_ATOL)
 
 
 def test_checkpoints_exercise_what_they_claim(pairs):
@@ -76,11 +106,11 @@ def test_checkpoints_exercise_what_they_claim(pairs):
     assert (scaled == plain).any() and (scaled != plain).any()
 
 
-def test_yarn_logits_match_transformers(hf_checkpoint):
+def test_yarn_logits_match_transformers(hf_checkpoint, device):
     folder, hf = hf_checkpoint(QWEN3_YARN)
-    ours, _ = load_pretrained(str(folder))
+    hf, (ours, _) = hf.to(device), load_pretrained(str(folder), device=device)
     assert ours.config.rope_scaling["rope_type"] == "yarn"
-    ids = ids_(B=1, T=200)
+    ids = ids_(device, B=1, T=200)
     plain = copy_model(ours, rope_scaling=None)  # same weights, unscaled RoPE
     with torch.no_grad():
         got, ref = ours(ids).logits, hf(ids).logits
@@ -109,9 +139,9 @@ def test_yarn_parameters_equal_transformers(extra):
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen3"])
-def test_hidden_states_match_transformers(pairs, name):
+def test_hidden_states_match_transformers(pairs, name, device):
     _, hf, ours = pairs[name]
-    ids = ids_()
+    ids = ids_(device)
     with torch.no_grad():
         o, ref = ours(ids, output_hidden_states=True), hf(ids, output_hidden_states=True).hidden_states
         assert len(o.hidden_states) == len(ref) == ours.config.num_hidden_layers + 1
@@ -123,11 +153,11 @@ def test_hidden_states_match_transformers(pairs, name):
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen3"])
-def test_custom_position_ids_match_transformers(pairs, name):
+def test_custom_position_ids_match_transformers(pairs, name, device):
     _, hf, ours = pairs[name]
-    ids = ids_(T=8)
+    ids = ids_(device, T=8)
     pos = torch.tensor([[0, 1, 2, 7, 7, 30, 12, 300],       # gap, repeat, going back, far out
-                        [5, 5, 5, 6, 100, 101, 102, 3]])
+                        [5, 5, 5, 6, 100, 101, 102, 3]], device=device)
     with torch.no_grad():
         # an explicit all-ones attention_mask stops transformers v5 from reading non-consecutive positions as
         # packed sequences (it would then block attention across the "sequence boundaries")
@@ -138,9 +168,9 @@ def test_custom_position_ids_match_transformers(pairs, name):
         close(ours(ids, position_ids=pos[0]).logits, ref1)
 
 
-def test_greedy_generation_matches_transformers(pairs):
+def test_greedy_generation_matches_transformers(pairs, device):
     _, hf, ours = pairs["llama3"]
-    ids = ids_(T=10)
+    ids = ids_(device, T=10)
     ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
                       eos_token_id=None, pad_token_id=258)[:, ids.shape[1]:]
     assert ref.shape == (2, 32)
@@ -150,9 +180,9 @@ def test_greedy_generation_matches_transformers(pairs):
 # ---------------------------------------------------------------------------- KV prefix, cache, masks
 
 
-def test_incremental_decoding_equals_full_forward(pairs):
+def test_incremental_decoding_equals_full_forward(pairs, device):
     ours = pairs["qwen3"][2]
-    ids = ids_(T=12)
+    ids = ids_(device, T=12)
     with torch.no_grad():
         full = ours(ids).logits
         out = ours(ids[:, :5], return_kv=True)
@@ -165,11 +195,13 @@ def test_incremental_decoding_equals_full_forward(pairs):
 
 
 @pytest.mark.parametrize("custom_positions", [False, True])
-def test_kv_prefix_from_separate_forward(pairs, custom_positions):
+def test_kv_prefix_from_separate_forward(pairs, custom_positions, device):
     folder, _, ours = pairs["llama3"]
-    other, _ = load_pretrained(str(folder))  # another module instance of the same shape produces the prefix
-    ids = ids_(T=14)
+    # another module instance of the same shape produces the prefix
+    other, _ = load_pretrained(str(folder), device=device)
+    ids = ids_(device, T=14)
     pos = torch.tensor([3, 9, 9, 20, 21, 22, 50, 51, 52, 53, 54, 55, 56, 57]) if custom_positions else torch.arange(14)
+    pos = pos.to(device)
     with torch.no_grad():
         full = ours(ids, position_ids=pos).logits
         prefix = other(ids[:, :6], position_ids=pos[:6], return_kv=True).kv
@@ -177,17 +209,17 @@ def test_kv_prefix_from_separate_forward(pairs, custom_positions):
         close(rest, full[:, 6:])
 
 
-def test_explicit_causal_mask_equals_default(pairs):
+def test_explicit_causal_mask_equals_default(pairs, device):
     ours = pairs["qwen2"][2]
-    ids = ids_(T=10)
-    causal = torch.ones(10, 10, dtype=torch.bool).tril()
+    ids = ids_(device, T=10)
+    causal = torch.ones(10, 10, dtype=torch.bool, device=device).tril()
     with torch.no_grad():
         ref = ours(ids).logits
         for mask in (causal, causal.expand(2, 10, 10), causal.expand(2, 1, 10, 10)):
             close(ours(ids, attn_mask=mask).logits, ref)
         # with a prefix of P = 4: every new token sees the whole prefix, then causal (T, P+T)
         prefix = ours(ids[:, :4], return_kv=True).kv
-        mask = torch.ones(6, 10, dtype=torch.bool).tril(diagonal=4)
+        mask = torch.ones(6, 10, dtype=torch.bool, device=device).tril(diagonal=4)
         close(ours(ids[:, 4:], past_kv=prefix, attn_mask=mask).logits, ref[:, 4:])
         # and a mask really is applied: hiding the prefix changes the output
         blind = mask.clone()
@@ -195,16 +227,17 @@ def test_explicit_causal_mask_equals_default(pairs):
         assert not torch.allclose(ours(ids[:, 4:], past_kv=prefix, attn_mask=blind).logits, ref[:, 4:])
 
 
-def test_grad_ckpt_gives_the_same_loss_and_gradients(pairs):
+def test_grad_ckpt_gives_the_same_loss_and_gradients(pairs, device):
     """Activation checkpointing recomputes each block in backward (its forward runs twice) and changes no
     number: loss, every parameter's gradient and the gradient of a K/V prefix (the 500x/AOC carrier, which
     trains the encoder through the decoder) stay equal; without a backward to come, nothing is recomputed."""
     model = copy_model(pairs["qwen3"][2])
-    ids, targets = ids_(T=10), ids_(T=10, seed=1)
-    prefix = [tuple(t.detach().requires_grad_() for t in kv) for kv in model(ids_(T=4, seed=2), return_kv=True).kv]
+    ids, targets = ids_(device, T=10), ids_(device, T=10, seed=1)
+    prefix_kv = model(ids_(device, T=4, seed=2), return_kv=True).kv
+    prefix = [tuple(t.detach().requires_grad_() for t in kv) for kv in prefix_kv]
     valid = torch.ones(2, 14, dtype=torch.bool)
     valid[0, 2], valid[1, 12:] = False, False  # a hidden prefix slot, right padding: the mask goes through too
-    mask = masks.with_padding(masks.with_prefix(masks.causal(10), 4), valid)
+    mask = masks.with_padding(masks.with_prefix(masks.causal(10), 4), valid).to(device)
     calls = []
     model.model.layers[0].register_forward_pre_hook(lambda mod, args: calls.append(1))
 
@@ -234,12 +267,12 @@ def test_grad_ckpt_gives_the_same_loss_and_gradients(pairs):
     assert len(calls) == 1  # no grad: no checkpoint, no recomputation
 
 
-def test_num_layers_equals_truncated_model(pairs):
+def test_num_layers_equals_truncated_model(pairs, device):
     folder, _, ours = pairs["llama3"]
     config = json.loads((folder / "config.json").read_text())
-    short = Transformer(replace(ModelConfig.from_hf(config), num_hidden_layers=2))
+    short = Transformer(replace(ModelConfig.from_hf(config), num_hidden_layers=2)).to(device)
     short.load_state_dict({k: v for k, v in ours.state_dict().items() if ".layers.2." not in k})
-    ids = ids_()
+    ids = ids_(device)
     with torch.no_grad():
         a, b = ours(ids, num_layers=2, return_kv=True, output_hidden_states=True), short(ids)
         close(a.logits, b.logits)
@@ -247,20 +280,21 @@ def test_num_layers_equals_truncated_model(pairs):
         assert len(a.kv) == 2 and len(a.hidden_states) == 3
 
 
-def test_past_kv_too_short_is_an_error(pairs):
+def test_past_kv_too_short_is_an_error(pairs, device):
     ours = pairs["llama3"][2]
-    prefix = ours(ids_(T=4), num_layers=2, return_kv=True).kv
+    prefix = ours(ids_(device, T=4), num_layers=2, return_kv=True).kv
     with pytest.raises(ValueError, match="past_kv has 2 layers but 3 layers run"):
-        ours(ids_(T=3), past_kv=prefix)
+        ours(ids_(device, T=3), past_kv=prefix)
 
 
-def test_generate_with_prefix_positions_and_mask_equals_uncached_greedy(pairs):
+def test_generate_with_prefix_positions_and_mask_equals_uncached_greedy(pairs, device):
     """The carrier case: KV prefix from another forward, custom prompt positions and mask; each generated token
     continues at (last prompt position + 1) and sees what the last prompt token saw, plus the generated tokens."""
     ours = pairs["qwen3"][2]
-    ctx, prompt = ids_(T=6, seed=1), ids_(T=5, seed=2)
-    ctx_pos, prompt_pos = torch.tensor([1, 3, 5, 7, 9, 11]), torch.tensor([0, 20, 21, 22, 23])
-    mask = torch.ones(5, 11, dtype=torch.bool).tril(diagonal=6)
+    ctx, prompt = ids_(device, T=6, seed=1), ids_(device, T=5, seed=2)
+    ctx_pos = torch.tensor([1, 3, 5, 7, 9, 11], device=device)
+    prompt_pos = torch.tensor([0, 20, 21, 22, 23], device=device)
+    mask = torch.ones(5, 11, dtype=torch.bool, device=device).tril(diagonal=6)
     mask[:, 2] = False  # the prompt may not see context token 2
     with torch.no_grad():
         prefix = ours(ctx, position_ids=ctx_pos, return_kv=True).kv
@@ -270,16 +304,16 @@ def test_generate_with_prefix_positions_and_mask_equals_uncached_greedy(pairs):
         for _ in range(6):
             nxt = ours(seq, position_ids=pos, attn_mask=m, past_kv=prefix).logits[:, -1].argmax(-1)
             seq, pos = torch.cat([seq, nxt[:, None]], 1), torch.cat([pos, pos[-1:] + 1])
-            new_row = torch.cat([m[-1:], torch.ones(1, 1, dtype=torch.bool)], 1)  # the last row's keys + itself
-            m = torch.cat([torch.cat([m, torch.zeros(m.shape[0], 1, dtype=torch.bool)], 1), new_row], 0)
+            new_row = torch.cat([m[-1:], torch.ones_like(m[-1:, :1])], 1)  # the last row's keys + itself
+            m = torch.cat([torch.cat([m, torch.zeros_like(m[:, :1])], 1), new_row], 0)
         assert torch.equal(got, seq[:, 5:])
 
 
-def test_generate_writes_into_one_preallocated_cache(pairs):
+def test_generate_writes_into_one_preallocated_cache(pairs, device):
     """gpt-fast's cache: each layer's K buffer is allocated once, at its final length, and every step returns a
     view of that same storage one slot longer (a torch.cat cache would be new storage of a new size each step)."""
     ours = pairs["qwen3"][2]
-    ids, prefix = ids_(T=5), ours(ids_(T=3, seed=1), return_kv=True).kv  # P = 3, T = 5
+    ids, prefix = ids_(device, T=5), ours(ids_(device, T=3, seed=1), return_kv=True).kv  # P = 3, T = 5
     seen = []  # (storage address, storage bytes, filled length) of layer 0's keys, per forward
     hook = ours.model.layers[1].self_attn.register_forward_hook(
         lambda mod, args, out: seen.append((out[1][0].untyped_storage().data_ptr(),
@@ -306,11 +340,11 @@ def pad_rows(rows, side, seed=0):
 
 
 @pytest.mark.parametrize("case", ["right", "left", "prefix"])
-def test_padded_batch_generates_as_one_at_a_time(pairs, case):
+def test_padded_batch_generates_as_one_at_a_time(pairs, case, device):
     """Greedy outputs of a padded batch equal each sample generated alone, token for token: padded prompt slots
     (right or left padding) and padded KV-prefix slots stay invisible on every decoding step."""
     ours = pairs["qwen3"][2]
-    prompts = [ids_(B=1, T=n, seed=10 + n)[0].tolist() for n in (5, 9, 7)]
+    prompts = [ids_(device, B=1, T=n, seed=10 + n)[0].tolist() for n in (5, 9, 7)]
     ids, valid = pad_rows(prompts, "left" if case == "left" else "right")
     B, T = ids.shape
     # positions count real tokens only: 0, 1, ... from each row's first real token (left padding shifts them)
@@ -319,11 +353,11 @@ def test_padded_batch_generates_as_one_at_a_time(pairs, case):
     if case == "prefix":
         # the 500x/AOC carrier: a KV prefix per sample with 6, 3 and 8 real slots, right-padded with garbage K/V
         ctx_lens, P = (6, 3, 8), 8
-        kvs = [ours(ids_(B=1, T=n, seed=20 + n), return_kv=True).kv for n in ctx_lens]
+        kvs = [ours(ids_(device, B=1, T=n, seed=20 + n), return_kv=True).kv for n in ctx_lens]
         g = torch.Generator().manual_seed(1)
         past = []
         for layer in range(ours.config.num_hidden_layers):
-            k, v = (torch.randn(B, 2, P, 32, generator=g) for _ in range(2))  # (B, Hkv, P, D) garbage
+            k, v = (torch.randn(B, 2, P, 32, generator=g).to(device) for _ in range(2))  # (B, Hkv, P, D) garbage
             for b, n in enumerate(ctx_lens):
                 k[b, :, :n], v[b, :, :n] = kvs[b][layer][0][0], kvs[b][layer][1][0]
             past.append((k, v))
@@ -334,17 +368,19 @@ def test_padded_batch_generates_as_one_at_a_time(pairs, case):
         alone = [dict(past_kv=kv) for kv in kvs]
     else:
         mask = masks.with_padding(masks.causal(T), valid)
+    ids, valid, pos, mask = (t.to(device) for t in (ids, valid, pos, mask))  # built on the host, as the methods do
     with torch.no_grad():
         got = ours.generate(ids, position_ids=pos, attn_mask=mask, max_new_tokens=10, **kw)
         for b, prompt in enumerate(prompts):
-            ref = ours.generate(torch.tensor([prompt]), position_ids=pos[b, valid[b]], max_new_tokens=10, **alone[b])
+            ref = ours.generate(torch.tensor([prompt], device=device), position_ids=pos[b, valid[b]], max_new_tokens=10,
+                                **alone[b])
             assert torch.equal(got[b], ref[0]), f"row {b}"
     assert len({tuple(r) for r in got.tolist()}) == B and len(got.unique()) > 10  # the outputs do vary
 
 
-def test_generate_stops_and_pads_with_eos(pairs):
+def test_generate_stops_and_pads_with_eos(pairs, device):
     ours = pairs["llama3"][2]
-    ids = ids_(T=6)
+    ids = ids_(device, T=6)
     with torch.no_grad():
         free = ours.generate(ids, max_new_tokens=12)
         eos = int(free[0, 2])  # declare row 0's third token the eos
@@ -364,15 +400,15 @@ def test_generate_stops_and_pads_with_eos(pairs):
 # ---------------------------------------------------------------------------- AOC blocks
 
 
-def test_aoc_block_is_identity_mlp(pairs):
+def test_aoc_block_is_identity_mlp(pairs, device):
     folder, _, full = pairs["llama3"]
-    aoc, _ = load_pretrained(str(folder), mlp="aoc")  # a full checkpoint: the MLP tensors are skipped
+    aoc, _ = load_pretrained(str(folder), mlp="aoc", device=device)  # a full checkpoint: the MLP tensors are skipped
     assert not any(".mlp." in k for k in aoc.state_dict())
-    ids = ids_(T=7)
+    ids = ids_(device, T=7)
     with torch.no_grad():
         # hand computation of AOC Eq. (3) for layer 0: h = LN_pre(h); h = MHA(h) + h; h = LN_post(h) + h
         layer, h = aoc.model.layers[0], aoc.model.embed_tokens(ids)
-        pos = torch.arange(7)
+        pos = torch.arange(7, device=device)
         freqs = pos[:, None].float() * aoc.inv_freq
         emb = torch.cat([freqs, freqs], -1)
         attn, _ = layer.self_attn(layer.input_layernorm(h), emb.cos(), emb.sin(), None)
@@ -386,14 +422,14 @@ def test_aoc_block_is_identity_mlp(pairs):
         assert not torch.allclose(full(ids, output_hidden_states=True).hidden_states[1], h)
 
 
-def test_mlp_none_has_no_second_sub_block(pairs):
+def test_mlp_none_has_no_second_sub_block(pairs, device):
     folder = pairs["llama3"][0]
-    bare, _ = load_pretrained(str(folder), mlp="none")
+    bare, _ = load_pretrained(str(folder), mlp="none", device=device)
     assert not any(".mlp." in k or "post_attention_layernorm" in k for k in bare.state_dict())
-    ids = ids_(T=5)
+    ids = ids_(device, T=5)
     with torch.no_grad():
         layer, h = bare.model.layers[0], bare.model.embed_tokens(ids)
-        emb = torch.cat([torch.arange(5)[:, None].float() * bare.inv_freq] * 2, -1)
+        emb = torch.cat([torch.arange(5, device=device)[:, None].float() * bare.inv_freq] * 2, -1)
         h = h + layer.self_attn(layer.input_layernorm(h), emb.cos(), emb.sin(), None)[0]  # attention only
         close(bare(ids, output_hidden_states=True).hidden_states[1], h, atol=1e-6)
 
@@ -401,24 +437,24 @@ def test_mlp_none_has_no_second_sub_block(pairs):
 # ---------------------------------------------------------------------------- chunked cross-entropy
 
 
-def ce_problem(N=1000, d=32, V=2000, seed=0):
+def ce_problem(device, N=1000, d=32, V=2000, seed=0):
     """hidden (N, d) and an lm_head (V x d) that need grad, targets (N,) with some -100 (no loss taken)."""
     g = torch.Generator().manual_seed(seed)
     lm_head = torch.nn.Linear(d, V, bias=False)
     with torch.no_grad():
         lm_head.weight.copy_(torch.randn(V, d, generator=g))
-    hidden = torch.randn(N, d, generator=g).requires_grad_()
+    hidden = torch.randn(N, d, generator=g).to(device).requires_grad_()
     targets = torch.randint(0, V, (N,), generator=g)
     targets[::7] = -100
-    return hidden, lm_head, targets
+    return hidden, lm_head.to(device), targets.to(device)
 
 
 def plain_cross_entropy(hidden, lm_head, targets):
     return torch.nn.functional.cross_entropy(lm_head(hidden).float(), targets, reduction="sum")
 
 
-def test_chunked_cross_entropy_equals_plain():
-    hidden, lm_head, targets = ce_problem()
+def test_chunked_cross_entropy_equals_plain(device):
+    hidden, lm_head, targets = ce_problem(device)
     results = []
     for fn in (plain_cross_entropy, lambda h, w, t: chunked_cross_entropy(h, w, t, chunk=256)):  # 1000 = 3x256 + 232
         hidden.grad = lm_head.weight.grad = None
@@ -431,10 +467,10 @@ def test_chunked_cross_entropy_equals_plain():
     close(g_w_c, g_w, atol=1e-5)
 
 
-def test_chunked_cross_entropy_saves_no_logits():
+def test_chunked_cross_entropy_saves_no_logits(device):
     """What autograd keeps for backward, summed over saved tensors: the plain loss keeps at least the fp32
     logits' worth (N x V x 4 bytes); the chunked one only its inputs, however large the vocabulary."""
-    hidden, lm_head, targets = ce_problem()
+    hidden, lm_head, targets = ce_problem(device)
     N, d, V = hidden.shape[0], hidden.shape[1], lm_head.out_features
 
     def saved_bytes(fn):
@@ -459,12 +495,12 @@ def test_chunked_cross_entropy_saves_no_logits():
 
 
 @pytest.fixture
-def tiny():
-    return build_tiny(seed=0)[0]
+def tiny(device):
+    return build_tiny(seed=0)[0].to(device)
 
 
-def test_lora_zero_init_changes_nothing_and_freezes_the_rest(tiny):
-    ids = ids_()
+def test_lora_zero_init_changes_nothing_and_freezes_the_rest(tiny, device):
+    ids = ids_(device)
     with torch.no_grad():
         before = tiny(ids).logits
     q_weight = tiny.model.layers[0].self_attn.q_proj.weight
@@ -477,8 +513,8 @@ def test_lora_zero_init_changes_nothing_and_freezes_the_rest(tiny):
         close(tiny(ids).logits, before, atol=0)
 
 
-def test_lora_merge_and_disable(tiny):
-    ids = ids_()
+def test_lora_merge_and_disable(tiny, device):
+    ids = ids_(device)
     with torch.no_grad():
         base = tiny(ids).logits
         add_lora(tiny, targets=("q_proj", "v_proj", "o_proj"), r=4, alpha=8)
@@ -496,20 +532,20 @@ def test_lora_merge_and_disable(tiny):
         close(tiny(ids).logits, adapted, atol=1e-5)
 
 
-def test_lora_trains_only_lora(tiny):
+def test_lora_trains_only_lora(tiny, device):
     add_lora(tiny)
-    tiny(ids_()).logits.logsumexp(-1).mean().backward()
+    tiny(ids_(device)).logits.logsumexp(-1).mean().backward()
     grads = {n for n, p in tiny.named_parameters() if p.grad is not None}
     assert grads and all("lora_" in n for n in grads)
 
 
-def test_lora_dropout_acts_on_the_lora_branch_only(tiny):
+def test_lora_dropout_acts_on_the_lora_branch_only(tiny, device):
     """PEFT's LoRA: y = base(x) + B(A(dropout(x))) * scale; eval mode and p = 0 are deterministic."""
     add_lora(tiny, r=4, alpha=8, dropout=0.3)
     layer = tiny.model.layers[0].self_attn.q_proj
     with torch.no_grad():
         layer.lora_B.normal_(0, 0.5)  # B = 0 would hide the branch (and its dropout) entirely
-    x = torch.randn(3, 5, 64)
+    x = torch.randn(3, 5, 64, device=device)
     base = torch.nn.functional.linear(x, layer.weight)
     lora = lambda inp: torch.nn.functional.linear(torch.nn.functional.linear(inp, layer.lora_A), layer.lora_B) * 2
     with torch.no_grad():
@@ -523,15 +559,15 @@ def test_lora_dropout_acts_on_the_lora_branch_only(tiny):
         assert not torch.allclose(layer(x), y1)  # a fresh dropout mask each call
         with lora_disabled(tiny):
             close(layer(x), base, atol=0)  # the base path never sees the dropout
-    plain = LoRALinear(torch.nn.Linear(64, 32), r=4).train()  # default p = 0: deterministic in train mode too
+    plain = LoRALinear(torch.nn.Linear(64, 32, device=device), r=4).train()  # default p = 0: deterministic in train too
     plain.lora_B.data.normal_()
     assert torch.equal(plain(x), plain(x))
 
 
-def test_lora_A_init_is_peft_bound():
+def test_lora_A_init_is_peft_bound(device):
     """kaiming_uniform(a=√5) on A of shape (r, in) bounds A by 1/√in (PEFT); an (in, r) A would reach 1/√r."""
     torch.manual_seed(0)
-    layer = LoRALinear(torch.nn.Linear(2048, 64, bias=False), r=8)
+    layer = LoRALinear(torch.nn.Linear(2048, 64, bias=False, device=device), r=8)
     bound = 1 / 2048 ** 0.5
     assert layer.lora_A.shape == (8, 2048)
     assert 0.9 * bound <= layer.lora_A.abs().max() <= bound
@@ -540,7 +576,7 @@ def test_lora_A_init_is_peft_bound():
 # ---------------------------------------------------------------------------- tiny, tokenizer, dtype, config
 
 
-def test_tiny_is_deterministic_and_works():
+def test_tiny_is_deterministic_and_works(device):
     (a, tok), (b, _), (c, _) = build_tiny(0), build_tiny(0), build_tiny(1)
     torch.manual_seed(123)
     state = torch.get_rng_state()
@@ -554,16 +590,16 @@ def test_tiny_is_deterministic_and_works():
     assert tok.decode(ids) == text and max(ids) < 256
     assert tok.encode(text, bos=True) == [tok.bos_id] + ids
     assert tok.decode([tok.bos_id, *ids, tok.eos_id, tok.pad_id]) == text  # specials skipped
-    out = a(torch.tensor([ids]))
+    out = a.to(device)(torch.tensor([ids], device=device))
     assert out.logits.shape == (1, len(ids), a.config.vocab_size) and torch.isfinite(out.logits).all()
     assert tok.vocab_size <= a.config.vocab_size
 
 
-def test_bf16_forward_and_fp32_rope(pairs):
+def test_bf16_forward_and_fp32_rope(pairs, device):
     folder, _, ours = pairs["qwen3"]
-    model, _ = load_pretrained(str(folder), dtype=torch.bfloat16)
+    model, _ = load_pretrained(str(folder), dtype=torch.bfloat16, device=device)
     assert model.lm_head.weight.dtype == torch.bfloat16 and model.inv_freq.dtype == torch.float32
-    ids = ids_()
+    ids = ids_(device)
     with torch.no_grad():
         out = model(ids).logits
         assert out.dtype == torch.bfloat16
@@ -653,14 +689,14 @@ PROSE = ("The history of the town goes back to the twelfth century, when a small
 
 
 @pytest.mark.skipif(not (SMOLLM2 / "model.safetensors").exists(), reason="run tools/build_smollm2.sh first")
-def test_smollm2_perplexity_and_parity():
+def test_smollm2_perplexity_and_parity(device):
     import transformers
 
-    model, tok = load_pretrained(str(SMOLLM2))
-    ids = torch.tensor([tok.encode(PROSE)])
+    model, tok = load_pretrained(str(SMOLLM2), device=device)
+    ids = torch.tensor([tok.encode(PROSE)], device=device)
     with torch.no_grad():
         logits = model(ids).logits
         nll = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
         assert nll.exp() < 40, f"perplexity {nll.exp():.1f}"
-        hf = transformers.AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32).to(device).eval()
         close(logits, hf(ids).logits)
