@@ -1,11 +1,18 @@
-"""Benchmark (not a test): training throughput of train.py for every method, as a markdown table.
+"""Benchmark (not a test): training throughput for every method, as a markdown table.
 
-Each method runs its default objective and recipe on `tiny` (as the quickstart does: the paper's lengths and
-batch scaled for the tiny model) for a few steps; the median over the steps after the first two is reported.
+    python tests/bench_train.py [--steps 12] [--methods aoc icae ...]            # train.py on `tiny`, CPU (and CUDA)
+    python tests/bench_train.py --shape llama-3.2-1b --device cuda [--peak-tflops 989]
+
+Default: each method runs its default objective and recipe on `tiny` through train.py (as the quickstart does: the
+paper's lengths and batch scaled for the tiny model); the median over the steps after the first two is reported.
 tok/s counts every token a step reads: the compressed contexts plus every decoder sequence (train.py's log).
-Runs on CPU, and on CUDA too when a GPU is present.
 
-    python tests/bench_train.py [--steps 12] [--methods aoc icae ...] [--model tiny]
+--shape llama-3.2-1b: a randomly initialised model of Llama-3.2-1B's shape (no download), bf16 autocast on CUDA,
+each method's compressor at the paper's lengths and batch 4, timed over AdamW steps of its default objective
+(distill as AE for CompLLM: its teacher is a data step). Model FLOPs utilisation = achieved / peak, with the usual
+6 x parameters x tokens per trained token through a model (2 forward + 4 backward; the frozen decoder still
+back-propagates to the memory, so it counts 6 too; attention's quadratic term is left out), peak = --peak-tflops
+(H100 SXM dense bf16: 989).
 """
 
 import argparse
@@ -16,6 +23,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +33,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import compressors as C  # noqa: E402
 import train  # noqa: E402
+from model import ModelConfig, Transformer, build_tiny  # noqa: E402
+
+LLAMA_3_2_1B = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                    num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                    rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 
 
 def bench(method, device, steps, model):
@@ -39,15 +52,62 @@ def bench(method, device, steps, model):
     return args, statistics.median(r["dt"] for r in rows), statistics.median(r["tokens"] for r in rows)
 
 
+def bench_shape(method, device, steps, batch=4):
+    """AdamW steps of one preset around a random Llama-3.2-1B-shaped decoder in bf16 autocast:
+    (seconds per step, tokens per step, model FLOPs per step)."""
+    torch.manual_seed(0)
+    decoder = Transformer(ModelConfig.from_hf(LLAMA_3_2_1B)).to(device)
+    comp = C.build(method, decoder, build_tiny()[1])   # ids below the tiny vocabulary: any tokenizer will do
+    recipe = train.PAPER_DEFAULTS[method]
+    n = recipe["lengths"][1] // (2 if recipe["objective"] == "pretrain" else 1)
+    opt = torch.optim.AdamW(comp.trainable_parameters(), lr=1e-5, fused=device == "cuda")
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(3, 250, (n,), generator=g).tolist() for _ in range(batch)]
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext()
+    rates = [4] * batch if comp.cfg.source == "group_mean" else None
+    enc_params = sum(p.numel() for p in comp.encoder.parameters())
+    dec_params = sum(p.numel() for p in decoder.parameters())
+    times = []
+    for step in range(steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with autocast:
+            memory = comp.compress(ids, rates=rates)
+            loss, _ = comp.lm_loss(memory, "ae", [comp.ae_target(x) for x in ids])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    M = sum(memory.mem_counts[0])
+    enc_tokens, dec_tokens = batch * (n + M), batch * (n + 2 + (M if comp.cfg.carrier == "embeds" else 0))
+    flops = 6 * enc_params * enc_tokens + 6 * dec_params * dec_tokens
+    return statistics.median(times[2:] or times), enc_tokens + dec_tokens, flops
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--methods", nargs="+", default=list(C.METHODS), choices=C.METHODS)
     p.add_argument("--model", default="tiny")
+    p.add_argument("--shape", choices=("llama-3.2-1b",), help="a random model of this shape instead of train.py")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="the accelerator's dense bf16 peak (H100: 989)")
     a = p.parse_args()
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
           + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
+    if a.shape:
+        print(f"\n{a.shape} shape, bf16 autocast on {a.device}, batch 4, the paper's lengths\n")
+        print("| method | ms/step | tokens/step | tok/s | TFLOP/s | MFU |")
+        print("|---|---|---|---|---|---|")
+        for method in a.methods:
+            dt, tokens, flops = bench_shape(method, a.device, a.steps)
+            print(f"| {method} | {dt * 1000:.0f} | {tokens} | {tokens / dt:,.0f} | {flops / dt / 1e12:.1f} | "
+                  f"{100 * flops / dt / 1e12 / a.peak_tflops:.1f}% |", flush=True)
+        return
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     print("\n| method | objective | device | batch | \\|X\\| | ms/step | tokens/step | tok/s |")
     print("|---|---|---|---|---|---|---|---|")
     for method in a.methods:
