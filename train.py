@@ -115,9 +115,10 @@ EXAMPLES = """examples:
   python train.py --resume runs/aoc --stop-after 4000                                  # time-sliced jobs
   torchrun --nproc_per_node 8 train.py --method icae ...                               # one process per GPU"""
 # every compressor axis (compressors.CompressorConfig) that a flag can set
-COMPRESSOR_FLAGS = ("mem", "ratio", "ratios", "layout", "mask", "carrier", "bridge", "encoder", "mlp", "chunk_len",
-                    "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "enc_layers", "mem_init", "cap_mem", "bos",
-                    "delimiters", "ae_token", "lm_token", "train_specials", "template")
+COMPRESSOR_FLAGS = ("mem", "ratio", "ratios", "source", "chunking", "lsa_layers", "layout", "mask", "carrier",
+                    "bridge", "encoder", "mlp", "chunk_len", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
+                    "enc_layers", "mem_init", "cap_mem", "bos", "delimiters", "ae_token", "lm_token", "train_specials",
+                    "template")
 RECIPE_FLAGS = ("lr", "betas", "weight_decay", "schedule", "batch_size", "clip", "steps", "lm_weight", "crop")
 
 
@@ -158,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "example (GMSA §4.1: 4 8)")
     g.add_argument("--layout", choices=("dpl", "upl", "epl"), help="position layout of memory tokens (EPL "
                    "§3.2); only for methods with memory tokens")
+    g.add_argument("--source", choices=("mem_tokens", "eos", "group_mean"), help="what becomes the memory: learned "
+                   "memory tokens (ICAE, 500x, PCC/PIC, AOC), EOS embeddings (CompLLM), group means (GMSA)")
+    g.add_argument("--chunking", choices=("fixed", "sentences"), help="chunks of --chunk-len, or CompLLM's "
+                   "sentence segments of at most --chunk-len tokens")
     g.add_argument("--mask", choices=("causal", "pic"), help="encoder mask over [chunk, memory] (PIC Eq. 5)")
     g.add_argument("--carrier", choices=("embeds", "kv"), help="hidden states as input embeddings (ICAE) or "
                    "per-layer K/V (500x, AOC)")
@@ -170,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora-r", type=int, help="LoRA rank (EPL 128, CompLLM 32)")
     g.add_argument("--lora-alpha", type=int, help="LoRA alpha (EPL 256)")
     g.add_argument("--enc-layers", type=int, help="first_k encoder: layers kept (GMSA: 8 of 32)")
+    g.add_argument("--lsa-layers", type=int, help="LSA bridge: decoder blocks copied (GMSA: 1)")
     g.add_argument("--lora-dropout", type=float, help="dropout on the LoRA branch (ICAE, AOC's LoRA baselines: 0.05)")
     g.add_argument("--lora-targets", nargs="+", metavar="NAME", help="linear layers that get LoRA (EPL: q_proj "
                    "v_proj; AOC's baselines: q_proj k_proj v_proj o_proj)")

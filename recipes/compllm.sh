@@ -45,6 +45,6 @@ $PY recipes/summarize.py --out "$OUT" --arms compllm --curves distill \
   --metric "F1 CEs=qa:scores.compressed.squad_f1" --metric "F1 full=qa:scores.full.squad_f1" \
   --metric "F1 none=qa:scores.none.squad_f1" --metric "Acc CEs=qa:scores.compressed.substring_acc" \
   --metric "Acc full=qa:scores.full.substring_acc" --metric "Acc none=qa:scores.none.substring_acc" \
-  --metric "cached = fresh=reuse_check:identical_answers" \
+  --metric "cached CEs: same answers=reuse_check:identical_answers" \
   --metric "TTFT speedup (longest)=speed:rows.-1.speedup_offline" --note "model $MODEL"
 finish
