@@ -759,7 +759,8 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
                 "full": plain.generate([start_ids(tok) + x + tok.encode(SEP) for x in xs], n_new),
                 "none": plain.generate([start_ids(tok)] * len(xs), n_new)}
         for j, i in enumerate(idx):
-            row = {"text": examples[i]["text"], "reference_ids": refs[j], "memory_slots": sum(own.mem_counts[j]),
+            row = {"text": examples[i]["text"], "reference": tok.decode(refs[j]), "reference_ids": refs[j],
+                   "memory_slots": sum(own.mem_counts[j]),
                    "loss": {"own": (nll_own[0][j], nll_own[1][j]),
                             "other": other and (nll_other[0][j], nll_other[1][j]), "none": nll_none[j]}}
             for mode, gen in outs.items():
@@ -1383,8 +1384,12 @@ def report(task, result):
         other = "" if L["other"] is None else (
             f", another text's memory {L['other']:.4f}; own/other {L['own_other_ratio']:.3f} "
             "(1.0 = the memory says nothing about its own text)")
-        return table + (f"\n\nteacher-forced loss per token ({L['tokens']} tokens): own memory {L['own']:.4f}, "
-                        f"no memory {L['none']:.4f}{other}")
+        table += (f"\n\nteacher-forced loss per token ({L['tokens']} tokens): own memory {L['own']:.4f}, "
+                  f"no memory {L['none']:.4f}{other}")
+        if task == "ae":   # a few texts next to what the decoder regenerated from their memory
+            shown = [[repr(ex["reference"][:160]), repr(ex["compressed"]["text"][:160])] for ex in result["examples"][:3]]
+            table += "\n\n" + markdown_table(["held-out text", "regenerated from its memory"], shown)
+        return table
     if task == "curves":
         rows = [[os.path.basename(os.path.normpath(r["run"])), r["method"], r["last_step"], r["final_ema"],
                  r["best_ema"]] + ([r["reached"]["step"], r["reached"]["tokens"], r["reached"]["seconds"]]
