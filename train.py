@@ -7,10 +7,11 @@ The script reads top to bottom: arguments (with each paper's training recipe as 
 compressor, data, optimizer and schedule, the loop, checkpoints. The objectives, each named after its paper:
 
     pretrain   L = α·L_LM + (1 − α)·L_AE on ONE compression of the first p = ⌊|X|/2⌋ tokens of a text X
-               (EPL §3.1.1 and App. C; PIC Eq. 6-8 with λ = α = 0.5: TR = AE reconstructs x_1..x_p,
-               TC = LM continues with x_p+1..x_|X|)
+               (EPL §3.1.1 and App. C; PIC Eq. 6-8 with λ = α = 0.5: TR = AE reconstructs x_1..x_p and EOS,
+               TC = LM continues with x_p+1..x_|X| and EOS, as the EPL and PCC code build their targets)
     ae         L_AE alone: regenerate the compressed text (ICAE AE, AOC Eq. 4, GMSA stage 1)
-    qa         [memory; [LM]; question] -> answer, cross-entropy on the answer only (EPL fine-tuning, GMSA KEFT)
+    qa         [memory; [LM]; prompt] -> answer, cross-entropy on the answer and EOS only, the prompt built from
+               the preset's template (EPL fine-tuning, PCC/PIC SQuAD, GMSA KEFT)
     distill    CompLLM Eq. (1)-(3): the LLM reading the memory imitates, layer by layer, the LLM reading the
                full context, on answers the frozen LLM generated itself (cached on disk)
 
@@ -18,7 +19,9 @@ Every run can be stopped and continued exactly: a checkpoint (trained tensors, o
 args) is written as a unit (into a temporary directory, then renamed) every --save-every steps, at the end,
 after --stop-after K, and on Ctrl-C / SIGTERM. The batch of step s is drawn from a generator seeded with
 (seed, s, sample index), so the data position is just the step number. `compressors.load(--out)` reads the
-latest compressor (evaluate.py does).
+latest compressor (evaluate.py does). A text is a random window of a document (--crop window) or its first n
+tokens (--crop head, AOC's protocol). Out of memory, or a non-finite loss, ends the run with one line and keeps
+the last good checkpoint.
 
 On a GPU with a paper model (bf16 autocast, same flags):
 
