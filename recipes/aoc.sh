@@ -37,33 +37,52 @@ else
   done
   ARMS="aoc_m4 lora_m4 aoc_m16 lora_m16"
   for arm in $ARMS; do eval_arm $arm ae "${HELD_TEXT[@]}" --n ${N:-48}; done
+  # the sanity check, m = n = 16 (no compression), each arm's checkpoints kept and scored along the way: the
+  # preset; the same fully trained copy with its MLPs kept; AOC's LoRA baseline. And what the decoder sees of
+  # each encoder's memory before training (recipes/aoc_diagnosis.py)
   train_arm aoc_n16 --method aoc --mem 16 --max-len 16 --batch-size 4 --steps ${SANITY_STEPS:-2000} \
     --save-every 250 --keep-every 250 "${TRAIN_TEXT[@]}"
-  for ckpt in "$OUT"/aoc_n16/ckpt-*; do
-    [ -f "$ckpt/eval_ae.json" ] || $PY evaluate.py --ckpt "$ckpt" --task ae "${HELD_TEXT[@]}" --n ${N:-48} \
-      --max-new-tokens 16 --out "$ckpt/eval_ae.json" > /dev/null
+  train_arm aocmlp_n16 --method aoc --mlp swiglu --mem 16 --max-len 16 --batch-size 4 --steps ${CHECK_STEPS:-400} \
+    --save-every 100 --keep-every 100 "${TRAIN_TEXT[@]}"
+  train_arm lora_n16 "${BASELINE[@]}" --mem 16 --chunk-len 16 --max-len 16 --batch-size 4 --lr 2e-4 \
+    --steps ${CHECK_STEPS:-400} --save-every 100 --keep-every 100 "${TRAIN_TEXT[@]}"
+  SANITY="aoc_n16 aocmlp_n16 lora_n16"
+  for arm in $SANITY; do
+    for ckpt in "$OUT/$arm"/ckpt-*; do
+      [ -f "$ckpt/eval_ae.json" ] || $PY evaluate.py --ckpt "$ckpt" --task ae "${HELD_TEXT[@]}" --n ${N:-48} \
+        --max-new-tokens 16 --out "$ckpt/eval_ae.json" > /dev/null
+    done
+    cp "$(ls -d "$OUT/$arm"/ckpt-* | tail -1)/eval_ae.json" "$OUT/$arm/eval_ae.json"
   done
-  cp "$(ls -d "$OUT"/aoc_n16/ckpt-* | tail -1)/eval_ae.json" "$OUT/aoc_n16/eval_ae.json"
-  ARMS="$ARMS aoc_n16"
-  $PY - "$OUT/aoc_n16" <<'PY'
+  ARMS="$ARMS $SANITY"
+  [ "$SMOKE" = 1 ] || $PY recipes/aoc_diagnosis.py --model "$MODEL" --data "$CORPUS/heldout.jsonl" \
+    --out "$OUT/diagnosis.json" | tee "$OUT/diagnosis.md"
+  $PY - "$OUT" $SANITY <<'PY'
 import glob, json, os, sys
 sys.path.insert(0, ".")
 import evaluate as E
-run = sys.argv[1]
-rows = []
-for ckpt in sorted(glob.glob(f"{run}/ckpt-*")):
-    L = json.load(open(f"{ckpt}/eval_ae.json"))["loss"]
-    rows.append((int(ckpt.rpartition("-")[2]), L["own"], L["other"], L["own_other_ratio"]))
-json.dump([dict(step=s, own=o, other=t, ratio=r) for s, o, t, r in rows], open(f"{run}/ratio_curve.json", "w"))
-print("| step | held-out AE loss, own memory | another text's memory | own/other |\n|---|---|---|---|")
-for s, o, t, r in rows:
-    print(f"| {s} | {o:.3f} | {t:.3f} | {r:.3f} |")
+out, arms = sys.argv[1], sys.argv[2:]
+curves, lines = {}, ["| arm | " + " | ".join(["step", "held-out AE loss, own memory", "another text's memory",
+                                               "own/other"]) + " |", "|---|---|---|---|---|"]
+for arm in arms:
+    rows = []
+    for ckpt in sorted(glob.glob(f"{out}/{arm}/ckpt-*")):
+        L = json.load(open(f"{ckpt}/eval_ae.json"))["loss"]
+        rows.append(dict(step=int(ckpt.rpartition("-")[2]), own=L["own"], other=L["other"], ratio=L["own_other_ratio"]))
+        lines.append(f"| {arm} | {rows[-1]['step']} | {L['own']:.3f} | {L['other']:.3f} | {L['own_other_ratio']:.3f} |")
+    curves[arm] = rows
+json.dump(curves, open(f"{out}/ratio_curve.json", "w"), indent=1)
+open(f"{out}/ratio_curve.md", "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
 plt = E.pyplot()
-fig, ax = plt.subplots(figsize=(6, 3.5))
-ax.plot([r[0] for r in rows], [r[3] for r in rows], marker="o")
+fig, ax = plt.subplots(figsize=(6.5, 3.8))
+for arm, rows in curves.items():
+    ax.plot([r["step"] for r in rows], [r["ratio"] for r in rows], marker="o", label=arm)
 ax.axhline(0.9, color="grey", linestyle=":")
-ax.set(xlabel="step", ylabel="held-out own / other", title="AOC, m = n = 16 on SmolLM2-135M")
-fig.tight_layout(); fig.savefig(f"{os.path.dirname(run)}/ratio_curve.png", dpi=100)
+ax.set(xlabel="step", ylabel="held-out own / other", title="m = n = 16: does each memory carry its own text?")
+ax.legend()
+fig.tight_layout()
+fig.savefig(f"{out}/ratio_curve.png", dpi=100)
 PY
 fi
 $PY recipes/summarize.py --out "$OUT" --arms $ARMS --curves loss \

@@ -55,10 +55,14 @@ train_arm() {
   fi
 }
 
-# eval_arm NAME TASK EVALUATE.PY-FLAGS...: score the arm; its JSON lands in $OUT/NAME/eval_TASK.json
+# eval_arm NAME TASK EVALUATE.PY-FLAGS...: score the arm; its JSON lands in $OUT/NAME/eval_TASK.json (kept when
+# it is newer than the arm's checkpoint, unless REEVAL=1)
 eval_arm() {
   local name=$1 task=$2; shift 2
   [ "$SMOKE" = 1 ] && set -- "$@" --n 2 --max-new-tokens 4
+  if [ "${REEVAL:-0}" != 1 ] && [ "$OUT/$name/eval_$task.json" -nt "$OUT/$name/compressor.safetensors" ]; then
+    echo "== $name: $task already scored"; return
+  fi
   echo "== $name: python evaluate.py --ckpt $OUT/$name --task $task $*"
   $PY evaluate.py --ckpt "$OUT/$name" --task "$task" "$@" --out "$OUT/$name/eval_$task.json" > "$OUT/$name/eval_$task.md"
 }
