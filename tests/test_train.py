@@ -294,6 +294,9 @@ def test_recipes_of_the_papers_code(tmp_path):
     assert cfg.lora_targets == ("q_proj", "k_proj", "v_proj", "o_proj") and cfg.lora_dropout == 0.05
     # CompLLM's teacher answers are long (149-273 tokens on average): 512 by default, recorded with the run
     assert train.parse_args(["--method", "compllm", "--model", "x/y"])[0].answer_tokens == 512
+    # GMSA §4.1: AE texts of at most 512 tokens (PwC), QA contexts up to 3072
+    assert train.parse_args(["--method", "gmsa", "--model", "x/y"])[0].max_len == 512
+    assert train.parse_args(["--method", "gmsa", "--model", "x/y", "--objective", "qa"])[0].max_len == 3072
 
 
 def test_head_crop_takes_the_first_n_tokens_of_a_document_and_pads_with_eos():
