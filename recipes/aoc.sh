@@ -5,7 +5,7 @@
 # ROUGE-L) with about a third of the encoder parameters. Plus the sanity check m = n (no compression), whose
 # held-out own/other is followed against the steps.
 #
-#   bash recipes/aoc.sh                 # SmolLM2-135M on this CPU, ~2 h (arms one after the other)
+#   bash recipes/aoc.sh                 # SmolLM2-135M on 2 CPU cores, ~2.5 h (STEPS=200 SANITY_STEPS=1500 CHECK_STEPS=300: 80 min)
 #   SMOKE=1 bash recipes/aoc.sh         # tiny model, 2 steps per arm (CI)
 #   SCALE=paper bash recipes/aoc.sh     # AOC §2-3 on a GPU: Llama-3.2-1B-Instruct, arXiv abstracts, n = 96
 PAPER=aoc

@@ -3,7 +3,7 @@
 # only (+UPL) and with EPL (UPL + CPL), on texts of at least two chunks at r = 5 (|M| = L/5). The claim: EPL
 # reaches a low AE loss far sooner and reconstructs much better (ICAE AE BLEU 31.80 -> 95.98, Table 6).
 #
-#   bash recipes/epl.sh                 # SmolLM2-135M on this CPU (default scale below), ~40 min
+#   bash recipes/epl.sh                 # SmolLM2-135M on 2 CPU cores, ~1.3 h (about 4 s a step; STEPS=100 N=16: ~30 min)
 #   SMOKE=1 bash recipes/epl.sh         # tiny model, 2 steps per arm (CI)
 #   SCALE=paper bash recipes/epl.sh     # EPL App. C on a GPU: Llama-3.2-1B, SlimPajama-6B, 20k steps each
 PAPER=epl

@@ -4,7 +4,7 @@
 # The claim: PIC's TR/TC losses fall faster and its QA scores are higher (16x: 52.01 F1 / 39.80 EM against
 # 48.80 / 36.81, Table 4).
 #
-#   bash recipes/pic.sh                 # SmolLM2-135M compressing for itself on this CPU, ~1 h
+#   bash recipes/pic.sh                 # SmolLM2-135M compressing for itself on 2 CPU cores (not yet timed at this scale)
 #   SMOKE=1 bash recipes/pic.sh         # tiny model, 2 steps per arm (CI)
 #   SCALE=paper bash recipes/pic.sh     # PIC §4.1 on a GPU: Qwen2.5-0.5B-Instruct -> Llama-3-8B-Instruct
 PAPER=pic

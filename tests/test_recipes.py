@@ -28,3 +28,12 @@ def test_recipe_runs_end_to_end(paper, tmp_path):
         for curve in table["curves"].values():
             assert Path(curve["png"]).is_file()
     assert (tmp_path / "results.md").read_text().startswith("### ") and "wall time" in p.stdout
+
+
+def test_held_out_questions_are_answered_in_their_paragraphs():
+    """recipes/qa_heldout.jsonl: hand-written questions about held-out paragraphs, each answer copied from its
+    context (so the full-context row can answer and the no-context row cannot guess)."""
+    rows = [json.loads(line) for line in (REPO / "recipes" / "qa_heldout.jsonl").read_text().splitlines() if line]
+    assert len(rows) == 60 and len({r["question"] for r in rows}) == 60
+    for r in rows:
+        assert r["answer"].strip() and r["answer"] in r["context"], r["question"]
