@@ -719,6 +719,14 @@ TINY_CONFIG = dict(  # a small Llama: 4 layers, d=64, GQA 4:2, byte-level vocabu
     max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=256, eos_token_id=257, pad_token_id=258)
 
 
+LLAMA_3_2_1B_CONFIG = dict(  # meta-llama/Llama-3.2-1B(-Instruct) config.json (AOC's model): shapes without a download
+    model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+    tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+    rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192))
+
+
 def copy_model(src: Transformer, share: tuple = (), **changes) -> Transformer:
     """An independent copy of `src` with some config fields changed (fewer layers, MLP-free blocks):
     built on the meta device, given empty storage, then every tensor copied from `src`, so no

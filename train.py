@@ -229,8 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seeds the data order, GMSA's rates and the init (default 0)")
     g.add_argument("--save-every", type=int, default=1000, help="checkpoint every N steps (default 1000)")
     g.add_argument("--resume", help="continue the run in this directory exactly where its checkpoint stopped; "
-                   "only --steps, --stop-after, --save-every, --keep-every, --out, --micro-batch, --compile, "
-                   "--grad-ckpt, --device, --cache-dir may change")
+                   "only " + ", ".join("--" + f.replace("_", "-") for f in sorted(RUN_FLAGS - {"resume"})) +
+                   " may change")
     g.add_argument("--stop-after", type=int, help="end cleanly with a checkpoint after step K (time-sliced "
                    "jobs); continue with --resume")
     g.add_argument("--keep-every", type=int, help="also keep the checkpoint of every K-th step (PIC §4.3.2 "

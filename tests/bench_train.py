@@ -33,11 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import compressors as C  # noqa: E402
 import train  # noqa: E402
-from model import ModelConfig, Transformer, build_tiny  # noqa: E402
-
-LLAMA_3_2_1B = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                    num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                    rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+from model import LLAMA_3_2_1B_CONFIG, ModelConfig, Transformer, build_tiny  # noqa: E402
 
 
 def bench(method, device, steps, model):
@@ -56,7 +52,7 @@ def bench_shape(method, device, steps, batch=4):
     """AdamW steps of one preset around a random Llama-3.2-1B-shaped decoder in bf16 autocast:
     (seconds per step, tokens per step, model FLOPs per step)."""
     torch.manual_seed(0)
-    decoder = Transformer(ModelConfig.from_hf(LLAMA_3_2_1B)).to(device)
+    decoder = Transformer(ModelConfig.from_hf(LLAMA_3_2_1B_CONFIG)).to(device)
     comp = C.build(method, decoder, build_tiny()[1])   # ids below the tiny vocabulary: any tokenizer will do
     recipe = train.PAPER_DEFAULTS[method]
     n = recipe["lengths"][1] // (2 if recipe["objective"] == "pretrain" else 1)

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import compressors as C  # noqa: E402
 import masks  # noqa: E402
-from model import ModelConfig, Transformer, build_tiny  # noqa: E402
+from model import LLAMA_3_2_1B_CONFIG, ModelConfig, Transformer, build_tiny  # noqa: E402
 
 TEXT = ("The quick brown fox jumps over the lazy dog. It was a bright cold day in April! "
         "Were the clocks striking thirteen? Nobody knew.\nA new line starts here. ") * 2
@@ -164,11 +164,7 @@ def test_aoc_encoder_has_no_mlp_and_trains_every_weight(device):
 
 def test_aoc_parameter_count_on_llama_3_2_1b_config():
     # Llama-3.2-1B config.json, built on the meta device (no download, no memory)
-    hf = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-              num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-              rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
-              rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
-                                high_freq_factor=4.0, original_max_position_embeddings=8192))
+    hf = LLAMA_3_2_1B_CONFIG
     count = lambda m: sum(p.numel() for p in m.parameters())   # tied embeddings counted once
     with torch.device("meta"):
         full = count(Transformer(ModelConfig.from_hf(hf)))
@@ -475,11 +471,8 @@ def test_500x_pretraining_reads_a_different_token_for_ae_and_lm(device):
 
 def llama_3_2_1b_compressor(method, **kw):
     """A compressor around the Llama-3.2-1B config, built on the meta device (no memory, no download)."""
-    hf = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-              num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-              rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True)
     with torch.device("meta"):
-        dec = Transformer(ModelConfig.from_hf(hf))
+        dec = Transformer(ModelConfig.from_hf(LLAMA_3_2_1B_CONFIG))
     return C.build(method, dec, build_tiny()[1], **kw)
 
 
