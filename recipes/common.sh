@@ -55,16 +55,17 @@ train_arm() {
   fi
 }
 
-# eval_arm NAME TASK EVALUATE.PY-FLAGS...: score the arm; its JSON lands in $OUT/NAME/eval_TASK.json (kept when
-# it is newer than the arm's checkpoint, unless REEVAL=1)
+# eval_arm NAME TASK[:LABEL] EVALUATE.PY-FLAGS...: score the arm; its JSON lands in $OUT/NAME/eval_LABEL.json
+# (LABEL defaults to TASK; give one to score the same task twice with different flags). A score newer than the
+# arm's checkpoint is kept, unless REEVAL=1
 eval_arm() {
-  local name=$1 task=$2; shift 2
+  local name=$1 task=${2%%:*} label=${2#*:}; shift 2
   [ "$SMOKE" = 1 ] && set -- "$@" --n 2 --max-new-tokens 4
-  if [ "${REEVAL:-0}" != 1 ] && [ "$OUT/$name/eval_$task.json" -nt "$OUT/$name/compressor.safetensors" ]; then
-    echo "== $name: $task already scored"; return
+  if [ "${REEVAL:-0}" != 1 ] && [ "$OUT/$name/eval_$label.json" -nt "$OUT/$name/compressor.safetensors" ]; then
+    echo "== $name: $label already scored"; return
   fi
   echo "== $name: python evaluate.py --ckpt $OUT/$name --task $task $*"
-  $PY evaluate.py --ckpt "$OUT/$name" --task "$task" "$@" --out "$OUT/$name/eval_$task.json" > "$OUT/$name/eval_$task.md"
+  $PY evaluate.py --ckpt "$OUT/$name" --task "$task" "$@" --out "$OUT/$name/eval_$label.json" > "$OUT/$name/eval_$label.md"
 }
 
 finish() {

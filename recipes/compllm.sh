@@ -23,12 +23,9 @@ else
   train_arm compllm --method compllm "${TRAIN_QA[@]}" --max-len 256 --batch-size 4 --lr 1e-4 \
     --answer-tokens ${ANSWER_TOKENS:-48} --steps ${STEPS:-200} --save-every 100
   eval_arm compllm qa "${HELD_QA[@]}" --max-new-tokens 32
-  cp "$OUT/compllm/eval_qa.json" "$OUT/compllm/eval_qa1.json"
   # two questions per long context: compressed once (reused) or anew; the answers must be identical
-  eval_arm compllm qa "${HELD_QA[@]}" --max-new-tokens 32 --concat 2
-  mv "$OUT/compllm/eval_qa.json" "$OUT/compllm/eval_reuse.json"
-  eval_arm compllm qa "${HELD_QA[@]}" --max-new-tokens 32 --concat 2 --no-reuse
-  mv "$OUT/compllm/eval_qa.json" "$OUT/compllm/eval_fresh.json"; mv "$OUT/compllm/eval_qa1.json" "$OUT/compllm/eval_qa.json"
+  eval_arm compllm qa:reuse "${HELD_QA[@]}" --max-new-tokens 32 --concat 2
+  eval_arm compllm qa:fresh "${HELD_QA[@]}" --max-new-tokens 32 --concat 2 --no-reuse
   eval_arm compllm speed --lengths ${LENGTHS:-256,512,1024,2048,4096}
 fi
 $PY - "$OUT/compllm" <<'PY'

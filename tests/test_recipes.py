@@ -28,6 +28,10 @@ def test_recipe_runs_end_to_end(paper, tmp_path):
         for curve in table["curves"].values():
             assert Path(curve["png"]).is_file()
     assert (tmp_path / "results.md").read_text().startswith("### ") and "wall time" in p.stdout
+    if paper == "compllm":   # the reuse check compares two questions per context, compressed once against anew
+        reuse, fresh = (json.loads((tmp_path / "compllm" / f"eval_{k}.json").read_text()) for k in ("reuse", "fresh"))
+        assert reuse["concat"] == fresh["concat"] == 2 and reuse["reuse"] and not fresh["reuse"]
+        assert results["tables"][0]["arms"]["compllm"]["cached CEs: same answers"] is True
 
 
 def test_held_out_questions_are_answered_in_their_paragraphs():
