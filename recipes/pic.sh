@@ -4,7 +4,7 @@
 # The claim: PIC's TR/TC losses fall faster and its QA scores are higher (16x: 52.01 F1 / 39.80 EM against
 # 48.80 / 36.81, Table 4).
 #
-#   bash recipes/pic.sh                 # SmolLM2-135M compressing for itself on 2 CPU cores (not yet timed at this scale)
+#   bash recipes/pic.sh                 # SmolLM2-135M compressing for itself on 2 CPU cores, 78 min
 #   SMOKE=1 bash recipes/pic.sh         # tiny model, 2 steps per arm (CI)
 #   SCALE=paper bash recipes/pic.sh     # PIC §4.1 on a GPU: Qwen2.5-0.5B-Instruct -> Llama-3-8B-Instruct
 PAPER=pic
@@ -25,7 +25,7 @@ if [ "$SCALE" = paper ]; then
     eval_arm ${arm}_qa qa --data $SQUAD_TEST
   done
 else
-  # ours, one CPU hour: SmolLM2 compresses (a trained copy) for itself (frozen); 64-token segments with 4 slots
+  # ours (78 min on 2 CPU cores): SmolLM2 compresses (a trained copy) for itself (frozen); 64-token segments with 4 slots
   # (16x), texts of 128-160 tokens (TR on the first half, TC on the rest), lr 1e-4, 300 steps; then 100 QA steps
   # on the fill-in-the-blank training questions; scored on the 60 held-out questions
   COMMON=(--chunk-len 64 --mem 4 --min-len 128 --max-len 160 --batch-size 4 --lr 1e-4 --warmup 30
