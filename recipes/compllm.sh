@@ -17,6 +17,8 @@ if [ "$SCALE" = paper ]; then
   HELD=hf://datasets/rajpurkar/squad/plain_text/validation-00000-of-00001.parquet
   train_arm compllm --method compllm --data $DATA --steps 20000
   eval_arm compllm qa --data $HELD --n 1000
+  eval_arm compllm qa:reuse --data $HELD --n 1000 --concat 2
+  eval_arm compllm qa:fresh --data $HELD --n 1000 --concat 2 --no-reuse
   eval_arm compllm speed --lengths 1024,2048,4096,8192,16384,32768
 else
   # ours: the fill-in-the-blank training questions, the LLM's own answers of up to 48 tokens, 200 steps
