@@ -16,20 +16,20 @@ if [ "$SCALE" = paper ]; then
   DATA=hf://datasets/deepmind/narrativeqa/data/train-00000-of-00024.parquet
   HELD=hf://datasets/rajpurkar/squad/plain_text/validation-00000-of-00001.parquet
   train_arm compllm --method compllm --data $DATA --steps 20000
-  eval_arm compllm qa --data $HELD --n 1000
-  eval_arm compllm qa:reuse --data $HELD --n 1000 --concat 2
-  eval_arm compllm qa:fresh --data $HELD --n 1000 --concat 2 --no-reuse
-  eval_arm compllm speed --lengths 1024,2048,4096,8192,16384,32768
+  QA=(--data $HELD --n 1000)
+  LENGTHS=1024,2048,4096,8192,16384,32768
 else
   # ours: the fill-in-the-blank training questions, the LLM's own answers of up to 48 tokens, 200 steps
   train_arm compllm --method compllm "${TRAIN_QA[@]}" --max-len 256 --batch-size 4 --lr 1e-4 \
     --answer-tokens ${ANSWER_TOKENS:-48} --steps ${STEPS:-200} --save-every 100
-  eval_arm compllm qa "${HELD_QA[@]}" --max-new-tokens 32
-  # two questions per long context: compressed once (reused) or anew; the answers must be identical
-  eval_arm compllm qa:reuse "${HELD_QA[@]}" --max-new-tokens 32 --concat 2
-  eval_arm compllm qa:fresh "${HELD_QA[@]}" --max-new-tokens 32 --concat 2 --no-reuse
-  eval_arm compllm speed --lengths ${LENGTHS:-256,512,1024,2048,4096}
+  QA=("${HELD_QA[@]}" --max-new-tokens 32)
+  LENGTHS=${LENGTHS:-256,512,1024,2048,4096}
 fi
+eval_arm compllm qa "${QA[@]}"
+# two questions per long context: compressed once (reused) or anew; the answers must be identical
+eval_arm compllm qa:reuse "${QA[@]}" --concat 2
+eval_arm compllm qa:fresh "${QA[@]}" --concat 2 --no-reuse
+eval_arm compllm speed --lengths $LENGTHS
 $PY - "$OUT/compllm" <<'PY'
 import json, sys
 d = sys.argv[1]
