@@ -727,6 +727,23 @@ LLAMA_3_2_1B_CONFIG = dict(  # meta-llama/Llama-3.2-1B(-Instruct) config.json (A
                       original_max_position_embeddings=8192))
 
 
+QWEN3_4B_CONFIG = dict(  # Qwen/Qwen3-4B config.json (CompLLM's model): shapes without a download
+    model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    max_position_embeddings=40960, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
+
+SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B_CONFIG, "qwen3-4b": QWEN3_4B_CONFIG}
+
+
+def build_shape(shape: str, device="cpu", dtype=torch.float32) -> tuple[Transformer, "Tokenizer"]:
+    """A random model of a paper model's shape (SHAPES) and the tiny byte tokenizer, no download: for
+    benchmarks, whose times and memory depend on the shape alone. Initialised on `device` directly."""
+    with torch.device(device):
+        model = Transformer(ModelConfig.from_hf(SHAPES[shape])).to(dtype)
+    model.name_or_path = f"random {shape}"
+    return model.eval(), build_tiny()[1]
+
+
 def copy_model(src: Transformer, share: tuple = (), **changes) -> Transformer:
     """An independent copy of `src` with some config fields changed (fewer layers, MLP-free blocks):
     built on the meta device, given empty storage, then every tensor copied from `src`, so no

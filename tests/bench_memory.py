@@ -2,7 +2,7 @@
 savers: activation checkpointing per block (--grad-ckpt) and the chunked cross-entropy (model.chunked_cross_entropy,
 always on in train.py; "off" here swaps in the plain one-shot loss for comparison).
 
-    python tests/bench_memory.py --model ~/.cache/ctxcomp/smollm2-135m            # AOC at n = 480, batch 16
+    python tests/bench_memory.py --model HuggingFaceTB/SmolLM2-135M-Instruct     # AOC at n = 480, batch 16
     python tests/bench_memory.py --model tiny --steps 3 -- --method icae          # any train.py flags after --
 
 Each variant runs in its own process (peak RSS, or peak CUDA memory on a GPU, is per process) for a few steps of

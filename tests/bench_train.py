@@ -7,7 +7,7 @@ Default: each method runs its default objective and recipe on `tiny` through tra
 paper's lengths and batch scaled for the tiny model); the median over the steps after the first two is reported.
 tok/s counts every token a step reads: the compressed contexts plus every decoder sequence (train.py's log).
 
---shape llama-3.2-1b: a randomly initialised model of Llama-3.2-1B's shape (no download), bf16 autocast on CUDA,
+--shape llama-3.2-1b|qwen3-4b: a randomly initialised model of that paper model's shape (no download), bf16 autocast on CUDA,
 each method's compressor at the paper's lengths and batch 4, timed over AdamW steps of its default objective
 (distill as AE for CompLLM: its teacher is a data step). Model FLOPs utilisation = achieved / peak, with the usual
 6 x parameters x tokens per trained token through a model (2 forward + 4 backward; the frozen decoder still
@@ -33,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import compressors as C  # noqa: E402
 import train  # noqa: E402
-from model import LLAMA_3_2_1B_CONFIG, ModelConfig, Transformer, build_tiny  # noqa: E402
+from model import SHAPES, build_shape  # noqa: E402
 
 
 def bench(method, device, steps, model):
@@ -48,12 +48,12 @@ def bench(method, device, steps, model):
     return args, statistics.median(r["dt"] for r in rows), statistics.median(r["tokens"] for r in rows)
 
 
-def bench_shape(method, device, steps, batch=4):
-    """AdamW steps of one preset around a random Llama-3.2-1B-shaped decoder in bf16 autocast:
+def bench_shape(shape, method, device, steps, batch=4):
+    """AdamW steps of one preset around a random decoder of a paper model's shape in bf16 autocast:
     (seconds per step, tokens per step, model FLOPs per step)."""
     torch.manual_seed(0)
-    decoder = Transformer(ModelConfig.from_hf(LLAMA_3_2_1B_CONFIG)).to(device)
-    comp = C.build(method, decoder, build_tiny()[1])   # ids below the tiny vocabulary: any tokenizer will do
+    decoder, tok = build_shape(shape, device)   # ids below the tiny vocabulary: any tokenizer will do
+    comp = C.build(method, decoder, tok)
     recipe = train.PAPER_DEFAULTS[method]
     n = recipe["lengths"][1] // (2 if recipe["objective"] == "pretrain" else 1)
     opt = torch.optim.AdamW(comp.trainable_parameters(), lr=1e-5, fused=device == "cuda")
@@ -88,7 +88,7 @@ def main():
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--methods", nargs="+", default=list(C.METHODS), choices=C.METHODS)
     p.add_argument("--model", default="tiny")
-    p.add_argument("--shape", choices=("llama-3.2-1b",), help="a random model of this shape instead of train.py")
+    p.add_argument("--shape", choices=tuple(SHAPES), help="a random model of this shape instead of train.py")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the accelerator's dense bf16 peak (H100: 989)")
     a = p.parse_args()
@@ -99,7 +99,7 @@ def main():
         print("| method | ms/step | tokens/step | tok/s | TFLOP/s | MFU |")
         print("|---|---|---|---|---|---|")
         for method in a.methods:
-            dt, tokens, flops = bench_shape(method, a.device, a.steps)
+            dt, tokens, flops = bench_shape(a.shape, method, a.device, a.steps)
             print(f"| {method} | {dt * 1000:.0f} | {tokens} | {tokens / dt:,.0f} | {flops / dt / 1e12:.1f} | "
                   f"{100 * flops / dt / 1e12 / a.peak_tflops:.1f}% |", flush=True)
         return

@@ -35,6 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Real weights: the few tests that need a real pretrained model read a local Hugging Face folder of
+# HuggingFaceTB/SmolLM2-135M-Instruct named by SMOLLM2_DIR (no test downloads anything), and skip without one
+SMOLLM2 = Path(os.environ.get("SMOLLM2_DIR", "/nonexistent")).expanduser()
+needs_smollm2 = pytest.mark.skipif(not (SMOLLM2 / "model.safetensors").is_file(), reason="set SMOLLM2_DIR to a "
+                                   "local folder of HuggingFaceTB/SmolLM2-135M-Instruct to run this test")
+
 
 def pytest_addoption(parser):
     parser.addoption("--device", default="cpu", help="torch device the tests build and run models on: cpu "

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import masks
-
+from conftest import SMOLLM2, needs_smollm2
 from model import (LoRALinear, ModelConfig, Transformer, add_lora, build_tiny, chunked_cross_entropy, copy_model,
                    load_pretrained, lora_disabled, merge_lora, rope_attention_factor, rope_frequencies)
 
@@ -680,7 +680,6 @@ def test_error_offline_hub_id(monkeypatch):
 # ---------------------------------------------------------------------------- a real pretrained model
 
 
-SMOLLM2 = Path("~/.cache/ctxcomp/smollm2-135m").expanduser()
 PROSE = ("The history of the town goes back to the twelfth century, when a small group of farmers settled near "
          "the river. Over the next two hundred years the village grew into a busy market town. Every week, "
          "merchants came from the surrounding countryside to sell grain, wool and cattle. In the sixteenth "
@@ -688,7 +687,7 @@ PROSE = ("The history of the town goes back to the twelfth century, when a small
          "to the capital.")
 
 
-@pytest.mark.skipif(not (SMOLLM2 / "model.safetensors").exists(), reason="run tools/build_smollm2.sh first")
+@needs_smollm2
 def test_smollm2_perplexity_and_parity(device):
     import transformers
 
