@@ -218,11 +218,11 @@ def validate(cfg: CompressorConfig):
         raise ValueError("carrier kv needs one K/V per decoder layer; a first_k encoder has fewer layers")
     if cfg.carrier == "kv" and cfg.bridge != "none":
         raise ValueError("carrier kv hands the decoder K/V directly: a bridge cannot apply (use --bridge none)")
+    if cfg.carrier == "kv" and cfg.ae_token == "none":
+        raise ValueError("carrier kv with --ae-token none leaves nothing after the memory to predict the text's first "
+                         "token from: use --ae-token bos or learned")
     if cfg.carrier == "kv" and cfg.delimiters:
         raise ValueError("delimiters surround memory embeddings in the decoder input: they need --carrier embeds")
-    if cfg.layout == "epl" and cfg.delimiters:
-        raise ValueError("EPL positions are defined for [memory, special token, text]: --layout epl cannot "
-                         "take PCC's delimiters")
     if cfg.encoder in ("lora", "first_k") and cfg.lora_r < 1:
         raise ValueError(f"encoder {cfg.encoder} needs --lora-r >= 1, got {cfg.lora_r}")
 
@@ -670,12 +670,8 @@ class Compressor(nn.Module):
         rows_x, rows_pos, rows_tgt = [], [], []
         for b, ids in enumerate(follow):
             counts = memory.mem_counts[b]
-            M = sum(counts)
             x = []
             pre = ([self._bos_id()] if cfg.delimiters else []) + list(prefix[b] if prefix else [])
-            if pre and cfg.layout == "epl":
-                raise ValueError("EPL positions are defined for [memory, special token, text]: use a template "
-                                 "without a prefix (not a chat template) with --layout epl")
             if pre:
                 x.append(ids_of(pre))
             if cfg.carrier == "embeds":
@@ -693,19 +689,12 @@ class Compressor(nn.Module):
                 x.append(vec[None].to(embed.weight.dtype))
             x.append(ids_of(ids))
             x = torch.cat(x)
-            if cfg.layout == "epl":
-                # EPL §3.2 / Tables 12-15 (CPL): memory keeps its encoder positions, [AE] 0 or [LM] p, text after it
-                mem_pos, special_pos, follow_pos = positions.decoder_positions(
-                    cfg.layout, cfg.carrier, task, memory.chunk_lens[b], counts, sum(memory.chunk_lens[b]),
-                    len(ids), span=None if cfg.cap_mem else cfg.chunk_len)
-                p = ([mem_pos.tolist()] if cfg.carrier == "embeds" else []) + \
-                    [[special_pos] if kind != "none" else []] + [follow_pos.tolist()]
-                p = sum(p, [])
-            else:
-                # DPL decoder (also "+UPL"): physical positions, after the k|M| cached slots for the KV carrier
-                # (EPL Table 13 DPL rows: [AE] at k|M|); with no special token the text takes its slot
-                start = M if cfg.carrier == "kv" else 0
-                p = list(range(start, start + len(x)))
+            # EPL §3.2 / Tables 13-15: DPL numbers the inputs physically (after the k|M| cached slots of the KV
+            # carrier); EPL (CPL) keeps the memory at its encoder positions, [AE] at 0 or [LM] at p, the text after
+            p = positions.decoder_inputs(cfg.layout, cfg.carrier, task, memory.chunk_lens[b], counts,
+                                         sum(memory.chunk_lens[b]), len(ids), span=None if cfg.cap_mem else cfg.chunk_len,
+                                         n_prefix=len(prefix[b]) if prefix else 0, delimiters=cfg.delimiters,
+                                         special=kind != "none")
             # the slot before a supervised token predicts it (next-token prediction)
             tgt = [-100] * len(x)
             first = len(x) - len(ids)                          # slot of follow[0]
@@ -752,13 +741,27 @@ class Compressor(nn.Module):
         return h.reshape(-1, h.shape[-1])[flat], tgt, flat // T                      # (N, d), (N,), (N,)
 
     def lm_loss(self, memory: Memory, task: str, follow: list, n_supervised: list | None = None,
-                last_tokens: list | None = None, prefix: list | None = None):
+                last_tokens: list | None = None, prefix: list | None = None, normalize_by: int | None = None):
         """Cross-entropy of the frozen decoder on the supervised follow tokens, given the memory.
         AE: ICAE's autoencoding / PIC Eq. (6) TR; LM: PIC Eq. (7) TC; QA: answer-only fine-tuning.
-        Returns (mean loss over supervised tokens, number of supervised tokens)."""
+        Returns (loss, number of supervised tokens): the mean over these tokens, or their summed NLL divided by
+        normalize_by (train.py passes the count of its whole step, so that micro-batches and processes add up to
+        the step's mean, whatever their sizes)."""
         h, tgt, _ = self._supervised(memory, task, follow, n_supervised, last_tokens, prefix)
         # in chunks of positions, each chunk's fp32 logits recomputed in backward instead of kept (model.py)
-        return chunked_cross_entropy(h, self.decoder.lm_head, tgt) / max(len(tgt), 1), len(tgt)
+        return chunked_cross_entropy(h, self.decoder.lm_head, tgt) / (normalize_by or max(len(tgt), 1)), len(tgt)
+
+    def supervised_tokens(self, task: str, follow: list, n_supervised: list | None = None,
+                          prefix: list | None = None) -> int:
+        """How many tokens lm_loss supervises for these samples, counted without running anything: the last
+        n_supervised[b] follow tokens of each, except a first follow token that nothing precedes in the decoder
+        input (a K/V memory with no special token and no prefix: no slot predicts it)."""
+        alone = self.cfg.carrier == "kv" and not self.cfg.delimiters and self.special_token(task) == "none"
+        total = 0
+        for b, ids in enumerate(follow):
+            n = len(ids) if n_supervised is None else n_supervised[b]
+            total += n - int(alone and not (prefix and prefix[b]) and 0 < n == len(ids))
+        return total
 
     @torch.no_grad()
     def nll(self, memory: Memory, task: str, follow: list, n_supervised: list | None = None,
@@ -772,13 +775,14 @@ class Compressor(nn.Module):
         return sums.tolist(), [int(c) for c in counts.tolist()]
 
     def distill_loss(self, contexts: list, questions: list, answers: list, prefix: list | None = None,
-                     dec_contexts: list | None = None):
+                     dec_contexts: list | None = None, normalize_by: int | None = None):
         """CompLLM Eq. (1)-(3): the LLM with the CEs (student) imitates the LLM with the full context
         (teacher) in every layer's hidden states at the answer tokens, per example:
             L(c, x) = Σ_ℓ (1/σ_ℓ) · mean_{t∈A, j≤d} SmoothL1_β=1(H̃_ℓ[t, j], H_ℓ[t, j]),   σ_ℓ = Std(H_ℓ[A]),
         σ and the mean over that example's |A|·d values; the loss is the expectation over examples.
         contexts: encoder ids; questions: the prompt after the context (qa_parts' "prompt"); answers: ids;
-        prefix / dec_contexts: qa_parts' decoder pieces (default none / the contexts themselves)."""
+        prefix / dec_contexts: qa_parts' decoder pieces (default none / the contexts themselves). normalize_by:
+        divide the summed example losses by this many examples instead of these (train.py: its whole step's)."""
         dec, dev = self.decoder, self.device
         B = len(contexts)
         prefix = prefix or [[] for _ in range(B)]
@@ -810,7 +814,7 @@ class Compressor(nn.Module):
                 h, h_s = teacher[layer][b, at_t].float(), student[layer][b, at_s].float()
                 sigma = h.std()                                    # CompLLM Eq. (2): this example's teacher Std
                 example = example + F.smooth_l1_loss(h_s, h, beta=1.0) / sigma   # Eq. (1), mean over t∈A, j≤d
-            loss = loss + example / B                              # Eq. (3): the expectation over examples
+            loss = loss + example / (normalize_by or B)            # Eq. (3): the expectation over examples
         return loss, sum(len(a) for a in answers)
 
     @torch.no_grad()
@@ -895,8 +899,9 @@ def read_checkpoint_config(ckpt_dir: str) -> dict:
         raise ValueError(f"'{path}' is corrupt ({e.msg}): restore it or retrain") from None
 
 
-def load(ckpt_dir: str, dtype=torch.float32, device="cpu") -> Compressor:
-    """Rebuild a compressor from a checkpoint: base model(s) from the config, trained tensors on top."""
+def load(ckpt_dir: str, dtype=torch.float32, device="cpu", trained=True) -> Compressor:
+    """Rebuild a compressor from a checkpoint: base model(s) from the config, trained tensors on top.
+    trained=False: the same compressor as first built, untrained (seeding torch as the run did reproduces its init)."""
     meta = read_checkpoint_config(ckpt_dir)
     cfg = CompressorConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in meta["config"].items()})
     decoder, tok = load_pretrained(cfg.model, dtype=dtype, device=device)
@@ -904,6 +909,8 @@ def load(ckpt_dir: str, dtype=torch.float32, device="cpu") -> Compressor:
     if cfg.encoder == "separate" and cfg.compressor_model:
         encoder, enc_tok = load_pretrained(cfg.compressor_model, dtype=dtype, device=device)
     comp = Compressor(cfg, decoder, tok, encoder, enc_tok)
+    if not trained:
+        return comp
     try:
         state = load_file(os.path.join(ckpt_dir, "compressor.safetensors"))
     except Exception as e:

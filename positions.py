@@ -184,6 +184,50 @@ def decoder_positions(layout, carrier, task, chunk_lens, num_mem, context_len, n
     return mem_pos, special, follow_pos
 
 
+def decoder_inputs(layout, carrier, task, chunk_lens, num_mem, context_len, n_follow, span=None, n_prefix=0,
+                   delimiters=False, special=True):
+    """Position IDs of every input slot the decoder reads, in order: [prefix; ([BOS]); memory of each chunk
+    (between <mem> and </mem> with PCC's delimiters; embedding carrier only); special token (if any); follow].
+    The K/V carrier's memory is no input: its keys keep their encoder positions (decoder_positions' mem_pos).
+
+    DPL and "+UPL" decoders number the inputs physically (EPL Tables 13–15 DPL rows), after the cached memory
+    slots for the K/V carrier; with no special token the text takes its slot. EPL: decoder_positions (CPL), with
+    no special token the text keeps its positions after the special's. n_prefix: decoder tokens before the
+    memory (a chat template's header); EPL defines no position for them, so it takes none.
+
+    PCC's delimiters under EPL (ours: PCC's code has no position layout but its own; this follows EPL's principle
+    that every slot takes the position of the text it stands for): [BOS] at 0, the start of the sequence; chunk
+    i's memory keeps its UPL positions inside the chunk's span s+1 … s+L, and its <mem> and </mem> sit just
+    outside that span, at s and s+L+1, where they open and close it; the special token and the text follow as
+    for any EPL decoder ([AE] at 0 and x_j at j+1; x_k or nothing, then the text from p+1).
+    Returns a list of ints, one per input slot.
+    """
+    mem_pos, special_pos, follow_pos = decoder_positions(layout, carrier, task, chunk_lens, num_mem, context_len,
+                                                         n_follow, span)
+    mems = [num_mem] * len(chunk_lens) if isinstance(num_mem, int) else list(num_mem)
+    if delimiters and carrier != "embeds":
+        raise ValueError("delimiters surround memory embeddings in the decoder input: they need carrier embeds")
+    if layout != "epl":
+        in_memory = (sum(mems) + 2 * len(mems) * delimiters) if carrier == "embeds" else 0
+        start = sum(mems) if carrier == "kv" else 0    # after the cache's k|M| slots (Table 13, DPL(500x))
+        n = n_prefix + delimiters + in_memory + special + n_follow
+        return list(range(start, start + n))
+    if n_prefix:
+        raise ValueError("EPL positions are defined for [memory, special token, text]: use a template without a "
+                         "prefix (not a chat template) with --layout epl")
+    before = []
+    if carrier == "embeds" and delimiters:
+        before = [0]                                                     # [BOS] (ours, see above)
+        starts, at = [sum(chunk_lens[:i]) for i in range(len(chunk_lens))], 0
+        for n, m, s in zip(chunk_lens, mems, starts):
+            width = max(span, n) if span else n                          # the span UPL spread the memory over
+            before += [s] + mem_pos[at:at + m].tolist() + [s + width + 1]   # <mem>, memory, </mem> (ours)
+            at += m
+    elif carrier == "embeds":
+        before = mem_pos.tolist()
+    return before + ([special_pos] if special else []) + follow_pos.tolist()
+
+
 # ---- `python positions.py`: the worked example as the paper's tables ----
 
 def _ends(values, head=2):

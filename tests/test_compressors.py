@@ -433,6 +433,7 @@ def test_save_load_roundtrip_gives_the_same_memory(tmp_path, device):
     ("icae", {"layout": "xyz"}, "unknown layout 'xyz'"),
     ("gmsa", {"carrier": "kv", "bridge": "none"}, "carrier kv needs one K/V per decoder layer"),
     ("gmsa", {"ratios": (2.5,)}, "whole numbers"),
+    ("500x", {"ae_token": "none"}, "nothing after the memory"),
 ])
 def test_bad_settings_are_one_line_errors(method, overrides, message):
     with pytest.raises(ValueError, match=message) as e:
@@ -563,6 +564,29 @@ def test_pcc_decoder_input_is_bos_then_delimited_memory_per_segment(device):
     assert [type(m).__name__ for m in comp.bridge] == ["RMSNorm", "Linear", "GELU", "Linear"]
 
 
+@pytest.mark.parametrize("method", ["pcc", "pic"])
+def test_pcc_and_pic_under_epl_positions(method, device):
+    """PCC's decoder input under EPL (ours): [BOS] at 0; each chunk's memory at its UPL positions inside the chunk's
+    span s+1 .. s+L, its <mem> and </mem> just outside it, at s and s+L+1; then the EPL special token and text.
+    Two chunks of L = 4 with 2 slots each, worked by hand: UPL(2 over 1..4) = round(1.5, 3.5) = 2, 4 (half to even)
+    and UPL(2 over 5..8) = round(5.5, 7.5) = 6, 8."""
+    dec, tok = tiny(device)
+    comp = C.build(method, dec, tok, mem=2, chunk_len=4, layout="epl")
+    x = tok.encode("abcdefgh")                                   # 8 tokens: two chunks of 4
+    memory = comp.compress([x])
+    assert memory.enc_pos[0].tolist() == [2, 4, 6, 8]
+    memory_block = [0, 0, 2, 4, 5, 4, 6, 8, 9]                   # BOS, <mem> m m </mem>, <mem> m m </mem>
+    ae = comp.decoder_batch(memory, "ae", [comp.ae_target(x)])  # x + EOS after [AE] at 0: x_j at j + 1
+    assert ae["position_ids"][0].tolist() == memory_block + [0] + list(range(1, 10))
+    lm = comp.decoder_batch(memory, "lm", [tok.encode("ij")], last_tokens=[x[-1]])   # PIC Eq. (7): x_k at p = 8
+    assert lm["position_ids"][0].tolist() == memory_block + [8, 9, 10]
+    qa = comp.decoder_batch(memory, "qa", [tok.encode("Q?A")])  # no special token: the text from p + 1
+    assert qa["position_ids"][0].tolist() == memory_block + [9, 10, 11]
+    loss, n = comp.lm_loss(memory, "ae", [comp.ae_target(x)])
+    loss.backward()
+    assert math.isfinite(loss.item()) and n == 9
+
+
 def test_distillation_loss_is_a_mean_of_per_example_losses(device):
     """CompLLM Eq. (1)-(2): σ and the mean over t∈A, j≤d are each example's own; a batch is their expectation."""
     dec, tok = tiny(device)
@@ -635,3 +659,23 @@ def test_lm_loss_under_bf16_autocast_is_finite_and_close_to_fp32(method, device)
     for l32, l16 in zip(losses["fp32"], losses["bf16"]):
         assert l16.dtype == torch.float32 and torch.isfinite(l16)
         torch.testing.assert_close(l16, l32, rtol=5e-3, atol=0)
+
+
+@pytest.mark.parametrize("method, overrides", [(m, {}) for m in C.METHODS] +
+                         [("500x", dict(lm_token="none"))])   # a K/V memory with nothing after it (LM)
+def test_supervised_tokens_counts_what_lm_loss_supervises(method, overrides, device):
+    """train.py divides each micro-batch's summed NLL by the whole step's supervised tokens, counted in advance
+    with supervised_tokens: it must be the count lm_loss reports, for every preset and task (a first follow token
+    that nothing precedes is not supervised: the K/V carrier with no special token)."""
+    model, tok = tiny(device)
+    comp = C.build(method, model, tok, **overrides)
+    contexts = [tok.encode(TEXT[:40]), tok.encode(TEXT[50:73])]
+    memory = comp.compress(contexts, rates=[4, 4] if comp.cfg.source == "group_mean" else None)
+    follow = [tok.encode(" and so on."), tok.encode(" more")]
+    for task, n_sup, prefix in (("ae", None, None), ("lm", None, None), ("qa", [3, 2], None),
+                                ("qa", None, [tok.encode("Q:"), []])):
+        last = [c[-1] for c in contexts]
+        _, count = comp.lm_loss(memory, task, follow, n_sup, last_tokens=last, prefix=prefix)
+        assert comp.supervised_tokens(task, follow, n_sup, prefix) == count, (task, n_sup, prefix)
+    if overrides:   # the case the rule is for: the first token of a K/V memory's follow is not predicted
+        assert comp.supervised_tokens("lm", follow) == sum(map(len, follow)) - 2
