@@ -50,6 +50,7 @@ import os
 import re
 import statistics
 import string
+import sys
 import time
 from collections import Counter
 from contextlib import nullcontext
@@ -62,7 +63,7 @@ from tqdm import tqdm
 
 import compressors as C
 import masks
-from model import apply_rope, load_pretrained
+from model import SHAPES, apply_rope, build_shape, load_pretrained
 
 # -----------------------------------------------------------------------------
 # ---- metrics ----
@@ -547,6 +548,14 @@ BUILTIN_QA = [
 ]
 
 
+def builtin_held_out(n=32):
+    """The built-in texts of the ae and lm tasks: n documents of train.py's grammar drawn with another seed, none of
+    them in train.py's built-in corpus (so a quickstart run is scored on texts it never saw)."""
+    import train
+    seen = set(train.generated_texts(train.BUILTIN_GENERATED, seed=0))
+    return [t for t in train.generated_texts(n + 8, seed=1) if t not in seen][:n]
+
+
 def load_examples(path, task, n=None):
     """The examples of a task: dicts with "text" (ae, lm, heatmap) or "context", "question",
     "answer" (qa; answer is a str or a list of accepted answers). No path: the built-in sets.
@@ -555,7 +564,7 @@ def load_examples(path, task, n=None):
     or any other file as plain text, one text per non-empty line (train.py reads a whole .txt file
     as one document to draw windows from; an evaluation needs fixed examples). n: keep the first n."""
     if path is None:
-        rows = [dict(r) for r in BUILTIN_QA] if task == "qa" else [{"text": t} for t in BUILTIN_TEXTS]
+        rows = [dict(r) for r in BUILTIN_QA] if task == "qa" else [{"text": t} for t in builtin_held_out()]
     elif not os.path.isfile(path):
         raise FileNotFoundError(f"--data {path}: no such file")
     elif path.endswith((".jsonl", ".parquet")):
@@ -1126,20 +1135,27 @@ def encoder_attention(comp, enc_ids):
     return memory, out[:, 1:] if comp.cfg.bos else out   # the columns of the text itself, not a leading [BOS]
 
 
-def pyplot():
-    """matplotlib.pyplot on its file-only Agg backend; matplotlib is optional, needed for figures only."""
+def pyplot(path):
+    """matplotlib.pyplot on its file-only Agg backend, or None when matplotlib is not installed: figures are
+    optional (the numbers they draw are in the results either way), so a missing matplotlib skips the figure at
+    `path` with one line that says how to get it."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("figures need matplotlib: pip install matplotlib") from None
+        print(f"figure {path} skipped: matplotlib is not installed (pip install matplotlib, then run again)",
+              file=sys.stderr)
+        return None
     return plt
 
 
 def heat_png(path, values, title, xlabel, ylabel):
-    """A [rows, cols] matrix as a PNG heatmap ("hot" colour map, one cell per entry, a colour bar)."""
-    plt = pyplot()
+    """A [rows, cols] matrix as a PNG heatmap ("hot" colour map, one cell per entry, a colour bar); returns the
+    path, or None when the figure was skipped (no matplotlib)."""
+    plt = pyplot(path)
+    if plt is None:
+        return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     im = ax.imshow(np.asarray(values, dtype=np.float64), aspect="auto", cmap="hot", interpolation="nearest")
     fig.colorbar(im, ax=ax)
@@ -1147,6 +1163,7 @@ def heat_png(path, values, title, xlabel, ylabel):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return path
 
 
 RAMP = " .:-=+*#%@"   # text heatmap: low to high
@@ -1172,18 +1189,18 @@ def run_heatmap(comp, text, png_stem):
     ids = comp.tok.encode(text)
     enc = comp.encoder_ids(ids)
     memory, attention = encoder_attention(comp, enc)
-    cosine = memory_cosine(comp, memory, ids)
+    cosine = memory_cosine(comp, memory, ids).float().cpu()   # to the host for numpy and the PNGs
+    attention = None if attention is None else attention.float().cpu()
     M, T = cosine.shape
     out = {"text": text, "tokens": ids, "encoder_tokens": enc, "memory_slots": M,
-           "cosine": cosine.tolist(), "cosine_png": f"{png_stem}_cosine.png",
-           "attention": None, "attention_png": None}
+           "cosine": cosine.tolist(), "attention": None, "attention_png": None}
     name = comp.cfg.method
-    heat_png(out["cosine_png"], cosine.numpy(), f"{name}: cosine(memory slot, context token)", "context token",
-             "memory slot")
+    out["cosine_png"] = heat_png(f"{png_stem}_cosine.png", cosine.numpy(), f"{name}: cosine(memory slot, context "
+                                 "token)", "context token", "memory slot")
     if attention is not None:
-        out["attention"], out["attention_png"] = attention.tolist(), f"{png_stem}_attention.png"
-        heat_png(out["attention_png"], attention.numpy(), f"{name}: encoder attention, memory -> context",
-                 "context token", "memory slot")
+        out["attention"] = attention.tolist()
+        out["attention_png"] = heat_png(f"{png_stem}_attention.png", attention.numpy(), f"{name}: encoder "
+                                        "attention, memory -> context", "context token", "memory slot")
     else:
         out["attention_note"] = f"{comp.cfg.method} merges hidden states into groups: no memory tokens attend"
     return out
@@ -1228,8 +1245,9 @@ def run_curves(runs, key="loss", target=None, alpha=0.05, png=None):
                         best_ema=min(c["smooth"]),
                         reached=None if hit is None else dict(step=c["steps"][hit], tokens=int(c["tokens"][hit]),
                                                               seconds=float(c["seconds"][hit]))))
-    if png:
-        plt = pyplot()
+    plt = pyplot(png) if png else None
+    png = png if plt else None   # the figure is skipped without matplotlib; the table stands
+    if plt:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for c in curves:
             name = os.path.basename(os.path.normpath(c["run"]))
@@ -1300,6 +1318,8 @@ def parse_args(argv=None):
     p.add_argument("--task", required=True, help=f"one of {', '.join(TASKS)} (see below)")
     p.add_argument("--method", help=f"without --ckpt (speed only): an untrained preset, {', '.join(C.METHODS)}")
     p.add_argument("--model", help="base LLM (HF id, directory or tiny); with --ckpt it must match the checkpoint's")
+    p.add_argument("--shape", choices=tuple(SHAPES), help="speed without --ckpt: a random model of this paper "
+                   "model's shape instead of --model (no download; times depend on the shape alone)")
     p.add_argument("--data", help="examples (.jsonl, .parquet or .txt); default: the built-in sets")
     p.add_argument("--n", type=int, help="use the first N examples (default: all)")
     p.add_argument("--batch-size", type=int, default=8, help="ae, lm, qa: examples per batch (default 8)")
@@ -1334,6 +1354,8 @@ def parse_args(argv=None):
     if args.ckpt is None and (args.method is None or args.task != "speed"):
         raise SystemExit(f"error: --task {args.task} needs --ckpt DIR (only speed runs an untrained compressor, "
                          "with --method M [--model tiny])")
+    if args.shape and (args.ckpt is not None or args.model is not None):
+        raise SystemExit("error: --shape replaces --model and needs no --ckpt (speed with --method M only)")
     for name in ("n", "max_new_tokens", "batch_size", "max_len", "ratio", "concat"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -1347,7 +1369,8 @@ def load_compressor(args):
     """The checkpoint's compressor, or (speed without --ckpt) an untrained preset; one-line errors."""
     dtype = DTYPES[args.dtype]
     if args.ckpt is None:
-        decoder, tok = load_pretrained(args.model or "tiny", dtype=dtype, device=args.device)
+        decoder, tok = (build_shape(args.shape, args.device, dtype) if args.shape else
+                        load_pretrained(args.model or "tiny", dtype=dtype, device=args.device))
         return C.build(args.method, decoder, tok).eval()
     cfg = C.read_checkpoint_config(args.ckpt).get("config")
     if not isinstance(cfg, dict) or "method" not in cfg or "model" not in cfg:

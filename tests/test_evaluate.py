@@ -23,11 +23,10 @@ import torch
 
 import compressors as C
 import evaluate as E
-from conftest import randomize_
+from conftest import SMOLLM2, needs_smollm2, randomize_
 from model import TINY_CONFIG, ModelConfig, Transformer, build_tiny
 
 REPO = Path(__file__).resolve().parents[1]
-SMOLLM2 = Path.home() / ".cache" / "ctxcomp" / "smollm2-135m"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -136,13 +135,13 @@ def test_lm_perplexity_is_exp_of_the_summed_nll(ckpt, capsys, device):
         assert result["scores"][mode]["perplexity"] == pytest.approx(math.exp(nll / n))
         # EPL: the second half, from p = ⌊|X|/2⌋, and its EOS (the LM target of the EPL and PCC code) are scored
         # in full in every row (ICAE puts [LM] before it)
-        lens = [len(tok.encode(t)) for t in E.BUILTIN_TEXTS[:3]]
+        lens = [len(tok.encode(t)) for t in E.builtin_held_out()[:3]]
         assert [r["tokens"] for r in rows] == [n - n // 2 + 1 for n in lens]
     # the byte-level model's vocabulary is 259: a random model sits near uniform, nowhere near 0 or 10^4
     assert 50 < result["scores"]["none"]["perplexity"] < 2000
 
 
-@pytest.mark.skipif(not SMOLLM2.is_dir(), reason="SmolLM2-135M not cached in ~/.cache/ctxcomp")
+@needs_smollm2
 def test_full_context_beats_no_context_on_smollm2(tmp_path, device):
     """The upper reference must use the context: a real LLM predicts a text's second half better after its
     first half than after BOS alone (the compressed row of an untrained compressor is not checked)."""
@@ -518,7 +517,7 @@ def test_gmsa_ratio_and_baselines_from_the_original_llm_after_keft(tmp_path, dev
             p.add_(torch.randn_like(p))                   # what KEFT training would do to q/k/v
     comp.save(str(tmp_path))
     result, _ = run(["--ckpt", tmp_path, "--task", "lm", "--ratio", 8, "--n", 2], device)
-    text = E.BUILTIN_TEXTS[0]
+    text = E.builtin_held_out()[0]
     first_half = len(comp.tok.encode(text)) // 2
     assert result["examples"][0]["memory_slots"] == math.ceil(first_half / 8) and result["ratio"] == 8
     base, tok = build_tiny()
