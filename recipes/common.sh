@@ -1,8 +1,10 @@
 # Shared by the recipes (sourced, not run): where the model and data are, how an arm is trained, resumed and
 # evaluated. Each recipe sets PAPER, then calls `train_arm` and `eval_arm`, then recipes/summarize.py.
 #
-#   MODEL=...      the LLM (default: SmolLM2-135M-Instruct from ../shared/tools/build_smollm2.sh if it is built,
-#                  else the hub id HuggingFaceTB/SmolLM2-135M-Instruct)
+#   MODEL=...      the LLM: a hub id or a local Hugging Face folder (default: the hub id
+#                  HuggingFaceTB/SmolLM2-135M-Instruct, a 270 MB download the first time)
+#   CORPUS=...     a folder with train.jsonl, heldout.jsonl and qa_train.jsonl (default runs/corpus, built by
+#                  recipes/corpus.py on a Debian or Ubuntu machine); or TRAIN=, HELD=, TRAIN_QA=: any .jsonl files
 #   SMOKE=1        the tiny random model, the built-in data, 2 steps per arm: seconds, for CI
 #   SCALE=paper    the paper's own setup (its model, hub data, its recipe) on a GPU: the commands are written
 #                  out in each recipe
@@ -22,21 +24,20 @@ mkdir -p "$OUT"
 
 if [ "$SMOKE" = 1 ]; then
   MODEL=tiny
-elif [ -z "${MODEL:-}" ]; then
-  LOCAL="$HOME/.cache/ctxcomp/smollm2-135m"
-  if [ -f "$LOCAL/model.safetensors" ]; then MODEL=$LOCAL; else MODEL=HuggingFaceTB/SmolLM2-135M-Instruct; fi
+else
+  MODEL=${MODEL:-HuggingFaceTB/SmolLM2-135M-Instruct}
 fi
 
 # the real English corpus (recipes/corpus.py): trains on train.jsonl, scores on heldout.jsonl only
 CORPUS=${CORPUS:-runs/corpus}
-if [ "$SMOKE" != 1 ] && [ "$SCALE" != paper ] && [ ! -f "$CORPUS/heldout.jsonl" ]; then
+if [ "$SMOKE" != 1 ] && [ "$SCALE" != paper ] && [ -z "${HELD:-}" ] && [ ! -f "$CORPUS/heldout.jsonl" ]; then
   $PY recipes/corpus.py --out "$CORPUS"
 fi
 if [ "$SMOKE" = 1 ]; then   # the built-in texts (train.py and evaluate.py hold different ones)
   TRAIN_TEXT=() ; TRAIN_QA=() ; HELD_TEXT=() ; HELD_QA=()
 else
-  TRAIN_TEXT=(--data "$CORPUS/train.jsonl") ; TRAIN_QA=(--data "$CORPUS/qa_train.jsonl")
-  HELD_TEXT=(--data "$CORPUS/heldout.jsonl") ; HELD_QA=(--data recipes/qa_heldout.jsonl)
+  TRAIN_TEXT=(--data "${TRAIN:-$CORPUS/train.jsonl}") ; TRAIN_QA=(--data "${TRAIN_QA:-$CORPUS/qa_train.jsonl}")
+  HELD_TEXT=(--data "${HELD:-$CORPUS/heldout.jsonl}") ; HELD_QA=(--data recipes/qa_heldout.jsonl)
 fi
 
 # train_arm NAME TRAIN.PY-FLAGS...: train (or continue) the arm in $OUT/NAME

@@ -62,14 +62,18 @@ def main(argv=None):
     for key in a.curves:
         png = os.path.join(a.out, f"curves_{key}.png")
         curves[key] = E.run_curves([os.path.join(a.out, arm) for arm in a.arms], key=key, png=png)
-    fmt = lambda v: "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+    def fmt(v, name):   # None is a metric not read, except a step to a threshold: there it is "not reached"
+        if v is None:
+            return "not reached" if name.startswith("first step at") else "-"
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
     lines = [f"### {a.title}", "", "| arm | " + " | ".join(n for n, _ in metrics) + " |",
              "|---|" + "---|" * len(metrics)]
-    lines += [f"| {arm} | " + " | ".join(fmt(rows[arm][n]) for n, _ in metrics) + " |" for arm in a.arms]
+    lines += [f"| {arm} | " + " | ".join(fmt(rows[arm][n], n) for n, _ in metrics) + " |" for arm in a.arms]
     for key, c in curves.items():
         reached = ", ".join(f"{os.path.basename(r['run'])} step {r['reached']['step']}" if r["reached"] else
                             f"{os.path.basename(r['run'])} never" for r in c["runs"])
-        lines += ["", f"training {key} (EMA) reaches {c['target']:.3g}: {reached}. ![{key}]({os.path.basename(c['png'])})"]
+        figure = f"![{key}]({os.path.basename(c['png'])})" if c["png"] else "(figure skipped: no matplotlib)"
+        lines += ["", f"training {key} (EMA) reaches {c['target']:.3g}: {reached}. {figure}"]
     if a.note:
         lines += ["", a.note]
     tables, text = [], ""

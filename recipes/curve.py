@@ -1,0 +1,102 @@
+"""Does each memory carry its own text, step by step? Every kept checkpoint of each arm scored on held-out texts
+(own/other, the AE loss with a text's own memory over the loss with the next text's memory), the first step where
+it falls to a threshold, and one figure with every arm (used by recipes/ladder.sh and recipes/aoc.sh).
+
+    python recipes/curve.py --out runs/recipes/ladder --data runs/corpus/heldout.jsonl --n 32 \
+        --group "1:1" icae_1x aoc_1x --group "4x" icae_4x aoc_4x [--threshold 0.5] [--title ...]
+
+Each checkpoint is scored once (its ckpt-*/eval_curve.json is kept; teacher-forced losses only, no generation), on
+the first --n held-out texts cut as the arm was trained (evaluate.protocol: a window-cropped arm's texts are cut to
+its --max-len). Writes OUT/ARM/eval_curve.json (the points, the first step at or below the threshold, the median
+seconds per training step), OUT/curve.json, OUT/curve.md and OUT/curve.png (when matplotlib is installed).
+"""
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import compressors as C  # noqa: E402
+import evaluate as E  # noqa: E402
+
+
+def score(ckpt, examples):
+    """own, other, none and own/other of one checkpoint on the held-out examples (cached in ckpt/eval_curve.json)."""
+    path = os.path.join(ckpt, "eval_curve.json")
+    if os.path.isfile(path) and os.path.getmtime(path) >= os.path.getmtime(os.path.join(ckpt, "compressor.safetensors")):
+        return json.load(open(path))
+    comp = C.load(ckpt).eval()
+    L = E.run_ae(comp, examples, max_new_tokens=1, proto=E.protocol(comp, ckpt))["loss"]
+    point = dict(own=L["own"], other=L["other"], none=L["none"], ratio=L["own_other_ratio"])
+    json.dump(point, open(path, "w"))
+    return point
+
+
+def arm_curve(run, examples, threshold):
+    """Every kept checkpoint of a run, scored: {points, first step <= threshold (None: never), s/step}."""
+    points = []
+    for ckpt in sorted(glob.glob(os.path.join(run, "ckpt-*"))):
+        points.append(dict(step=int(ckpt.rpartition("-")[2]), **score(ckpt, examples)))
+    dts = [json.loads(line)["dt"] for line in open(os.path.join(run, "log.jsonl")) if line.strip()]
+    first = next((p["step"] for p in points if p["ratio"] is not None and p["ratio"] <= threshold), None)
+    return dict(points=points, first_at_threshold=first, threshold=threshold,
+                final_ratio=points[-1]["ratio"] if points else None,
+                s_per_step=statistics.median(dts[2:] or dts) if dts else None)   # the first steps warm up
+
+
+def figure(path, groups, curves, threshold, title):
+    """One panel per group, own/other against steps, every arm of the group on it; None without matplotlib."""
+    plt = E.pyplot(path)   # None without matplotlib: the table is the result, the figure a view of it
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False, sharey=True)
+    for ax, (label, arms) in zip(axes[0], groups):
+        for arm in arms:
+            pts = [p for p in curves[arm]["points"] if p["ratio"] is not None]
+            ax.plot([p["step"] for p in pts], [p["ratio"] for p in pts], marker="o", markersize=3, label=arm)
+        ax.axhline(threshold, color="grey", linestyle=":")
+        ax.axhline(1.0, color="grey", linewidth=0.5)
+        ax.set(xlabel="step", title=f"{title}: {label}" if title else label)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("held-out own / other (1 = carries nothing)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="the recipe's output folder, one run per arm in it")
+    p.add_argument("--data", help="held-out texts (.jsonl with {\"text\"}; default: evaluate.py's built-in set)")
+    p.add_argument("--n", type=int, default=32, help="held-out texts scored (default 32)")
+    p.add_argument("--group", nargs="+", action="append", required=True, metavar=("LABEL", "ARM"),
+                   help="a panel of the figure: its label, then its arms (folders of --out)")
+    p.add_argument("--threshold", type=float, default=0.5)
+    p.add_argument("--title", default="")
+    a = p.parse_args(argv)
+    examples = E.load_examples(a.data, "ae")[:a.n]
+    groups = [(g[0], g[1:]) for g in a.group]
+    curves = {}
+    for _, arms in groups:
+        for arm in arms:
+            curves[arm] = arm_curve(os.path.join(a.out, arm), examples, a.threshold)
+            json.dump(curves[arm], open(os.path.join(a.out, arm, "eval_curve.json"), "w"), indent=1)
+    png = figure(os.path.join(a.out, "curve.png"), groups, curves, a.threshold, a.title)
+    json.dump(dict(curves=curves, png=png), open(os.path.join(a.out, "curve.json"), "w"), indent=1)
+    steps = sorted({p["step"] for c in curves.values() for p in c["points"]})
+    lines = ["| arm | " + " | ".join(str(s) for s in steps) + f" | first step <= {a.threshold} |",
+             "|---|" + "---|" * (len(steps) + 1)]
+    for arm, c in curves.items():
+        at = {p["step"]: p["ratio"] for p in c["points"]}
+        cells = ["" if at.get(s) is None else f"{at[s]:.3f}" for s in steps]
+        first = c["first_at_threshold"] or f"not within {c['points'][-1]['step'] if c['points'] else 0}"
+        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {first} |")
+    open(os.path.join(a.out, "curve.md"), "w").write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

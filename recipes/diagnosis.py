@@ -1,0 +1,180 @@
+"""What the frozen decoder sees of a compressor's memory, for any preset and carrier, at initialisation and after
+training: why an arm's memory does or does not carry its text (used by recipes/ladder.sh and recipes/aoc.sh).
+
+    python recipes/diagnosis.py --runs runs/recipes/ladder/icae_1x runs/recipes/ladder/aoc_1x \
+        [--data runs/corpus/heldout.jsonl] [--texts 8] [--out runs/recipes/ladder/diagnosis]
+
+For each run, its compressor as train.py built it before step 1 (same config and seed, untrained) and as trained
+(its newest checkpoint), on held-out texts of exactly the run's --max-len tokens. The decoder regenerates each text
+from its memory (the AE task, as trained) and we measure, per decoder layer:
+
+    norm       memory / text: the mean norm of the memory's keys over the mean norm of the text's keys in the same
+               layer; for an embedding carrier also the memory vectors over the text's token embeddings (what
+               layer 0 reads). Far above 1: the memory sits outside the range the frozen decoder was trained on
+    attention  the share of the decoder's attention (mean over the queries after the memory, heads and texts) that
+               lands on the memory slots
+    spread     how much the memory's keys differ from one text to another: std over texts / mean |k|. A memory
+               that is the same for every text (a learned constant prompt) has spread 0
+    losses     the AE loss per token with the own memory, another text's memory, no memory, and own / other
+
+Writes OUT.json and OUT.md (one row per run and state, layers in five groups).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import compressors as C  # noqa: E402
+import evaluate as E  # noqa: E402
+from model import apply_rope  # noqa: E402
+
+
+def attention_calls(comp, batch):
+    """Run the decoder on one batch; each layer's attention module and the arguments it was called with."""
+    calls = []
+    hooks = [layer.self_attn.register_forward_pre_hook(lambda m, args, kw: calls.append((m, args, kw)),
+                                                       with_kwargs=True) for layer in comp.decoder.model.layers]
+    try:
+        with comp.decoding():
+            comp.decoder(**batch, compute_logits=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return calls
+
+
+def memory_slots(memory, batch):
+    """(B, S) bool over the keys of the decoder's attention: which are memory slots. K/V carrier: the valid prefix
+    slots. Embedding carrier: the inputs that hold a memory vector (found by value: they are copies of it)."""
+    x = batch["inputs_embeds"]
+    if memory.kv is not None:
+        return torch.cat([memory.valid, torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)], 1)
+    return torch.stack([(x[b][:, None] == memory.embeds[b][memory.valid[b]][None]).all(-1).any(-1)
+                        for b in range(x.shape[0])])
+
+
+def keys_and_attention(m, args, kw):
+    """Recompute one layer's keys (B, Hkv, S, D) and attention probabilities (B, H, T, S) from its inputs,
+    exactly as model.Attention.forward computes them."""
+    x, cos, sin, mask = args[:4]
+    past = args[4] if len(args) > 4 else kw.get("past")
+    B, T, _ = x.shape
+    q = m.q_proj(x).view(B, T, m.n_head, m.head_dim)
+    k = m.k_proj(x).view(B, T, m.n_kv_head, m.head_dim)
+    if m.qk_norm:
+        q, k = m.q_norm(q), m.k_norm(k)
+    q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+    if past is not None:
+        k = torch.cat([past[0], k], dim=2)
+    S = k.shape[2]
+    if mask is None:   # the model's default: every prefix slot, then causal
+        mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+    scores = q.float() @ k.float().repeat_interleave(m.n_head // m.n_kv_head, 1).transpose(-1, -2)
+    return k.float(), (scores / m.head_dim ** 0.5).masked_fill(~mask, float("-inf")).softmax(-1)
+
+
+@torch.no_grad()
+def measure(comp, xs):
+    """Per decoder layer: memory/text key norm, attention on the memory, key spread across texts; the memory's
+    input-embedding norm ratio (embedding carrier); the AE losses."""
+    memory = comp.compress([comp.encoder_ids(x) for x in xs])
+    follow = [comp.ae_target(x) for x in xs]
+    batch = comp.decoder_batch(memory, "ae", follow)
+    batch.pop("targets")
+    x = batch["inputs_embeds"]
+    B, T = x.shape[:2]
+    is_mem = memory_slots(memory, batch)                                            # (B, S)
+    P = is_mem.shape[1] - T
+    real = torch.cat([torch.ones(B, P, dtype=torch.bool, device=x.device), x.abs().sum(-1) > 0], 1)  # not padding
+    after = torch.arange(P + T, device=x.device)[None] > torch.where(
+        is_mem, torch.arange(P + T, device=x.device)[None], -1).max(1, keepdim=True).values
+    queries = (real & after)[:, P:]                                                 # (B, T): after the memory
+    layers = []
+    for m, args, kw in attention_calls(comp, batch):
+        k, p = keys_and_attention(m, args, kw)
+        k = k.transpose(1, 2)                                                       # (B, S, Hkv, D)
+        share = (p * is_mem[:, None, None]).sum(-1).mean(1)[queries].mean().item()   # (B, H, T) -> over queries
+        norm = k.norm(dim=-1).mean(-1)                                              # (B, S)
+        text = torch.cat([torch.zeros(B, P, dtype=torch.bool, device=x.device), queries], 1)
+        mem_keys = [k[b][is_mem[b]] for b in range(B)]
+        n = min(len(t) for t in mem_keys)
+        km = torch.stack([t[:n] for t in mem_keys])                                 # (B, n, Hkv, D)
+        layers.append(dict(attention=share, norm=(norm[is_mem].mean() / norm[text].mean()).item(),
+                           spread=(km.std(0).mean() / km.abs().mean()).item()))
+    embed_norm = None
+    if memory.embeds is not None:
+        table = comp.decoder.model.embed_tokens.weight.float()
+        text_norm = torch.cat([table[torch.tensor(t)].norm(dim=-1) for t in xs]).mean()
+        embed_norm = (memory.embeds[memory.valid].float().norm(dim=-1).mean() / text_norm).item()
+    n_text = [len(t) + 1 for t in xs]                  # the text and its EOS (as evaluate.py counts the AE loss)
+    own = comp.nll(memory, "ae", follow, n_text)
+    other = comp.nll(comp.compress([comp.encoder_ids(t) for t in xs[1:] + xs[:1]]), "ae", follow, n_text)
+    none = E.PlainLLM(comp).nll([E.start_ids(comp.tok)] * len(xs), [t + [comp.tok.eos_id] for t in xs])
+    loss = lambda r: sum(r[0]) / sum(r[1])
+    return dict(layers=layers, embed_norm_ratio=embed_norm, loss_own=loss(own), loss_other=loss(other),
+                loss_none=sum(s for s, _ in none) / sum(c for _, c in none), own_other=loss(own) / loss(other))
+
+
+def diagnose(run, texts, count):
+    meta = C.read_checkpoint_config(run)
+    args = meta.get("train_args", {})
+    n = args.get("max_len", 16)
+    out = {}
+    for state in ("init", "trained"):
+        torch.manual_seed(args.get("seed", 0))   # train.py seeds torch so before it builds the compressor
+        comp = C.load(run, trained=state == "trained").eval()
+        xs = [ids[:n] for ids in (comp.tok.encode(t) for t in texts) if len(ids) >= n][:count]
+        out[state] = measure(comp, xs)
+    return dict(run=run, method=meta["config"]["method"], carrier=meta["config"]["carrier"],
+                step=meta.get("step"), texts=len(xs), n=n, **out)
+
+
+def groups_of(values, k=5):
+    """Means of `values` over k consecutive groups of layers (fewer groups for a model of fewer layers)."""
+    L = len(values)
+    k = min(k, L)
+    return [sum(values[i] for i in range(g * L // k, (g + 1) * L // k)) / max(1, (g + 1) * L // k - g * L // k)
+            for g in range(k)]
+
+
+def table(rows):
+    L = len(rows[0]["init"]["layers"])
+    head = " / ".join(f"{g * L // min(5, L)}-{(g + 1) * L // min(5, L) - 1}" for g in range(min(5, L)))
+    lines = [f"| run | state | embedding norm memory/text | key norm memory/text (layers {head}) | "
+             "attention on memory (same layers) | key spread across texts | AE loss own | other | none | own/other |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for state in ("init", "trained"):
+            d = r[state]
+            col = lambda key: " / ".join(f"{v:.2f}" for v in groups_of([layer[key] for layer in d["layers"]]))
+            spread = sum(layer["spread"] for layer in d["layers"]) / len(d["layers"])
+            emb = "-" if d["embed_norm_ratio"] is None else f"{d['embed_norm_ratio']:.2f}"
+            name = os.path.basename(os.path.normpath(r["run"]))
+            when = "init" if state == "init" else f"step {r['step']}"
+            lines.append(f"| {name} | {when} | {emb} | {col('norm')} | {col('attention')} | {spread:.3f} | "
+                         f"{d['loss_own']:.3f} | {d['loss_other']:.3f} | {d['loss_none']:.3f} | {d['own_other']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", nargs="+", required=True, help="train.py --out folders")
+    p.add_argument("--data", help="held-out texts (.jsonl {\"text\"}; default: evaluate.py's built-in set)")
+    p.add_argument("--texts", type=int, default=8, help="held-out texts to measure on (default 8)")
+    p.add_argument("--out", help="write OUT.json and OUT.md")
+    a = p.parse_args(argv)
+    texts = [ex["text"] for ex in E.load_examples(a.data, "ae")]
+    rows = [diagnose(run, texts, a.texts) for run in a.runs]
+    md = table(rows)
+    print(md)
+    if a.out:
+        json.dump(rows, open(a.out + ".json", "w"), indent=1)
+        open(a.out + ".md", "w").write(md + "\n")
+
+
+if __name__ == "__main__":
+    main()

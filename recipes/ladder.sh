@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The ladder: every preset under one protocol, which no paper ran. Each learns to regenerate held-out texts (the AE
+# objective) from the same corpus, at the same text length, batch and number of steps, first at 1:1 (16-token texts,
+# 16 memory slots: no compression, the sanity check every compressor must pass) and then at 4x (64-token texts, 16
+# slots, or the preset's own way to 4x: CompLLM --ratio 4, GMSA --ratios 4). Every other setting is the preset's
+# own (learning rate, schedule, LoRA, carrier, special tokens). Along the way each arm's held-out own/other is
+# scored (recipes/curve.py): 1.0 means its memory is a learned constant prompt, <= 0.5 that it carries its text.
+# Then the final BLEU and ROUGE-L, the parameters trained, the seconds per step, and what the decoder sees of each
+# 1:1 arm's memory at init and after training (recipes/diagnosis.py).
+#
+#   bash recipes/ladder.sh              # SmolLM2-135M on 2 CPU cores, 16 arms x STEPS=300, about 4 h; resumes
+#   SMOKE=1 bash recipes/ladder.sh      # tiny model, 2 steps per arm (CI)
+#   RUNGS=1x bash recipes/ladder.sh     # one rung only; ARMS="icae aoc" for some presets only
+#   SEED=1 OUT=runs/recipes/ladder_s1 bash recipes/ladder.sh   # another seed (data order and init)
+PAPER=ladder
+source "$(dirname "$0")/common.sh"
+[ "$SCALE" = paper ] && { echo "the ladder is ours (no paper ran it): it has no SCALE=paper setup"; exit 2; }
+
+STEPS=${STEPS:-300}
+EVERY=${EVERY:-50}
+[ "$SMOKE" = 1 ] && EVERY=1 && RUNGS=${RUNGS:-1x}   # CI: the 1:1 rung (the 4x rung runs the same code)
+ARMS=${ARMS:-"icae 500x lora pcc pic compllm gmsa aoc"}
+# one arm of a rung: its preset and how it reaches the rung's compression, given n text tokens and ratio r
+arm_flags() {
+  local arm=$1 n=$2 r=$3
+  case $arm in
+    icae)    echo --method icae --mem 16 --chunk-len $((n + 1)) ;;   # ICAE's context is [BOS] x: one chunk
+    500x)    echo --method 500x --mem 16 --chunk-len $n ;;           # --objective ae: the original 500x recipe
+    lora)    echo --method 500x --mem 16 --chunk-len $n --lora-r 64 --lora-alpha 32 --lora-dropout 0.05 \
+               --lora-targets q_proj k_proj v_proj o_proj --lr 2e-4 ;;   # AOC's LoRA baseline (AOC code)
+    pcc|pic) echo --method $arm --mem 16 --chunk-len $n ;;
+    compllm) echo --method compllm --ratio $r ;;
+    gmsa)    echo --method gmsa --ratios $r ;;
+    aoc)     echo --method aoc --mem 16 --chunk-len $n ;;
+  esac
+}
+
+GROUPS_ARGS=()
+for rung in ${RUNGS:-1x 4x}; do
+  case $rung in 1x) n=16 r=1 ;; 4x) n=64 r=4 ;; *) echo "unknown rung $rung (1x or 4x)"; exit 2 ;; esac
+  names=()
+  for arm in $ARMS; do
+    # shellcheck disable=SC2046
+    train_arm ${arm}_$rung $(arm_flags $arm $n $r) --objective ae --crop window --min-len $n --max-len $n \
+      --batch-size 4 --steps $STEPS --save-every $EVERY --keep-every $EVERY \
+      --seed ${SEED:-0} "${TRAIN_TEXT[@]}"
+    eval_arm ${arm}_$rung ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len $n
+    names+=(${arm}_$rung)
+  done
+  GROUPS_ARGS+=(--group "$rung ($n tokens)" "${names[@]}")
+done
+$PY recipes/curve.py --out "$OUT" "${HELD_TEXT[@]}" --n ${N:-32} "${GROUPS_ARGS[@]}" --title "held-out own/other"
+if [[ " ${RUNGS:-1x 4x} " == *" 1x "* ]]; then
+  $PY recipes/diagnosis.py --runs $(for arm in $ARMS; do echo "$OUT/${arm}_1x"; done) "${HELD_TEXT[@]}" \
+    --texts ${DIAG_TEXTS:-8} --out "$OUT/diagnosis"
+fi
+ALL=$(for rung in ${RUNGS:-1x 4x}; do for arm in $ARMS; do echo ${arm}_$rung; done; done)
+$PY recipes/summarize.py --out "$OUT" --arms $ALL --curves \
+  --title "The ladder: every preset, one protocol (AE on held-out texts, batch 4, $STEPS steps)" \
+  --metric "first step at own/other 0.5=curve:first_at_threshold" --metric "own/other=ae:loss.own_other_ratio" \
+  --metric "BLEU-4 (words)=ae:scores.compressed.bleu4_words" --metric "ROUGE-L=ae:scores.compressed.rougeL" \
+  --metric "AE loss own=ae:loss.own" --metric "no memory=ae:loss.none" --metric "trained parameters=params:" \
+  --metric "s/step=curve:s_per_step" --note "model $MODEL; the figure: curve.png; the diagnosis: diagnosis.md"
+finish

@@ -1,0 +1,101 @@
+"""Decide a paper's claim from runs with several seeds per arm (used by the recipes after their runs).
+
+    python recipes/verdict.py --out runs/recipes/aoc --claim "AOC regenerates better than its LoRA baseline" \
+        --arm AOC aoc_n16_s0 aoc_n16_s1 --arm LoRA lora_n16_s0 lora_n16_s1 --expect AOC LoRA \
+        --metric "BLEU=ae:scores.compressed.bleu4_words:higher" --metric "steps to 0.5=curve:first_at_threshold:lower"
+
+--expect A B: the paper says arm A beats arm B. For each metric (NAME=TASK:PATH:higher|lower, read as
+recipes/summarize.py reads it), each arm's mean over its seeds and its spread (the range, max - min), then:
+
+    reproduced      A beats B in the mean, by more than the larger of the two spreads
+    contradicted    B beats A, by more than that
+    not visible     the gap is inside the spread, and every run of both arms carries its text
+    undecided       the gap is inside the spread, but some run's memory carries nothing (so the comparison says
+                    nothing either way); or a run has no value for the metric
+
+A run "carries its text" when its held-out own/other (the AE loss with each text's own memory over the loss with
+another text's; --carry, default ae:loss.own_other_ratio) is at or below --carry-max (0.5). A QA arm fine-tuned from
+a pretrained run is checked on that run: --carry-runs LABEL RUN [RUN ...]. The table is appended to OUT/results.md
+and OUT/results.json.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from summarize import read_metric  # noqa: E402
+
+
+def decide(a, b, better, carried):
+    """The verdict on one metric: a and b are the two arms' per-seed values (A is the paper's winner). For a
+    lower-is-better metric (steps to a threshold) None means never within the run: one arm that always gets there
+    against one that never does is a verdict, anything else with a None is undecided."""
+    if better == "lower" and (None in a or None in b) and a and b:
+        if None not in a and all(v is None for v in b):
+            return "reproduced"
+        if None not in b and all(v is None for v in a):
+            return "contradicted"
+        return "undecided (some runs never get there)"
+    if not a or not b or None in a or None in b:
+        return "undecided (a run has no value)"
+    gap = statistics.mean(a) - statistics.mean(b)
+    gap = gap if better == "higher" else -gap                     # > 0: A is better
+    spread = max(max(a) - min(a), max(b) - min(b))
+    if abs(gap) > spread:
+        return "reproduced" if gap > 0 else "contradicted"
+    return "not visible" if carried else "undecided (a memory carries nothing)"
+
+
+def fmt(values):
+    if not values:
+        return "-"
+    if None in values:
+        return ", ".join("never" if v is None else f"{v:.4g}" for v in values)
+    mean = statistics.mean(values)
+    return f"{mean:.4g} ({min(values):.4g}-{max(values):.4g})" if len(values) > 1 else f"{mean:.4g}"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--claim", required=True)
+    p.add_argument("--arm", nargs="+", action="append", required=True, metavar=("LABEL", "RUN"))
+    p.add_argument("--expect", nargs=2, required=True, metavar=("A", "B"), help="the paper: A beats B")
+    p.add_argument("--metric", action="append", required=True, help="NAME=TASK:PATH:higher|lower")
+    p.add_argument("--carry", default="ae:loss.own_other_ratio")
+    p.add_argument("--carry-max", type=float, default=0.5)
+    p.add_argument("--carry-runs", nargs="+", action="append", default=[], metavar=("LABEL", "RUN"))
+    p.add_argument("--note", default="")
+    a = p.parse_args(argv)
+    arms = {g[0]: g[1:] for g in a.arm}
+    carry_runs = {**arms, **{g[0]: g[1:] for g in a.carry_runs}}
+    own_other = {label: [read_metric(a.out, run, a.carry) for run in carry_runs[label]] for label in arms}
+    carried = all(v is not None and v <= a.carry_max for vs in own_other.values() for v in vs)
+    A, B = a.expect
+    lines = [f"### {a.claim}", "", f"| metric | {A} | {B} | verdict |", "|---|---|---|---|"]
+    verdicts = {}
+    for spec in a.metric:
+        name, _, rest = spec.partition("=")
+        path, _, better = rest.rpartition(":")
+        values = {label: [read_metric(a.out, run, path) for run in arms[label]] for label in (A, B)}
+        verdicts[name] = decide(values[A], values[B], better, carried)
+        lines.append(f"| {name} ({better} is better) | {fmt(values[A])} | {fmt(values[B])} | **{verdicts[name]}** |")
+    lines.append(f"| held-out own/other (each run; <= {a.carry_max} carries its text) | "
+                 + " | ".join(", ".join("-" if v is None else f"{v:.3f}" for v in own_other[label]) for label in (A, B))
+                 + " | " + ("every run carries its text" if carried else "**not every run carries its text**") + " |")
+    lines += ["", f"mean over {len(arms[A])} seed(s) per arm, (min-max) across seeds. " + a.note]
+    results = os.path.join(a.out, "results.json")
+    tables = json.load(open(results))["tables"] if os.path.isfile(results) else []
+    tables.append(dict(title=a.claim, verdicts=verdicts, own_other=own_other, arms=arms, expect=[A, B]))
+    json.dump({"tables": tables}, open(results, "w"), indent=1)
+    md = os.path.join(a.out, "results.md")
+    text = open(md).read() + "\n" if os.path.isfile(md) else ""
+    open(md, "w").write(text + "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
