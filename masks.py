@@ -25,14 +25,12 @@ PIC, Eq. (5): M_ij = 0 if Visible(i, j) else −∞, with Visible(i, j) = 1 exac
 Nothing else is visible: a context token never sees a memory token, and m_t sees earlier chunks only
 through m_1 … m_{t−1} (so h_t = Compressor(c_t, h_<t), Eq. 3, in one parallel pass).
 
-Our generalisation (the paper assumes "L is divisible by N" and one memory token per chunk, §3.1):
-  * g = mems_per_chunk memory tokens per chunk: N = num_mem / g chunks, and memory tokens
-    m_{(k−1)g+1} … m_{kg} all belong to chunk c_k (rule 3 per token, rule 2 unchanged);
+Our generalisation (the paper assumes "L is divisible by N", §3.1; one memory token per chunk, N = M):
   * uneven lengths: chunk k (0-based) covers context tokens ⌊k·L/N⌋ … ⌊(k+1)·L/N⌋ − 1, so the
     chunk sizes differ by at most one and the longer chunks are spread out (see chunk_bounds).
   * more memory tokens than context tokens (PCC's code gives a short last segment all its slots):
     some chunks are empty, and their memory tokens see only the memory tokens before them.
-All reduce to the paper's mask when g = 1 and N divides L.
+Both reduce to the paper's mask when N divides L.
 """
 
 import torch
@@ -83,27 +81,22 @@ def chunk_bounds(context_len, num_chunks):
     return [(k * L // N, (k + 1) * L // N) for k in range(N)]
 
 
-def pic(context_len, num_mem, mems_per_chunk=1):
-    """PIC block-wise causal mask [L+M, L+M] on Z = [c_1, …, c_N, m_1, …, m_M] (PIC Eq. 4–5).
+def pic(context_len, num_mem):
+    """PIC block-wise causal mask [L+M, L+M] on Z = [c_1, …, c_N, m_1, …, m_N] (PIC Eq. 4–5).
 
-    num_mem = M memory tokens, mems_per_chunk = g of them per chunk, so N = M / g chunks
-    (the paper's setting is g = 1; g > 1 and uneven chunks are our generalisation, see the
-    module docstring and chunk_bounds). With more chunks than context tokens some chunks are empty,
+    num_mem = M memory tokens, one per chunk, so N = M chunks (uneven chunks are our generalisation,
+    see the module docstring and chunk_bounds). With more chunks than context tokens some chunks are empty,
     and their memory tokens see only the memory before them (rules 2 and 3; ours).
     """
     _check_int("context_len", context_len, 1)
     _check_int("num_mem", num_mem, 1)
-    _check_int("mems_per_chunk", mems_per_chunk, 1)
-    if num_mem % mems_per_chunk != 0:
-        raise ValueError(f"mems_per_chunk must divide num_mem ({num_mem}), got {mems_per_chunk}")
-    L, M, g = context_len, num_mem, mems_per_chunk
+    L, M = context_len, num_mem
 
     # which chunk every context token belongs to (0-based), PIC Eq. (4): X = (c_1, …, c_N)
     ctx_chunk = torch.empty(L, dtype=torch.long)
-    for k, (start, end) in enumerate(chunk_bounds(L, M // g)):
+    for k, (start, end) in enumerate(chunk_bounds(L, M)):
         ctx_chunk[start:end] = k
-    # memory tokens m_{kg+1} … m_{(k+1)g} belong to chunk k+1 (g = 1: m_t belongs to c_t)
-    mem_chunk = torch.arange(M) // g
+    mem_chunk = torch.arange(M)   # m_t belongs to c_t
 
     mask = torch.zeros(L + M, L + M, dtype=torch.bool)  # rule 4: everything else invisible
     mask[:L, :L] = causal(L)  # PIC Eq. (5), rule 1: context sees context causally
@@ -224,16 +217,16 @@ def render(mask, boundaries=(), labels=None):
     return "\n".join(lines)
 
 
-def _pic_labels(context_len, num_mem, mems_per_chunk=1):
+def _pic_labels(context_len, num_mem):
     # row names for render(): "c<k>" for a context token of chunk k, "m<t>" for memory token t
     names = [""] * context_len
-    for k, (start, end) in enumerate(chunk_bounds(context_len, num_mem // mems_per_chunk)):
+    for k, (start, end) in enumerate(chunk_bounds(context_len, num_mem)):
         names[start:end] = [f"c{k + 1}"] * (end - start)
     return names + [f"m{t + 1}" for t in range(num_mem)]
 
 
 def main(argv=None):
-    """`python masks.py pic 8 2 [g]` | `full_causal 8 2` | `segments 3,2 1` | `causal 6`."""
+    """`python masks.py pic 8 2` | `full_causal 8 2` | `segments 3,2 1` | `causal 6`."""
     import argparse
 
     parser = argparse.ArgumentParser(description="Print an attention mask as a ■ / · grid.")
@@ -244,8 +237,6 @@ def main(argv=None):
         p = sub.add_parser(kind, help="compressor mask over [context, memory]")
         p.add_argument("context_len", type=int)
         p.add_argument("num_mem", type=int)
-        if kind == "pic":
-            p.add_argument("mems_per_chunk", type=int, nargs="?", default=1)
     p = sub.add_parser("segments", help="block-diagonal mask, e.g. `segments 3,2 1` or `segments 4,3 2,1`")
     p.add_argument("segment_lens", help="comma-separated segment lengths")
     p.add_argument("mems_per_segment", help="one int, or comma-separated, one per segment")
@@ -257,17 +248,17 @@ def main(argv=None):
         print(render(causal(args.n)))
     elif args.kind in ("pic", "full_causal"):
         L, M = args.context_len, args.num_mem
-        g = getattr(args, "mems_per_chunk", 1)  # full_causal has no chunks of its own; draw PIC's
         if args.kind == "pic":
-            mask = pic(L, M, g)
-            print(f"PIC block-wise causal mask (PIC Eq. 5, Figure 4(c)), L={L}, "
-                  f"N={M // g} chunks, {g} memory token(s) per chunk; {legend}")
+            mask = pic(L, M)
+            print(f"PIC block-wise causal mask (PIC Eq. 5, Figure 4(c)), L={L}, N={M} chunks, one memory token "
+                  f"per chunk; {legend}")
         else:
             mask = full_causal(L, M)
             print(f"full causal mask over [context, memory] (PCC / ICAE, PIC Figure 4(a)), L={L}, M={M}; {legend}")
         # lines between chunks, and between the context and the memory
-        cuts = [start for start, _ in chunk_bounds(L, M // g)] + [L]
-        print(render(mask, cuts, _pic_labels(L, M, g)))
+        # (full_causal has no chunks of its own: PIC's are drawn, for comparison)
+        cuts = [start for start, _ in chunk_bounds(L, M)] + [L]
+        print(render(mask, cuts, _pic_labels(L, M)))
     else:
         lens = [int(x) for x in args.segment_lens.split(",")]
         mems = [int(x) for x in args.mems_per_segment.split(",")]

@@ -15,7 +15,6 @@ Three switches serve the compression methods:
   whole second sub-block (the ablation).
 - `past_kv` / `return_kv`: the per-layer K/V carrier (500xCompressor, AOC). Cached keys keep the RoPE
   of the positions they were computed at.
-- `num_layers=k`: run only the first k layers (GMSA encoder).
 
 Greedy `generate` decodes padded batches on a preallocated KV cache (as gpt-fast), masking padded keys on
 every step. For training memory: `model.grad_ckpt = True` (activation checkpointing per block) and
@@ -416,42 +415,40 @@ class Transformer(nn.Module):
         self.inv_freq = rope_frequencies(self.config, self.inv_freq.device)
         return self
 
+    def rope(self, pos: torch.Tensor, dtype) -> tuple:
+        """RoPE angles for exactly these positions (B or 1, T), not a table lookup (EPL positions can be anything):
+        cos and sin, each (B or 1, 1, T, D), broadcast over heads."""
+        freqs = pos[..., None].float() * self.inv_freq           # (B or 1, T, D/2), fp32
+        emb = torch.cat((freqs, freqs), dim=-1)                  # (B or 1, T, D): dims i and i + D/2 share an angle
+        # YaRN (Peng et al. 2023), as transformers' _compute_yarn_parameters: cos and sin are scaled by the
+        # attention factor, which sharpens the softmax at long range (1.0 for plain and llama3 RoPE)
+        scale = rope_attention_factor(self.config)
+        return (emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None]
+
     def forward(self, input_ids=None, *, inputs_embeds=None, position_ids=None, attn_mask=None, past_kv=None,
-                num_layers=None, output_hidden_states=False, return_kv=False, compute_logits=True,
-                cache=None) -> ModelOutput:
+                output_hidden_states=False, return_kv=False, compute_logits=True, cache=None) -> ModelOutput:
         """input_ids (B, T) or inputs_embeds (B, T, d), exactly one.
         position_ids: (B, T) or (T,), any integers (gaps, repeats, any order); default P + arange(T).
         attn_mask: bool, True = may attend, (T, S), (B, T, S) or (B, 1, T, S) with S = P + T; key j < P is
             prefix slot j, key P + i is new token i. Default: the whole prefix plus causal over the new tokens.
         past_kv: one (k, v) per layer, each (B, Hkv, P, D), e.g. the `kv` of another forward (the 500x/AOC carrier).
-        num_layers: run only the first k layers (GMSA encoder); last_hidden is then norm(h after layer k).
         cache: one KVCache per layer (generate's), instead of past_kv: its P filled slots are the prefix, and the
             new tokens' k/v are written into it."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, d)
         B, T, _ = h.shape
-        if num_layers is not None and not 1 <= num_layers <= len(self.model.layers):
-            raise ValueError(f"num_layers must be in 1..{len(self.model.layers)}, got {num_layers}")
-        layers = self.model.layers[:num_layers]  # None = all
-        if past_kv is not None and len(past_kv) < len(layers):
-            raise ValueError(f"past_kv has {len(past_kv)} layers but {len(layers)} layers run; "
-                             "pass one (k, v) per layer (or run fewer layers with num_layers)")
+        layers = self.model.layers
+        if past_kv is not None and len(past_kv) != len(layers):
+            raise ValueError(f"past_kv has {len(past_kv)} layers but the model has {len(layers)}: pass one (k, v) "
+                             "per layer")
         if past_kv is not None and cache is not None:
             raise ValueError("pass past_kv or cache, not both (generate writes a past_kv into its cache)")
         P = past_kv[0][0].shape[2] if past_kv is not None else cache[0].len if cache is not None else 0
 
-        # RoPE angles for exactly these positions (not a table lookup: EPL positions can be anything)
         if position_ids is None:
             position_ids = torch.arange(P, P + T, device=h.device)
-        pos = position_ids.reshape(-1, T)                        # (B or 1, T)
-        freqs = pos[..., None].float() * self.inv_freq           # (B or 1, T, D/2), fp32
-        emb = torch.cat((freqs, freqs), dim=-1)                  # (B or 1, T, D): dims i and i + D/2 share an angle
-        # YaRN (Peng et al. 2023), as transformers' _compute_yarn_parameters: cos and sin are scaled by the
-        # attention factor, which sharpens the softmax at long range (1.0 for plain and llama3 RoPE)
-        scale = rope_attention_factor(self.config)
-        cos = (emb.cos() * scale).to(h.dtype)[:, None]           # (B or 1, 1, T, D), broadcast over heads
-        sin = (emb.sin() * scale).to(h.dtype)[:, None]
+        cos, sin = self.rope(position_ids.reshape(-1, T), h.dtype)   # (B or 1, 1, T, D)
 
         if attn_mask is not None:
             if attn_mask.dtype != torch.bool or attn_mask.shape[-2:] != (T, P + T):
@@ -632,18 +629,6 @@ def lora_disabled(model: nn.Module):
             m.lora_enabled = b
 
 
-@torch.no_grad()
-def merge_lora(model: nn.Module):
-    """W <- W + scale * B A, then replace each LoRALinear by a plain nn.Linear holding that weight.
-    The weight is updated in place: anything sharing it (e.g. a decoder run under lora_disabled) changes too."""
-    for n, m in list(model.named_modules()):
-        if isinstance(m, LoRALinear):
-            m.weight += (m.lora_B @ m.lora_A) * m.scale  # (out, r) @ (r, in) -> (out, in)
-            plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
-            plain.weight, plain.bias = m.weight, m.bias
-            _swap_module(model, n, plain)
-
-
 # ---------------------------------------------------------------------------- tokenizer
 
 
@@ -658,6 +643,16 @@ class Tokenizer:
         self.pad_id = eos_id if pad_id is None else pad_id
         self.eos_ids = eos_ids or ([] if eos_id is None else [eos_id])
         self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def start_id(self) -> int:
+        """What a sequence starts with: [BOS], or EOS for a model that has none (Qwen)."""
+        return self.bos_id if self.bos_id is not None else self.eos_id
+
+    def cut_at_eos(self, ids: list) -> list:
+        """ids up to (not including) the first stop id."""
+        stop = set(self.eos_ids)
+        return next((ids[:i] for i, t in enumerate(ids) if t in stop), ids)
 
     @classmethod
     def from_dir(cls, folder: str | Path) -> "Tokenizer":

@@ -107,17 +107,8 @@ def test_chunk_bounds_cover_context(L):
         assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
 
 
-def test_pic_uneven_and_two_mems_per_chunk():
-    # L=10, 6 memory tokens, 2 per chunk -> N=3 chunks (0..2)(3..5)(6..9); m1,m2 -> c1, m3,m4 -> c2, m5,m6 -> c3
-    m = masks.pic(10, 6, mems_per_chunk=2)
-    assert m.shape == (16, 16)
-    chunks = {0: range(0, 3), 1: range(3, 6), 2: range(6, 10)}
-    for t in range(6):
-        seen = set(m[10 + t].nonzero().flatten().tolist())
-        assert seen == set(chunks[t // 2]) | set(range(10, 10 + t + 1))
-    assert not m[:10, 10:].any()
-    assert torch.equal(m[:10, :10], masks.causal(10))
-    # mems_per_chunk=1 on an uneven length uses the same cut
+def test_pic_uneven_chunks():
+    # L=7, 3 memory tokens -> chunks (0..1)(2..3)(4..6): m3 sees the last, longer chunk
     m1 = masks.pic(7, 3)
     assert set(m1[7 + 2, :7].nonzero().flatten().tolist()) == {4, 5, 6}
 
@@ -187,9 +178,9 @@ def test_render_pic_8_2(capsys):
 def test_render_other_commands(capsys):
     masks.main(["segments", "3,2", "1"])
     masks.main(["causal", "6"])
-    masks.main(["pic", "10", "6", "2"])
+    masks.main(["pic", "10", "3"])
     text = capsys.readouterr().out
-    assert "m2 · · · · │ ■ ■ ■" in text and "■ ■ ■ ■ ■ ■" in text
+    assert "m2 · · · │ ■ ■ ■ │ · · · · │ ■ ■ ·" in text and "■ ■ ■ ■ ■ ■" in text
 
 
 # ---- a short segment keeps all its memory slots (PCC code) ----
@@ -209,8 +200,6 @@ def test_more_memory_than_context_leaves_chunks_empty():
 @pytest.mark.parametrize("call, name", [
     (lambda: masks.pic(8, 0), "num_mem"),
     (lambda: masks.pic(-1, 1), "context_len"),
-    (lambda: masks.pic(8, 3, mems_per_chunk=2), "mems_per_chunk"),
-    (lambda: masks.pic(8, 2, mems_per_chunk=0), "mems_per_chunk"),
     (lambda: masks.full_causal(4, 0), "num_mem"),
     (lambda: masks.chunk_bounds(4, 0), "num_chunks"),
     (lambda: masks.causal(-1), "n"),
