@@ -3,7 +3,7 @@ Every context-compression method in this repository, as a preset over shared par
 
 A soft compressor reads a context X with an *encoder* and hands the *decoder* (a frozen LLM) a short
 *memory* in its place. The papers differ along a few independent axes; each axis is implemented once
-below and a method is just a choice along each of them (SPEC "methods are presets"):
+below and a method is just a choice along each of them (a preset, PRESETS):
 
     axis            options                                                     used by
     ------------    ---------------------------------------------------------   -----------------------
@@ -45,7 +45,8 @@ import json
 import math
 import os
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -58,83 +59,6 @@ from model import RMSNorm, Transformer, add_lora, chunked_cross_entropy, copy_mo
 
 # -----------------------------------------------------------------------------
 # configuration: one dataclass, one field per axis, and the papers' presets
-
-
-@dataclass
-class CompressorConfig:
-    method: str = "icae"            # the preset this config started from
-    model: str = "tiny"             # the decoder LLM (HF id, local dir or "tiny")
-    compressor_model: str = ""      # encoder="separate": the compressor LLM ("" = a copy of the decoder)
-    # --- encoder weights ---
-    encoder: str = "lora"           # "lora" | "full" | "separate" | "first_k"; lora with mlp != swiglu = LoRA on an
-                                    # MLP-free copy (AOC's LoRA-AOC ablation)
-    mlp: str = "swiglu"             # encoder blocks: "swiglu" | "aoc" (AOC Eq. 3) | "none" (sub-block removed)
-    lora_r: int = 128               # LoRA rank (encoder "lora" and "first_k")
-    lora_alpha: int = 256           # LoRA alpha; the update is scaled by alpha / r
-    lora_dropout: float = 0.0       # dropout on the LoRA branch (PEFT; ICAE and AOC's LoRA baselines: 0.05)
-    lora_targets: tuple = ("q_proj", "v_proj")
-    enc_layers: int = 0             # encoder "first_k": layers kept (0 = a quarter of the decoder's, GMSA's 8 of 32)
-    # --- memory source ---
-    source: str = "mem_tokens"      # "mem_tokens" | "eos" | "group_mean"
-    mem: int = 102                  # memory tokens per chunk (fixed budget)
-    ratio: float = 0.0              # > 0: memory per chunk = ceil(chunk tokens / ratio) instead of `mem`
-    ratios: tuple = (4, 8)          # group_mean: compression rate sampled per example (GMSA §4.1)
-    mem_init: str = "embed"         # how memory tokens and learned special tokens are drawn: "embed" N(μ, σ) with the
-                                    # scalar mean/std of the token embedding table (EPL code) | "normal" N(0, 1)
-                                    # (ICAE, 500x, AOC code) | "hf" N(0, 0.02) (PCC code: new vocabulary rows)
-    cap_mem: bool = False           # ours: a chunk of n < mem tokens gets n slots (the papers' code gives it all `mem`)
-    # --- cutting the context ---
-    chunking: str = "fixed"         # "fixed": chunks of chunk_len | "sentences": CompLLM segments of <= chunk_len
-    chunk_len: int = 510            # tokens per chunk (EPL: L = 510)
-    bos: bool = False               # the context starts with [BOS], and AE reconstructs [BOS] X [EOS] (ICAE, EPL code)
-    # --- encoder attention and positions ---
-    mask: str = "causal"            # "causal" (ICAE/500x/PCC/AOC) | "pic" (PIC Eq. 5)
-    layout: str = "dpl"             # "dpl" | "upl" | "epl" (positions.py)
-    # --- what reaches the decoder ---
-    carrier: str = "embeds"         # "embeds" | "kv"
-    bridge: str = "none"            # "none" | "linear" | "mlp" | "lsa"
-    lsa_layers: int = 1             # bridge "lsa": decoder blocks copied (GMSA: j = 1 suffices)
-    delimiters: bool = False        # PCC code: [BOS] first, then each chunk's memory between <mem> and </mem>
-    ae_token: str = "learned"       # token after the memory for AE: "learned" [AE] | "bos" | "none"
-    lm_token: str = "learned"       # ... for LM/QA: "learned" [LM] | "bos" | "last" (PIC Eq. 7) | "none"
-    train_specials: bool = True     # learned [AE]/[LM] (<mem>, </mem>) train; PCC code: random, frozen with the decoder
-    template: str = "plain"         # QA prompt around context and question (TEMPLATES; "chat": the model's own)
-    decoder_train: str = "none"     # "none" | "keft" (GMSA stage 2: decoder q/k/v train)
-
-
-# The presets: each is what its paper's code does, at the paper's defaults.
-PRESETS = {
-    # ICAE as the EPL code runs it: LoRA r=128 α=256 on q,v; 102 memory tokens per 510-token chunk, drawn from
-    # N(μ, σ) of the embedding table; the context starts with [BOS]; learned [AE]/[LM]; EPL's QA template.
-    "icae": dict(bos=True, template="epl"),
-    # 500xCompressor as EPL's 500xCompressor branch runs it: as ICAE, but the decoder gets the memory tokens'
-    # per-layer K/V. Learned [AE]/[LM] too: under joint AE+LM pretraining a [BOS] for both would give the decoder
-    # the same prefix for "reconstruct" and "continue". (The original 500x, AE only from [BOS]: train.py's
-    # `ae` recipe for 500x.)
-    "500x": dict(carrier="kv", bos=True, template="epl"),
-    # PCC code (PIC §3.4 follows it): a separate, fully fine-tuned compressor LLM, ordinary causal mask, 256-token
-    # segments with 16 memory slots each (16x, PIC Table 4), memory tokens as new vocabulary rows N(0, 0.02);
-    # decoder input [BOS, <mem> m.. </mem>, ...] with random, frozen <mem>/</mem>/<ae>; RMSNorm -> Linear -> GELU
-    # -> Linear converter; TR after <ae> (PIC Eq. 6), TC after x_k (PIC Eq. 7); its QA prompt.
-    "pcc": dict(encoder="separate", mem=16, chunk_len=256, bridge="mlp", mem_init="hf", delimiters=True,
-                lm_token="last", train_specials=False, template="pcc"),
-    # PIC: PCC with the block-wise causal mask and nothing else changed (PIC §4.3 ablation).
-    "pic": dict(encoder="separate", mem=16, chunk_len=256, bridge="mlp", mem_init="hf", delimiters=True,
-                lm_token="last", train_specials=False, template="pcc", mask="pic"),
-    # CompLLM: LoRA r=32 on the LLM; segments of <= S = 20 tokens; ceil(n/C) EOS embeddings per segment with
-    # C = 2; one linear layer; the question follows the CEs directly, in the model's chat format (§3, §4.1).
-    "compllm": dict(lora_r=32, lora_alpha=64, source="eos", chunking="sentences", chunk_len=20,
-                    ratio=2.0, bridge="linear", ae_token="none", lm_token="none", template="chat"),
-    # GMSA: first k layers + LoRA; mean of groups of r last hidden states, r in {4, 8} per example;
-    # one LSA block initialised from decoder layer 0; reconstruct after [AE] (§3.2-3.4); texts <= 512 tokens.
-    "gmsa": dict(encoder="first_k", lora_r=64, lora_alpha=128, source="group_mean", chunk_len=512,
-                 bridge="lsa", lm_token="none"),
-    # AOC code: the decoder with every MLP replaced by the identity, fully trained, embedding the prompt with the
-    # frozen LLM's table; 16 memory tokens drawn from N(0, 1); K/V carrier as 500x; regenerate from [BOS] (§2).
-    "aoc": dict(encoder="full", mlp="aoc", mem=16, chunk_len=512, carrier="kv", ae_token="bos", lm_token="bos",
-                mem_init="normal"),
-}
-METHODS = tuple(PRESETS)
 
 # QA prompts: (decoder text before the memory, the context as it is compressed, the decoder prompt after the
 # memory and special token). Each piece is tokenised on its own and the ids concatenated, as EPL's code does.
@@ -151,14 +75,164 @@ TEMPLATES = {
 }
 CHAT_MARKERS = {"chatml": "<|im_start|>", "llama3": "<|start_header_id|>", "gemma": "<start_of_turn>"}
 
-_CHOICES = dict(
-    encoder=("lora", "full", "separate", "first_k"), mlp=("swiglu", "aoc", "none"),
-    source=("mem_tokens", "eos", "group_mean"), mem_init=("embed", "normal", "hf"), chunking=("fixed", "sentences"),
-    mask=("causal", "pic"), layout=("dpl", "upl", "epl"), carrier=("embeds", "kv"),
-    bridge=("none", "linear", "mlp", "lsa"), ae_token=("learned", "bos", "none"),
-    lm_token=("learned", "bos", "last", "none"), template=("plain", "pcc", "epl", "chat", *CHAT_MARKERS),
-    decoder_train=("none", "keft"),
-)
+
+def axis(default, help, choices=None, **meta):
+    """A config field that train.py exposes as a flag (--name-with-dashes): its help and choices live here only."""
+    return field(default=default, metadata=dict(help=help, choices=choices, **meta))
+
+
+@dataclass
+class CompressorConfig:
+    method: str = "icae"            # the preset this config started from
+    model: str = "tiny"             # the decoder LLM (HF id, local dir or "tiny")
+    compressor_model: str = ""      # encoder="separate": the compressor LLM ("" = a copy of the decoder)
+    decoder_train: str = "none"     # "none" | "keft" (GMSA stage 2: decoder q/k/v train; train.py --stage)
+    # --- encoder weights ---
+    encoder: str = axis("lora", "encoder weights: LoRA on the decoder (ICAE, 500x, CompLLM; with --mlp aoc or none, "
+                        "on an MLP-free copy: AOC's LoRA-AOC), a trained copy (AOC), a separate LLM (PCC/PIC) or "
+                        "the first k layers with LoRA (GMSA)", ("lora", "full", "separate", "first_k"))
+    mlp: str = axis("swiglu", "encoder blocks: with MLP, AOC Eq. 3, or without the sub-block", ("swiglu", "aoc", "none"))
+    lora_r: int = axis(128, "LoRA rank (EPL 128, CompLLM 32)")
+    lora_alpha: int = axis(256, "LoRA alpha; the update is scaled by alpha / r (EPL 256)")
+    lora_dropout: float = axis(0.0, "dropout on the LoRA branch (PEFT; ICAE, AOC's LoRA baselines: 0.05)")
+    lora_targets: tuple = axis(("q_proj", "v_proj"), "linear layers that get LoRA (EPL: q_proj v_proj; AOC's "
+                               "baselines: q_proj k_proj v_proj o_proj)", item=str, metavar="NAME")
+    enc_layers: int = axis(0, "first_k encoder: layers kept (0 = a quarter of the decoder's; GMSA: 8 of 32)")
+    # --- memory source ---
+    source: str = axis("mem_tokens", "what becomes the memory: learned memory tokens (ICAE, 500x, PCC/PIC, AOC), "
+                       "EOS embeddings (CompLLM), group means (GMSA)", ("mem_tokens", "eos", "group_mean"))
+    mem: int = axis(102, "memory tokens per chunk, a fixed budget (EPL: 102 per 510; AOC: 1, 4 or 16)")
+    ratio: float = axis(0.0, "> 0: memory per chunk = ceil(chunk tokens / R) instead of --mem (PIC 16x, CompLLM "
+                        "C = 2)")
+    ratios: tuple = axis((4, 8), "GMSA group sizes, one sampled per example (GMSA §4.1: 4 8)", item=int, metavar="R")
+    mem_init: str = axis("embed", "how memory and learned special tokens are drawn: N(mean, std) of the embedding "
+                         "table, scalars (EPL code), N(0, 1) (ICAE, 500x, AOC code) or N(0, 0.02) (PCC code: new "
+                         "vocabulary rows)", ("embed", "normal", "hf"))
+    cap_mem: bool = axis(False, "ours: a chunk shorter than --mem gets as many slots as tokens (the papers' code "
+                         "gives it all --mem)")
+    # --- cutting the context ---
+    chunking: str = axis("fixed", "chunks of --chunk-len, or CompLLM's sentence segments of at most --chunk-len "
+                         "tokens", ("fixed", "sentences"))
+    chunk_len: int = axis(510, "context tokens per chunk (EPL: L = 510; CompLLM: segment length S)")
+    bos: bool = axis(False, "the context starts with [BOS] and AE reconstructs [BOS] X [EOS] (ICAE, EPL code)")
+    # --- encoder attention and positions ---
+    mask: str = axis("causal", "encoder mask over [chunk, memory]: ordinary causal, or PIC Eq. 5", ("causal", "pic"))
+    layout: str = axis("dpl", "position layout of memory tokens (EPL §3.2, positions.py); only for methods with "
+                       "memory tokens", ("dpl", "upl", "epl"))
+    # --- what reaches the decoder ---
+    carrier: str = axis("embeds", "final hidden states as input embeddings (ICAE) or per-layer K/V as a cache "
+                        "prefix (500x, AOC)", ("embeds", "kv"))
+    bridge: str = axis("none", "encoder -> decoder map (CompLLM linear, PCC/PIC MLP converter, GMSA LSA)",
+                       ("none", "linear", "mlp", "lsa"))
+    mem_norm: bool = axis(False, "ours, a diagnostic (no paper does it): each memory vector rescaled to the mean norm "
+                          "of the decoder's token embeddings before the decoder reads it (ICAE's final-norm hidden "
+                          "states are ~20x larger on SmolLM2)")
+    lsa_layers: int = axis(1, "LSA bridge: decoder blocks copied (GMSA: j = 1 suffices)")
+    delimiters: bool = axis(False, "PCC code: [BOS] first, then each chunk's memory between <mem> and </mem>")
+    ae_token: str = axis("learned", "after the memory for AE: a learned [AE] (ICAE, EPL), [BOS] (500x, AOC) or "
+                         "nothing", ("learned", "bos", "none"))
+    lm_token: str = axis("learned", "after the memory for LM and QA: a learned [LM] (EPL), [BOS], x_k (PIC Eq. 7) "
+                         "or nothing (CompLLM)", ("learned", "bos", "last", "none"))
+    train_specials: bool = axis(True, "learned [AE]/[LM] and delimiters train (PCC code keeps them random and "
+                                "frozen with the decoder)")
+    template: str = axis("plain", "QA prompt around context and question (TEMPLATES; chat: the model's own)",
+                         ("plain", "pcc", "epl", "chat", *CHAT_MARKERS))
+
+
+FLAG_FIELDS = tuple(f for f in fields(CompressorConfig) if "help" in f.metadata)   # train.py's compressor flags
+CHOICES = {f.name: f.metadata["choices"] for f in FLAG_FIELDS if f.metadata["choices"]}
+CHOICES["decoder_train"] = ("none", "keft")
+
+
+class Preset(NamedTuple):
+    """One method: the compressor settings its paper's code uses, its training recipe (train.py's defaults, any
+    flag overrides them), and the sources both follow.
+    recipe: objective, AdamW lr / betas / weight_decay, schedule after `warmup` steps, batch_size, clip, steps,
+    lengths = (shortest, longest) text |X| in tokens (pretrain compresses the first half, ae all of it), lm_weight
+    (α, EPL / λ, PIC Eq. 8), crop ("window" anywhere in a document, "head" its first tokens). A key named after an
+    objective holds what changes for it (--objective qa: fine-tuning); such a row may also change compressor
+    settings, e.g. the original 500x regenerates from [BOS]. "ours" marks a value the paper and its code do not give."""
+    cite: str
+    settings: dict
+    recipe: dict
+
+
+def derive(base: Preset, cite: str, settings=None, recipe=None) -> Preset:
+    """A preset that is `base` plus a few changes."""
+    return Preset(cite, {**base.settings, **(settings or {})}, {**base.recipe, **(recipe or {})})
+
+
+# EPL App. C, Table 8 and code (ICAE continued pretraining, 1B/3B): AdamW β=(0.9, 0.95), wd 0.1, lr 1e-4 pretrain /
+# 5e-5 fine-tune, constant schedule, warmup 300, batch 16, 20k steps, clip 2.0; |X| ∈ [510, 2040], α = 0.5 (the code
+# averages the two losses 1:1)
+_EPL_RECIPE = dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, schedule="constant", warmup=300,
+                   batch_size=16, clip=2.0, steps=20000, lengths=(510, 2040), lm_weight=0.5, crop="window",
+                   qa=dict(lr=5e-5))
+# ICAE as the EPL code runs it: LoRA r=128 α=256 on q,v; 102 memory tokens per 510-token chunk, drawn from N(μ, σ) of
+# the embedding table; the context starts with [BOS]; learned [AE]/[LM]; EPL's QA template
+ICAE = Preset("ICAE as EPL's code runs it (EPL App. C, Table 8)", dict(bos=True, template="epl"), _EPL_RECIPE)
+# PCC code (PIC §3.4 follows it): a separate, fully fine-tuned compressor LLM, ordinary causal mask, 256-token segments
+# with 16 memory slots each (16x, PIC Table 4), memory tokens as new vocabulary rows N(0, 0.02); decoder input
+# [BOS, <mem> m.. </mem>, ...] with random, frozen <mem>/</mem>/<ae>; RMSNorm -> Linear -> GELU -> Linear converter;
+# TR after <ae> (PIC Eq. 6), TC after x_k (PIC Eq. 7); its QA prompt. Recipe: AdamW β=(0.9, 0.999), wd 0, lr 1e-4
+# (PIC §4.1.2 too), cosine after 300 warmup steps, clip 0.5, batch 256; 256-token texts to compress (|X| = 512:
+# p = 256, then its continuation); QA: lr 5e-5, cosine, warmup 100, batch 128; steps: one epoch in the paper (ours: 20k)
+PCC = Preset("PCC code (PIC §3.4 follows it)",
+             dict(encoder="separate", mem=16, chunk_len=256, bridge="mlp", mem_init="hf", delimiters=True,
+                  lm_token="last", train_specials=False, template="pcc"),
+             dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="cosine", warmup=300,
+                  batch_size=256, clip=0.5, steps=20000, lengths=(512, 512), lm_weight=0.5, crop="window",
+                  qa=dict(lr=5e-5, warmup=100, batch_size=128)))
+
+PRESETS = {
+    "icae": ICAE,
+    # 500xCompressor as EPL's 500xCompressor branch runs it: as ICAE, but the decoder gets the memory tokens'
+    # per-layer K/V; learned [AE]/[LM] too, since under joint AE+LM pretraining a [BOS] for both would give the decoder
+    # one prefix for "reconstruct" and "continue". --objective ae: the original 500xCompressor code
+    # (train_500xCompressor.py): AE only from [BOS], memory tokens N(0, 1), no BOS in the context, LoRA r 64, α 32,
+    # dropout 0.05 (PEFT's default q, v), lr 1e-4, HF Trainer's AdamW (wd 0, clip 1.0), constant after 300 warmup
+    # steps, texts cut to their first 500 tokens
+    "500x": derive(ICAE, "EPL's 500xCompressor branch (EPL App. C); --objective ae: the 500xCompressor code",
+                   settings=dict(carrier="kv"),
+                   recipe=dict(ae=dict(betas=(0.9, 0.999), weight_decay=0.0, clip=1.0, lengths=(500, 500),
+                                       crop="head", ae_token="bos", lm_token="bos", mem_init="normal", bos=False,
+                                       lora_r=64, lora_alpha=32, lora_dropout=0.05, template="plain"))),
+    "pcc": PCC,
+    # PIC: PCC with the block-wise causal mask and nothing else changed (PIC §4.3 ablation)
+    "pic": derive(PCC, "PIC §3.3, Eq. 4-5, on PCC's code", settings=dict(mask="pic")),
+    # CompLLM: LoRA r=32 on the LLM; segments of <= S = 20 tokens; ceil(n/C) EOS embeddings per segment with C = 2;
+    # one linear layer; the question follows the CEs directly, in the model's chat format (§3, §4.1). Recipe (§4.1):
+    # Adam (AdamW, weight decay 0), lr 1e-4, batch 4, "until convergence"; schedule, warmup, clip, steps and the |X|
+    # range for --objective pretrain/ae are ours
+    "compllm": Preset("CompLLM §3, §4.1 (no public code)",
+                      dict(lora_r=32, lora_alpha=64, source="eos", chunking="sentences", chunk_len=20, ratio=2.0,
+                           bridge="linear", ae_token="none", lm_token="none", template="chat"),
+                      dict(objective="distill", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="constant",
+                           warmup=0, batch_size=4, clip=1.0, steps=20000, lengths=(510, 2040), lm_weight=0.5,
+                           crop="window", qa=dict())),
+    # GMSA: first k layers + LoRA; mean of groups of r last hidden states, r in {4, 8} per example; one LSA block
+    # initialised from decoder layer 0; reconstruct after [AE] (§3.2-3.4); texts <= 512 tokens (PwC, §4.1), QA contexts
+    # up to 3072. App. C, Table 3: AdamW, linear schedule, clip 2.0, batch 4 (AE) / 16 (KEFT); 10k AE / 5k KEFT steps.
+    # Its learning rates are not legible in our copy of the paper: 1e-4 (AE) / 1e-5 (KEFT) are ours, as are betas,
+    # weight decay (PyTorch's AdamW defaults), warmup, and the shortest text
+    "gmsa": Preset("GMSA §3.2-3.5, App. C Table 3 (no public code)",
+                   dict(encoder="first_k", lora_r=64, lora_alpha=128, source="group_mean", chunk_len=512,
+                        bridge="lsa", lm_token="none"),
+                   dict(objective="ae", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01, schedule="linear", warmup=300,
+                        batch_size=4, clip=2.0, steps=10000, lengths=(256, 512), lm_weight=0.5, crop="window",
+                        qa=dict(lr=1e-5, batch_size=16, steps=5000, lengths=(256, 3072)))),
+    # AOC code: the decoder with every MLP replaced by the identity, fully trained, embedding the prompt with the frozen
+    # LLM's table; 16 memory tokens drawn from N(0, 1); K/V carrier as 500x; regenerate from [BOS] (§2). Recipe
+    # (pretrain_and_eval.py, HF Trainer defaults): AdamW β=(0.9, 0.999), wd 0, 300 warmup steps to lr 2e-4 (the paper;
+    # the code's default is 5e-4), then constant; clip 1.0; batch 16; one model per prompt length n: every text is the
+    # first n tokens of a document (head crop), n = 96 in the code; 300k abstracts at batch 16 = 18,750 steps
+    "aoc": Preset("AOC §2 and its code (pretrain_and_eval.py)",
+                  dict(encoder="full", mlp="aoc", mem=16, chunk_len=512, carrier="kv", ae_token="bos", lm_token="bos",
+                       mem_init="normal"),
+                  dict(objective="ae", lr=2e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="constant", warmup=300,
+                       batch_size=16, clip=1.0, steps=18750, lengths=(96, 96), lm_weight=0.5, crop="head", qa=dict())),
+}
+METHODS = tuple(PRESETS)
 
 
 def make_config(method: str, **overrides) -> CompressorConfig:
@@ -170,7 +244,7 @@ def make_config(method: str, **overrides) -> CompressorConfig:
     for k in overrides:
         if k not in known:
             raise ValueError(f"unknown compressor setting '{k}': known settings are {', '.join(sorted(known))}")
-    settings = {**PRESETS[method], **overrides}
+    settings = {**PRESETS[method].settings, **overrides}
     # a fixed --mem replaces a preset's compression ratio unless a ratio is asked for too
     if "mem" in overrides and "ratio" not in overrides:
         settings["ratio"] = 0.0
@@ -189,7 +263,7 @@ def make_config(method: str, **overrides) -> CompressorConfig:
 
 def validate(cfg: CompressorConfig):
     """One-line errors for settings no method can run with."""
-    for name, options in _CHOICES.items():
+    for name, options in CHOICES.items():
         if getattr(cfg, name) not in options:
             raise ValueError(f"unknown {name} '{getattr(cfg, name)}': choose one of {', '.join(options)}")
     if cfg.source == "group_mean":
@@ -221,6 +295,8 @@ def validate(cfg: CompressorConfig):
     if cfg.carrier == "kv" and cfg.ae_token == "none":
         raise ValueError("carrier kv with --ae-token none leaves nothing after the memory to predict the text's first "
                          "token from: use --ae-token bos or learned")
+    if cfg.carrier == "kv" and cfg.mem_norm:
+        raise ValueError("--mem-norm rescales memory embeddings: the kv carrier has none (use --carrier embeds)")
     if cfg.carrier == "kv" and cfg.delimiters:
         raise ValueError("delimiters surround memory embeddings in the decoder input: they need --carrier embeds")
     if cfg.encoder in ("lora", "first_k") and cfg.lora_r < 1:
@@ -249,10 +325,234 @@ class Memory:
                        kv=None if self.kv is None else [(mix(k0, k1), mix(v0, v1))
                                                         for (k0, v0), (k1, v1) in zip(self.kv, other.kv)])
 
-    def num_bytes(self) -> int:
-        """Bytes the decoder holds for this memory (for the KV carrier: its cache)."""
-        tensors = [self.embeds] if self.embeds is not None else [t for kv in self.kv for t in kv]
-        return sum(t.numel() * t.element_size() for t in tensors)
+
+class Chunk(NamedTuple):
+    """One chunk of one context: one row of the encoder batch."""
+    sample: int     # which context of the batch
+    index: int      # which chunk of that context
+    ids: list       # its encoder token ids
+    slots: int      # the memory slots it compresses into
+    start: int      # where it starts in its context
+
+
+# The two carriers (EPL §3: ICAE's and 500xCompressor's), picked once when the compressor is built. Each says how
+# the memory slots are read off the encoder's output, stacked into a batch, and handed to the decoder.
+
+class Embeds:
+    """ICAE §3.1: the encoder's final hidden states at the memory slots (its final norm applied), through the bridge,
+    become input embeddings of the decoder; PCC code: each chunk's between <mem> and </mem>."""
+    kv = False
+
+    @staticmethod
+    def slots(out, flat, R, T):           # (R, T, d_enc) -> the slots (S, d_enc)
+        return out.last_hidden.reshape(R * T, -1)[flat]
+
+    @staticmethod
+    def cut(slots, part):                 # one chunk's share of the slots
+        return slots[part]
+
+    @staticmethod
+    def stack(comp, parts, pad_to, valid):   # per sample, per chunk (m, d_enc) -> embeds (B, M, d_dec)
+        h = torch.stack([pad_to(torch.cat(sample)) for sample in parts])
+        return dict(embeds=comp.to_decoder(h, valid), kv=None)
+
+    @staticmethod
+    def inputs(comp, memory, b):          # sample b's memory as decoder input rows, chunk after chunk
+        counts = memory.mem_counts[b]
+        blocks = torch.split(memory.embeds[b, :sum(counts)], counts)
+        if not comp.cfg.delimiters:
+            return list(blocks)
+        dt = comp.decoder.model.embed_tokens.weight.dtype   # PCC code: <mem> m_1 .. m_k </mem> per segment
+        return sum(([comp.mem_open[None].to(dt), block, comp.mem_close[None].to(dt)] for block in blocks), [])
+
+    @staticmethod
+    def cache(memory):                    # no KV-cache prefix
+        return None, 0
+
+
+class KV:
+    """500xCompressor / AOC: every encoder layer's K/V at the memory slots becomes a KV-cache prefix of the decoder,
+    its keys keeping the encoder's RoPE positions; nothing of the memory is in the decoder's input."""
+    kv = True
+
+    @staticmethod
+    def slots(out, flat, R, T):           # per layer (R, Hkv, T, D) -> (R*T, Hkv, D) -> the slots (S, Hkv, D)
+        return [tuple(t.transpose(1, 2).reshape(R * T, t.shape[1], t.shape[3])[flat] for t in kv) for kv in out.kv]
+
+    @staticmethod
+    def cut(slots, part):
+        return [(k[part], v[part]) for k, v in slots]
+
+    @staticmethod
+    def stack(comp, parts, pad_to, valid):   # -> per layer (k, v), each (B, Hkv, M, D)
+        kv = []
+        for layer in range(len(parts[0][0])):
+            k, v = ([pad_to(torch.cat([chunk[layer][t] for chunk in sample])) for sample in parts] for t in (0, 1))
+            kv.append((torch.stack(k).transpose(1, 2), torch.stack(v).transpose(1, 2)))
+        return dict(embeds=None, kv=kv)
+
+    @staticmethod
+    def inputs(comp, memory, b):
+        return []
+
+    @staticmethod
+    def cache(memory):
+        return memory.kv, memory.valid.shape[1]
+
+
+CARRIERS = {"embeds": Embeds, "kv": KV}
+
+
+# -----------------------------------------------------------------------------
+# building a compressor's parts (each axis chosen once, here)
+
+# what an encoder or LSA copy takes from the decoder instead of copying (model.copy_model)
+SHARED = ("model.embed_tokens", "lm_head")
+
+
+def draw(mem_init: str, n: int, model: Transformer) -> torch.Tensor:
+    """n vectors of `model`'s width, drawn as mem_init says, on its device and in its dtype."""
+    w = model.model.embed_tokens.weight
+    x = torch.randn(n, w.shape[1], device=w.device)
+    if mem_init == "embed":    # EPL code: normal_(mean=embed.mean(), std=embed.std()), scalars
+        x = x * w.float().std() + w.float().mean()
+    elif mem_init == "hf":     # PCC code: resize_token_embeddings' init, N(0, initializer_range)
+        x = x * 0.02
+    return x.to(w.dtype)       # "normal": AOC/500x torch.randn, ICAE nn.Embedding default N(0, 1)
+
+
+def train_own_weights(model: Transformer, decoder: Transformer):
+    """Every weight of a copy trains, except what it shares with the frozen decoder (its embedding)."""
+    frozen = {id(p) for p in decoder.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(id(p) not in frozen)
+
+
+def build_encoder(cfg: CompressorConfig, decoder: Transformer, encoder: Transformer | None) -> Transformer:
+    lora = dict(targets=cfg.lora_targets, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
+    if cfg.encoder == "lora" and cfg.mlp == "swiglu":
+        # ICAE / 500x / CompLLM: the encoder *is* the decoder plus LoRA; decoding runs with the LoRA
+        # switched off, so the decoder stays exactly the frozen LLM
+        add_lora(decoder, **lora)
+        return decoder
+    if cfg.encoder in ("lora", "first_k"):
+        # GMSA §3.2: the first k layers of the LLM with LoRA; AOC code's LoRA-AOC: every layer, MLP-free, LoRA
+        # on it (its norms stay frozen). A copy, embedding with the decoder's own table.
+        L = decoder.config.num_hidden_layers
+        k = L if cfg.encoder == "lora" else (cfg.enc_layers or max(1, L // 4))
+        if not 1 <= k <= L:
+            raise ValueError(f"--enc-layers {k} must be in 1..{L}")
+        enc = copy_model(decoder, share=SHARED, num_hidden_layers=k, mlp=cfg.mlp)
+        add_lora(enc, **lora)   # freezes everything of enc but the LoRA matrices
+    elif cfg.encoder == "full":
+        # AOC code: a copy of the decoder (minus the MLPs with mlp="aoc"), every weight trained, the prompt
+        # embedded with the frozen LLM's own table (`self.llm.get_input_embeddings()`): the copy shares it
+        enc = copy_model(decoder, share=SHARED, mlp=cfg.mlp)
+        train_own_weights(enc, decoder)
+    else:
+        # PCC / PIC: a separate compressor LLM, fully fine-tuned (its own vocabulary, embeddings included)
+        enc = encoder if encoder is not None else copy_model(decoder)
+        if cfg.mlp != enc.config.mlp:
+            enc = copy_model(enc, mlp=cfg.mlp)
+        enc.requires_grad_(True)
+    if cfg.carrier == "kv":
+        d, e = decoder.config, enc.config
+        if (d.num_hidden_layers, d.num_key_value_heads, d.head_dim) != \
+                (e.num_hidden_layers, e.num_key_value_heads, e.head_dim):
+            raise ValueError("carrier kv needs an encoder with the decoder's layers, KV heads and head_dim "
+                             "(not a first_k encoder with fewer layers)")
+    return enc
+
+
+def build_bridge(comp, cfg: CompressorConfig, decoder: Transformer, d_enc: int):
+    """The map from the encoder's output space to the decoder's input space: registers its weights on `comp`
+    (as `bridge` or `lsa`) and returns the function (h (B, M, d_enc), valid (B, M) on the host) -> (B, M, d_dec)."""
+    d_dec, w = decoder.config.hidden_size, decoder.model.embed_tokens.weight
+    if cfg.bridge == "none":
+        if cfg.carrier == "embeds" and d_enc != d_dec:
+            raise ValueError(f"the encoder is {d_enc} wide and the decoder {d_dec}: use --bridge mlp or linear")
+        return lambda h, valid: h
+    if cfg.bridge == "linear":
+        # CompLLM §3: "one linear layer" on the CE outputs; identity init (ours) starts from ICAE
+        comp.bridge = nn.Linear(d_enc, d_dec, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            comp.bridge.weight.copy_(torch.eye(d_dec, d_enc))
+            comp.bridge.bias.zero_()
+        return lambda h, valid: comp.bridge(h)
+    if cfg.bridge == "mlp":
+        # PCC code's converter: RMSNorm (weight 1, eps 1e-6) -> Linear -> GELU (exact) -> Linear, PyTorch init
+        comp.bridge = nn.Sequential(RMSNorm(d_enc, 1e-6), nn.Linear(d_enc, d_dec), nn.GELU(),
+                                    nn.Linear(d_dec, d_dec)).to(w.device, w.dtype)
+        return lambda h, valid: comp.bridge(h)
+    # GMSA §3.3, Eq. (3): j Transformer blocks initialised from the decoder's first j layers, fully trained, an
+    # independent copy (training them never touches the decoder). It borrows the decoder's embedding, final norm and
+    # lm_head, which it never uses (the decoder's layer 0 reads the LSA's raw residual stream)
+    if d_enc != d_dec:
+        raise ValueError(f"LSA blocks are decoder layers ({d_dec} wide) and the encoder is {d_enc} wide")
+    comp.lsa = copy_model(decoder, share=SHARED + ("model.norm",), num_hidden_layers=cfg.lsa_layers)
+    train_own_weights(comp.lsa, decoder)
+
+    def lsa(h, valid):   # causal over the summary vectors, positions 0..M-1; the output residual stream, no norm
+        attn = masks.with_padding(masks.causal(h.shape[1]), valid).to(h.device)
+        out = comp.lsa(inputs_embeds=h, attn_mask=attn, output_hidden_states=True, compute_logits=False)
+        return out.hidden_states[-1]
+    return lsa
+
+
+def rescaled(to_decoder, table: torch.Tensor):
+    """to_decoder, then each memory vector scaled to the mean L2 norm of the (frozen) token embedding table."""
+    target = table.detach().float().norm(dim=-1).mean().item()
+
+    def to_decoder_rescaled(h, valid):
+        m = to_decoder(h, valid)
+        return m * (target / m.float().norm(dim=-1, keepdim=True).clamp_min(1e-6)).to(m.dtype)
+    return to_decoder_rescaled
+
+
+def special_token(cfg: CompressorConfig, task: str) -> str:
+    """The token after the memory: ae_token for AE, lm_token for LM and QA."""
+    kind = cfg.ae_token if task == "ae" else cfg.lm_token
+    if kind == "last" and task == "qa":
+        return "none"   # PIC Eq. (7)'s x_k is for completion; a question follows the memory directly
+    return kind
+
+
+def special_vector(comp, task: str):
+    """What stands after the memory for `task`, as a function (sample b, last_tokens) -> (d,), or None for nothing:
+    a learned [AE] / [LM] (ICAE, EPL), [BOS]'s embedding (500x, AOC), or x_k's, the context's last token (PIC Eq. 7)."""
+    table = comp.decoder.model.embed_tokens.weight
+    return {"none": None,
+            "learned": lambda b, last: comp.ae_embed if task == "ae" else comp.lm_embed,
+            "bos": lambda b, last: table[comp.tok.start_id],
+            "last": lambda b, last: table[last[b]]}[special_token(comp.cfg, task)]
+
+
+def sentence_segments(ids: list, S: int, ends_sentence) -> list:
+    """CompLLM §4.1: sentences, then long sentences split again so every segment has <= S tokens. The paper uses
+    NLTK's Punkt; we cut after any token that ends_sentence(token id) says ends one (no runtime dependency), then
+    split a sentence of n > S tokens into ceil(n/S) near-equal parts."""
+    segments, start = [], 0
+    for i, t in enumerate(ids):
+        if ends_sentence(t) or i == len(ids) - 1:
+            sentence = ids[start:i + 1]
+            parts = math.ceil(len(sentence) / S)
+            bounds = [round(j * len(sentence) / parts) for j in range(parts + 1)]
+            segments += [sentence[a:b] for a, b in zip(bounds, bounds[1:])]
+            start = i + 1
+    return segments
+
+
+def saved(cfg: CompressorConfig, name: str) -> bool:
+    """Whether a checkpoint holds the tensor `name`: exactly what is not rebuilt from the base model(s), i.e.
+    everything of the compressor's own (memory and special tokens, bridge, LSA blocks, a fully trained encoder),
+    the LoRA matrices of a LoRA'd encoder (its base weights are the LLM's), and the decoder's q/k/v after KEFT.
+    Tensors an encoder or LSA copy shares with the decoder (its embedding) carry decoder.* names, not saved."""
+    if name.startswith("decoder."):
+        return "lora_" in name or (cfg.decoder_train == "keft" and
+                                   any(f"self_attn.{m}." in name for m in ("q_proj", "k_proj", "v_proj")))
+    if name.startswith("encoder.") and cfg.encoder in ("lora", "first_k"):
+        return "lora_" in name
+    return True
 
 
 # -----------------------------------------------------------------------------
@@ -274,113 +574,43 @@ class Compressor(nn.Module):
         self.tok, self.enc_tok = tok, enc_tok or tok
         decoder.requires_grad_(False)   # the decoder is frozen in every method (KEFT unfreezes q/k/v later)
         self.decoder = decoder          # registered first: tensors an encoder shares with it are named decoder.*
-        self.encoder = self._build_encoder(decoder, encoder)
-        d_enc, d_dec = self.encoder.config.hidden_size, decoder.config.hidden_size
-        dev = decoder.model.embed_tokens.weight.device
-
+        self.encoder = build_encoder(cfg, decoder, encoder)
         # memory source: learned memory tokens, shared by every chunk (ICAE §3.1; AOC Eq. 2 "Y_m")
+        self.mem_tokens = None
         if cfg.source == "mem_tokens":
             n_mem = cfg.mem if cfg.ratio <= 0 else cfg.chunk_len   # ratio mode: at most one per token
-            self.mem_tokens = nn.Parameter(self._draw(n_mem, self.encoder))
-
-        # bridge from the encoder's output space to the decoder's input space
-        if cfg.bridge == "none" and cfg.carrier == "embeds" and d_enc != d_dec:
-            raise ValueError(f"the encoder is {d_enc} wide and the decoder {d_dec}: use --bridge mlp or linear")
-        dt = decoder.model.embed_tokens.weight.dtype
-        if cfg.bridge == "linear":
-            # CompLLM §3: "one linear layer" on the CE outputs; identity init (ours) starts from ICAE
-            self.bridge = nn.Linear(d_enc, d_dec, device=dev, dtype=dt)
-            with torch.no_grad():
-                self.bridge.weight.copy_(torch.eye(d_dec, d_enc))
-                self.bridge.bias.zero_()
-        elif cfg.bridge == "mlp":
-            # PCC code's converter: RMSNorm (weight 1, eps 1e-6) -> Linear -> GELU (exact) -> Linear, PyTorch init
-            self.bridge = nn.Sequential(RMSNorm(d_enc, 1e-6), nn.Linear(d_enc, d_dec), nn.GELU(),
-                                        nn.Linear(d_dec, d_dec)).to(dev, dt)
-        elif cfg.bridge == "lsa":
-            # GMSA §3.3, Eq. (3): j Transformer blocks initialised from the decoder's first j layers, fully trained,
-            # an independent copy (training them never touches the decoder). It borrows the decoder's embedding,
-            # final norm and lm_head, which it never uses (the decoder's layer 0 reads the LSA's raw residual
-            # stream), instead of carrying copies of its own
-            if d_enc != d_dec:
-                raise ValueError(f"LSA blocks are decoder layers ({d_dec} wide) and the encoder is {d_enc} wide")
-            self.lsa = copy_model(decoder, share=SHARED + ("model.norm",), num_hidden_layers=cfg.lsa_layers)
-            self._train_own_weights(self.lsa)
-
+            self.mem_tokens = nn.Parameter(draw(cfg.mem_init, n_mem, self.encoder))
+        # the id in each memory slot of the encoder input: CompLLM §3's EOS, else padding that the memory tokens
+        # replace (learned memory tokens are embeddings, not vocabulary)
+        pad = self.enc_tok.pad_id if self.enc_tok.pad_id is not None else 0
+        self.slot_id = self.enc_tok.eos_id if cfg.source == "eos" else pad
+        self.to_decoder = build_bridge(self, cfg, decoder, self.encoder.config.hidden_size)
+        if cfg.mem_norm:   # ours (diagnostic): the memory at the scale of the decoder's own token embeddings
+            self.to_decoder = rescaled(self.to_decoder, decoder.model.embed_tokens.weight)
+        self.carrier = CARRIERS[cfg.carrier]
         # decoder-side special tokens, drawn like the memory tokens (EPL code: N(μ, σ) of the embedding table;
         # ICAE: N(0, 1); PCC: N(0, 0.02), frozen with the decoder)
         specials = [("ae_embed", cfg.ae_token == "learned"), ("lm_embed", cfg.lm_token == "learned"),
                     ("mem_open", cfg.delimiters), ("mem_close", cfg.delimiters)]
         for name, wanted in specials:
             if wanted:
-                setattr(self, name, nn.Parameter(self._draw(1, decoder)[0], requires_grad=cfg.train_specials))
+                setattr(self, name, nn.Parameter(draw(cfg.mem_init, 1, decoder)[0], requires_grad=cfg.train_specials))
+        self.special = {task: special_vector(self, task) for task in ("ae", "lm", "qa")}
+        self.encoder_mask = masks.pic if cfg.mask == "pic" else masks.full_causal   # PIC Eq. (5) or causal
+        self.span = None if cfg.cap_mem else cfg.chunk_len   # EPL code: UPL over the nominal chunk even when short
+        # the ids before every context (ICAE / EPL code: [BOS], the first token of chunk 0) and before every decoder
+        # input (PCC code: [BOS], then the memory between its delimiters)
+        self.context_start = [self.enc_tok.start_id] if cfg.bos else []
+        self.decoder_start = [self.tok.start_id] if cfg.delimiters else []
         self._sentence_end = {}   # token id -> ends a sentence? (CompLLM segmentation cache)
         if cfg.decoder_train == "keft":
             self.set_stage("keft")
-
-    # ---- construction helpers ----
-
-    def _draw(self, n: int, model: Transformer) -> torch.Tensor:
-        """n vectors of `model`'s width, drawn as cfg.mem_init says, on its device and in its dtype."""
-        w = model.model.embed_tokens.weight
-        x = torch.randn(n, w.shape[1], device=w.device)
-        if self.cfg.mem_init == "embed":    # EPL code: normal_(mean=embed.mean(), std=embed.std()), scalars
-            x = x * w.float().std() + w.float().mean()
-        elif self.cfg.mem_init == "hf":     # PCC code: resize_token_embeddings' init, N(0, initializer_range)
-            x = x * 0.02
-        return x.to(w.dtype)                # "normal": AOC/500x torch.randn, ICAE nn.Embedding default N(0, 1)
-
-    def _train_own_weights(self, model: Transformer):
-        """Every weight of a copy trains, except what it shares with the frozen decoder (its embedding)."""
-        frozen = {id(p) for p in self.decoder.parameters()}
-        for p in model.parameters():
-            p.requires_grad_(id(p) not in frozen)
-
-    def _build_encoder(self, decoder: Transformer, encoder: Transformer | None) -> Transformer:
-        cfg = self.cfg
-        lora = dict(targets=cfg.lora_targets, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
-        if cfg.encoder == "lora" and cfg.mlp == "swiglu":
-            # ICAE / 500x / CompLLM: the encoder *is* the decoder plus LoRA; decoding runs with the LoRA
-            # switched off, so the decoder stays exactly the frozen LLM
-            add_lora(decoder, **lora)
-            return decoder
-        if cfg.encoder in ("lora", "first_k"):
-            # GMSA §3.2: the first k layers of the LLM with LoRA; AOC code's LoRA-AOC: every layer, MLP-free, LoRA
-            # on it (its norms stay frozen). A copy, embedding with the decoder's own table.
-            L = decoder.config.num_hidden_layers
-            k = L if cfg.encoder == "lora" else (cfg.enc_layers or max(1, L // 4))
-            if not 1 <= k <= L:
-                raise ValueError(f"--enc-layers {k} must be in 1..{L}")
-            enc = copy_model(decoder, share=SHARED, num_hidden_layers=k, mlp=cfg.mlp)
-            add_lora(enc, **lora)   # freezes everything of enc but the LoRA matrices
-        elif cfg.encoder == "full":
-            # AOC code: a copy of the decoder (minus the MLPs with mlp="aoc"), every weight trained, the prompt
-            # embedded with the frozen LLM's own table (`self.llm.get_input_embeddings()`): the copy shares it
-            enc = copy_model(decoder, share=SHARED, mlp=cfg.mlp)
-            self._train_own_weights(enc)
-        else:
-            # PCC / PIC: a separate compressor LLM, fully fine-tuned (its own vocabulary, embeddings included)
-            enc = encoder if encoder is not None else copy_model(decoder)
-            if cfg.mlp != enc.config.mlp:
-                enc = copy_model(enc, mlp=cfg.mlp)
-            enc.requires_grad_(True)
-        if cfg.carrier == "kv":
-            d, e = decoder.config, enc.config
-            if (d.num_hidden_layers, d.num_key_value_heads, d.head_dim) != \
-                    (e.num_hidden_layers, e.num_key_value_heads, e.head_dim):
-                raise ValueError("carrier kv needs an encoder with the decoder's layers, KV heads and head_dim "
-                                 "(not a first_k encoder with fewer layers)")
-        return enc
 
     def encoder_ids(self, ids: list) -> list:
         """Decoder token ids -> the encoder's ids for the same text: the same list when both read one
         tokenizer, else decoded and re-encoded (a separate compressor LLM, e.g. PCC/PIC with Qwen2.5
         compressing for Llama 3)."""
         return list(ids) if self.enc_tok is self.tok else self.enc_tok.encode(self.tok.decode(ids))
-
-    def _bos_id(self, tok=None) -> int:
-        tok = tok or self.tok
-        return tok.bos_id if tok.bos_id is not None else tok.eos_id
 
     @property
     def shares_decoder(self) -> bool:
@@ -389,10 +619,6 @@ class Compressor(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.decoder.model.embed_tokens.weight.device
-
-    def encoding(self):
-        """Context for running the encoder (LoRA on)."""
-        return nullcontext()
 
     def decoding(self):
         """Context for running the decoder: the frozen LLM, so a shared encoder's LoRA is switched off."""
@@ -415,7 +641,7 @@ class Compressor(nn.Module):
     def ae_target(self, ids: list) -> list:
         """What AE reconstructs from the memory of `ids`: [BOS] x [EOS] when the context starts with [BOS]
         (ICAE and EPL code: the target is the compressed input plus EOS), else x [EOS] (500x, AOC, PCC code)."""
-        return ([self._bos_id()] if self.cfg.bos else []) + list(ids) + [self.tok.eos_id]
+        return ([self.tok.start_id] if self.cfg.bos else []) + list(ids) + [self.tok.eos_id]
 
     def template(self) -> tuple:
         """(before the memory, the context as compressed, the prompt after it), "chat" resolved by marker tokens."""
@@ -449,24 +675,12 @@ class Compressor(nn.Module):
         L = self.cfg.chunk_len
         if self.cfg.chunking == "fixed":
             return [ids[s:s + L] for s in range(0, len(ids), L)]
-        return self.sentence_segments(ids)
+        return sentence_segments(ids, self.cfg.chunk_len, self._ends_sentence)
 
-    def sentence_segments(self, ids: list) -> list:
-        """CompLLM §4.1: sentences, then long sentences split again so every segment has <= S tokens.
-        The paper uses NLTK's Punkt; we cut after any token whose text ends with . ! ? or a newline
-        (no runtime dependency), then split a sentence of n > S tokens into ceil(n/S) near-equal parts."""
-        S, segments, start = self.cfg.chunk_len, [], 0
-        for i, t in enumerate(ids):
-            if t not in self._sentence_end:
-                text = self.enc_tok.decode([t]).rstrip(" ")
-                self._sentence_end[t] = text.endswith((".", "!", "?", "\n"))
-            if self._sentence_end[t] or i == len(ids) - 1:
-                sentence = ids[start:i + 1]
-                parts = math.ceil(len(sentence) / S)
-                bounds = [round(j * len(sentence) / parts) for j in range(parts + 1)]
-                segments += [sentence[a:b] for a, b in zip(bounds, bounds[1:])]
-                start = i + 1
-        return segments
+    def _ends_sentence(self, t: int) -> bool:
+        if t not in self._sentence_end:   # cut after any token whose text ends with . ! ? or a newline
+            self._sentence_end[t] = self.enc_tok.decode([t]).rstrip(" ").endswith((".", "!", "?", "\n"))
+        return self._sentence_end[t]
 
     def num_mem(self, n: int) -> int:
         """Memory slots for a chunk of n tokens: ceil(n / ratio) (CompLLM's ceil(n/C)), or the fixed --mem budget,
@@ -474,6 +688,16 @@ class Compressor(nn.Module):
         if self.cfg.ratio > 0:
             return math.ceil(n / self.cfg.ratio)
         return min(self.cfg.mem, n) if self.cfg.cap_mem else self.cfg.mem
+
+    def _chunk_rows(self, contexts: list, n_slots) -> list:
+        """Every chunk of every context, in order, as one encoder row (a Chunk), its slots n_slots(sample, length)."""
+        rows = []
+        for b, ids in enumerate(contexts):
+            start = 0
+            for i, chunk in enumerate(self.chunks(list(ids))):
+                rows.append(Chunk(b, i, chunk, n_slots(b, len(chunk)), start))
+                start += len(chunk)
+        return rows
 
     # ---- compression ----
 
@@ -485,164 +709,96 @@ class Compressor(nn.Module):
         shared by several queries is compressed once). For evaluation; gradients do not flow through it."""
         if any(len(c) == 0 for c in contexts):
             raise ValueError("cannot compress an empty context")
-        if self.cfg.bos:   # ICAE / EPL code: context = [BOS] + x (BOS is the first token of chunk 0)
-            contexts = [[self._bos_id(self.enc_tok)] + list(c) for c in contexts]
+        contexts = [self.context_start + list(c) for c in contexts]
         if self.cfg.source == "group_mean":
             return self._compress_merge(contexts, rates)
-        return self._compress_mem(contexts, cache)
-
-    def _compress_mem(self, contexts: list, cache: dict | None) -> Memory:
-        cfg, enc, dev = self.cfg, self.encoder, self.device
-        rows = self._chunk_rows(contexts, lambda b, n: self.num_mem(n))   # (sample, chunk, ids, slots, start)
-        span = None if cfg.cap_mem else cfg.chunk_len   # EPL code: UPL over the nominal chunk even when short
-        keys = [self._cache_key(chunk, m, start) for _, _, chunk, m, start in rows] if cache is not None else None
+        rows = self._chunk_rows(contexts, lambda b, n: self.num_mem(n))
+        keys = [self._cache_key(row) for row in rows] if cache is not None else None
         todo = [r for r in range(len(rows)) if cache is None or keys[r] not in cache]
+        new = self._encode([rows[r] for r in todo]) if todo else []
+        if cache is not None:
+            cache.update({keys[r]: part for r, part in zip(todo, new)})
+        parts = [cache[key] for key in keys] if cache is not None else new
+        return self._gather(rows, parts, self.carrier)
 
-        # 1. every chunk not cached is one row of the encoder batch: [chunk (n), memory (m), pad]
-        out = None
-        if todo:
-            R, T = len(todo), max(len(rows[r][2]) + rows[r][3] for r in todo)
-            pad = self.enc_tok.pad_id if self.enc_tok.pad_id is not None else 0
-            ids, pos = [[pad] * T for _ in range(R)], [[0] * T for _ in range(R)]
-            slot, row_masks = [[0] * T for _ in range(R)], []
-            for j, r in enumerate(todo):
-                _, i, chunk, m, start = rows[r]
-                n = len(chunk)
-                ids[j][:n] = chunk
-                if cfg.source == "eos":
-                    ids[j][n:n + m] = [self.enc_tok.eos_id] * m     # CompLLM §3: ceil(n/C) EOS embeddings
-                ctx_pos, mem_pos = positions.encoder_positions(cfg.layout, i, n, m, offset=start,
-                                                               span=span and max(span, n))
-                pos[j][:n + m] = ctx_pos.tolist() + mem_pos.tolist()
-                slot[j][n:n + m] = range(1, m + 1)                   # 1 + memory slot index; 0 = not a memory slot
-                # PIC Eq. (5) or the ordinary causal mask over [chunk, memory]
-                row_masks.append(masks.pic(n, m) if cfg.mask == "pic" else masks.full_causal(n, m))
-            ids, pos = torch.tensor(ids, device=dev), torch.tensor(pos, device=dev)
-            attn = masks.stack_padded(row_masks, T).to(dev)          # (R, T, T); padding sees only itself
-            x = enc.model.embed_tokens(ids)                          # (R, T, d_enc)
-            if cfg.source == "mem_tokens":
-                slot = torch.tensor(slot, device=dev)
-                is_mem = (slot > 0)[..., None]
-                x = torch.where(is_mem, self.mem_tokens[(slot - 1).clamp(min=0)].to(x.dtype), x)
-            with self.encoding():
-                out = enc(inputs_embeds=x, position_ids=pos, attn_mask=attn, return_kv=cfg.carrier == "kv",
-                          compute_logits=False)
-            # the memory slots of each encoded row: flat indices into (R*T)
-            where = {r: [j * T + len(rows[r][2]) + s for s in range(rows[r][3])] for j, r in enumerate(todo)}
-            flat = torch.tensor(sum(where.values(), []), device=dev)
-            if cfg.carrier == "kv":   # (R, Hkv, T, D) -> (R*T, Hkv, D) -> the slots (S, Hkv, D)
-                fresh = [tuple(t.transpose(1, 2).reshape(R * T, t.shape[1], t.shape[3])[flat] for t in kv)
-                         for kv in out.kv]
-            else:                     # (R, T, d_enc) -> the slots (S, d_enc), final norm applied (ICAE)
-                fresh = out.last_hidden.reshape(R * T, -1)[flat]
-            enc_pos = pos.reshape(-1)[flat]
-            new = self._split_rows(todo, [rows[r][3] for r in todo], fresh, enc_pos)
-            if cache is not None:
-                cache.update({keys[r]: new[r] for r in todo})
-        parts = {r: (cache[keys[r]] if cache is not None and r not in todo else new[r]) for r in range(len(rows))}
+    def _encode(self, rows: list) -> list:
+        """One encoder forward over the chunk rows [chunk (n), memory (m), pad]; per row, its memory slots and
+        their encoder positions: (slots, positions)."""
+        cfg, dev, pad = self.cfg, self.device, self.enc_tok.pad_id if self.enc_tok.pad_id is not None else 0
+        R, T = len(rows), max(len(row.ids) + row.slots for row in rows)
+        ids, pos = [[pad] * T for _ in range(R)], [[0] * T for _ in range(R)]
+        slot, row_masks = [[0] * T for _ in range(R)], []
+        for j, (_, i, chunk, m, start) in enumerate(rows):
+            n = len(chunk)
+            ids[j][:n + m] = chunk + [self.slot_id] * m              # CompLLM §3: ceil(n/C) EOS embeddings
+            ctx_pos, mem_pos = positions.encoder_positions(cfg.layout, i, n, m, offset=start,
+                                                           span=self.span and max(self.span, n))
+            pos[j][:n + m] = ctx_pos.tolist() + mem_pos.tolist()
+            slot[j][n:n + m] = range(1, m + 1)                       # 1 + memory slot index; 0 = not a memory slot
+            row_masks.append(self.encoder_mask(n, m))                 # over [chunk, memory]
+        ids, pos = torch.tensor(ids, device=dev), torch.tensor(pos, device=dev)
+        attn = masks.stack_padded(row_masks, T).to(dev)              # (R, T, T); padding sees only itself
+        x = self.encoder.model.embed_tokens(ids)                     # (R, T, d_enc)
+        if self.mem_tokens is not None:                              # learned memory tokens in their slots
+            slot = torch.tensor(slot, device=dev)
+            x = torch.where((slot > 0)[..., None], self.mem_tokens[(slot - 1).clamp(min=0)].to(x.dtype), x)
+        out = self.encoder(inputs_embeds=x, position_ids=pos, attn_mask=attn, return_kv=self.carrier.kv,
+                           compute_logits=False)
+        # the memory slots of each row: flat indices into (R*T)
+        flat = torch.tensor([j * T + len(row.ids) + s for j, row in enumerate(rows) for s in range(row.slots)],
+                            device=dev)
+        slots, enc_pos = self.carrier.slots(out, flat, R, T), pos.reshape(-1)[flat]
+        ends = torch.tensor([0] + [row.slots for row in rows]).cumsum(0).tolist()
+        return [(self.carrier.cut(slots, slice(a, b)), enc_pos[a:b]) for a, b in zip(ends, ends[1:])]
 
-        # 2. each sample's slots, chunk after chunk, right-padded to [B, M]
-        B = len(contexts)
-        chunk_lens, counts = [[] for _ in range(B)], [[] for _ in range(B)]
-        for b, _, chunk, m, _ in rows:
-            chunk_lens[b].append(len(chunk))
-            counts[b].append(m)
-        per_sample = [[parts[r] for r in range(len(rows)) if rows[r][0] == b] for b in range(B)]
-        M = max(sum(c) for c in counts)
-        host_valid = torch.tensor([[j < sum(c) for j in range(M)] for c in counts])
-        valid = host_valid.to(dev)
-        pad_to = lambda t: F.pad(t, (0, 0) * (t.dim() - 1) + (0, M - t.shape[0]))   # pad dim 0 to M
-        enc_pos = torch.stack([pad_to(torch.cat([p["pos"] for p in s])) for s in per_sample])
-        if cfg.carrier == "kv":
-            kv = []
-            for layer in range(len(per_sample[0][0]["kv"])):
-                k, v = ([pad_to(torch.cat([p["kv"][layer][t] for p in s])) for s in per_sample] for t in (0, 1))
-                kv.append((torch.stack(k).transpose(1, 2), torch.stack(v).transpose(1, 2)))   # (B, Hkv, M, D)
-            return Memory(None, kv, valid, enc_pos, chunk_lens, counts)
-        h = torch.stack([pad_to(torch.cat([p["h"] for p in s])) for s in per_sample])           # (B, M, d_enc)
-        return Memory(self._bridge(h, host_valid), None, valid, enc_pos, chunk_lens, counts)
-
-    def _split_rows(self, todo, sizes, fresh, enc_pos) -> dict:
-        """The encoded slots (S, ...) cut back into one entry per chunk row: {"h" or "kv", "pos"}."""
-        out, start = {}, 0
-        for r, m in zip(todo, sizes):
-            cut = slice(start, start + m)
-            if self.cfg.carrier == "kv":
-                out[r] = {"kv": [(k[cut], v[cut]) for k, v in fresh], "pos": enc_pos[cut]}
-            else:
-                out[r] = {"h": fresh[cut], "pos": enc_pos[cut]}
-            start += m
-        return out
-
-    def _cache_key(self, chunk: list, m: int, start: int) -> str:
+    def _cache_key(self, row: Chunk) -> str:
         # a chunk's memory depends on its ids and slots, and under UPL/EPL on where it starts in its context
-        where = start if self.cfg.layout != "dpl" else 0
-        return hashlib.sha1(json.dumps([chunk, m, where]).encode()).hexdigest()
+        where = row.start if self.cfg.layout != "dpl" else 0
+        return hashlib.sha1(json.dumps([row.ids, row.slots, where]).encode()).hexdigest()
 
-    def _chunk_rows(self, contexts: list, n_slots) -> list:
-        """Every chunk of every context, in order, as one encoder row:
-        (sample, chunk index, chunk ids, memory slots = n_slots(sample, chunk length), chunk start)."""
-        rows = []
-        for b, ids in enumerate(contexts):
-            start = 0
-            for i, chunk in enumerate(self.chunks(list(ids))):
-                rows.append((b, i, chunk, n_slots(b, len(chunk)), start))
-                start += len(chunk)
-        return rows
+    def _gather(self, rows: list, parts: list, carrier) -> Memory:
+        """Each sample's (slots, positions) of every chunk, chunk after chunk, right-padded into one Memory."""
+        B = rows[-1].sample + 1
+        chunk_lens, counts = [[] for _ in range(B)], [[] for _ in range(B)]
+        for row in rows:
+            chunk_lens[row.sample].append(len(row.ids))
+            counts[row.sample].append(row.slots)
+        M = max(sum(c) for c in counts)
+        valid = torch.tensor([[j < sum(c) for j in range(M)] for c in counts])   # on the host
+        pad_to = lambda t: F.pad(t, (0, 0) * (t.dim() - 1) + (0, M - t.shape[0]))   # pad dim 0 to M
+        per_sample = [[part for row, part in zip(rows, parts) if row.sample == b] for b in range(B)]
+        enc_pos = torch.stack([pad_to(torch.cat([p for _, p in s])) for s in per_sample])
+        carried = carrier.stack(self, [[slots for slots, _ in s] for s in per_sample], pad_to, valid)
+        return Memory(**carried, valid=valid.to(self.device), enc_pos=enc_pos, chunk_lens=chunk_lens,
+                      mem_counts=counts)
 
     def _compress_merge(self, contexts: list, rates: list | None) -> Memory:
         """GMSA §3.2: encode with the first k layers, mean-pool consecutive groups of r hidden states."""
-        cfg, enc, dev = self.cfg, self.encoder, self.device
+        cfg, dev = self.cfg, self.device
         if rates is None:   # GMSA §4.1: the compression rate is sampled per example
             rates = [cfg.ratios[i] for i in torch.randint(len(cfg.ratios), (len(contexts),)).tolist()]
         rows = self._chunk_rows(contexts, lambda b, n: math.ceil(n / rates[b]))   # groups per chunk
-        R, T = len(rows), max(len(c) for _, _, c, _, _ in rows)
-        G = max(g for _, _, _, g, _ in rows)
+        R, T, G = len(rows), max(len(row.ids) for row in rows), max(row.slots for row in rows)
         pad = self.enc_tok.pad_id if self.enc_tok.pad_id is not None else 0
-        ids = torch.tensor([c + [pad] * (T - len(c)) for _, _, c, _, _ in rows], device=dev)
+        ids = torch.tensor([row.ids + [pad] * (T - len(row.ids)) for row in rows], device=dev)
         # GMSA §3.2: consecutive groups of size r; padding goes to a spare group G, dropped
-        group = torch.tensor([[t // rates[b] if t < len(c) else G for t in range(T)] for b, _, c, _, _ in rows],
+        group = torch.tensor([[t // rates[row.sample] if t < len(row.ids) else G for t in range(T)] for row in rows],
                              device=dev)
-        lens = torch.tensor([len(c) for _, _, c, _, _ in rows])
+        lens = torch.tensor([len(row.ids) for row in rows])
         attn = masks.with_padding(masks.causal(T), torch.arange(T)[None] < lens[:, None]).to(dev)   # on the host
-        with self.encoding():
-            h = enc(ids, attn_mask=attn, compute_logits=False).last_hidden   # (R, T, d)
+        h = self.encoder(ids, attn_mask=attn, compute_logits=False).last_hidden   # (R, T, d)
         # exact mean over each group (the last group may be shorter): sum, then divide by its size
         sums = torch.zeros(R, G + 1, h.shape[-1], device=dev, dtype=torch.float32)
         sums.scatter_add_(1, group[..., None].expand(-1, -1, h.shape[-1]), h.float())
         sizes = torch.zeros(R, G + 1, device=dev).scatter_add_(1, group, torch.ones_like(group, dtype=torch.float))
         means = (sums / sizes.clamp(min=1)[..., None]).to(h.dtype)[:, :G]           # (R, G, d)
-        B = len(contexts)
-        chunk_lens, counts = [[] for _ in range(B)], [[] for _ in range(B)]
-        for b, _, chunk, g, _ in rows:
-            chunk_lens[b].append(len(chunk))
-            counts[b].append(g)
-        M = max(sum(c) for c in counts)
-        per_sample = [torch.cat([means[r, :rows[r][3]] for r in range(R) if rows[r][0] == b]) for b in range(B)]
-        summary = torch.stack([F.pad(s, (0, 0, 0, M - len(s))) for s in per_sample])  # (B, M, d)
-        host_valid = torch.tensor([[j < sum(c) for j in range(M)] for c in counts])
-        enc_pos = torch.zeros(B, M, dtype=torch.long, device=dev)
-        return Memory(self._bridge(summary, host_valid), None, host_valid.to(dev), enc_pos, chunk_lens, counts)
-
-    def _bridge(self, h: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Map encoder outputs (B, M, d_enc) into the decoder's input space (B, M, d_dec); valid (B, M) on the host."""
-        if self.cfg.bridge in ("linear", "mlp"):
-            return self.bridge(h)
-        if self.cfg.bridge == "lsa":
-            # GMSA Eq. (3): the summary vectors pass through the LSA blocks (causal, positions 0..M-1);
-            # their output residual stream (no final norm) is what the decoder's layer 0 reads
-            attn = masks.with_padding(masks.causal(h.shape[1]), valid).to(h.device)
-            out = self.lsa(inputs_embeds=h, attn_mask=attn, output_hidden_states=True, compute_logits=False)
-            return out.hidden_states[-1]
-        return h
+        no_pos = torch.zeros(G, dtype=torch.long, device=dev)                         # group means have no position
+        return self._gather(rows, [(means[r, :row.slots], no_pos[:row.slots]) for r, row in enumerate(rows)], Embeds)
 
     # ---- the decoder side ----
 
     def special_token(self, task: str) -> str:
-        kind = self.cfg.ae_token if task == "ae" else self.cfg.lm_token
-        if kind == "last" and task == "qa":
-            return "none"   # PIC Eq. (7)'s x_k is for completion; a question follows the memory directly
-        return kind
+        return special_token(self.cfg, task)
 
     def decoder_batch(self, memory: Memory, task: str, follow: list, n_supervised: list | None = None,
                       last_tokens: list | None = None, prefix: list | None = None, left_pad: bool = False) -> dict:
@@ -655,84 +811,65 @@ class Compressor(nn.Module):
         memory in <mem> ... </mem>. Right padding for training, left padding (left_pad) for generation, so that
         every row's last token is its last real one.
         Returns inputs_embeds (B, T, d), position_ids (B, T), attn_mask (B, T, P+T) or None when nothing is
-        padded, past_kv or None, targets (B, T) with -100 where no loss is taken.
+        padded, past_kv or None.
         """
         return self._decoder_inputs(memory, task, follow, n_supervised, last_tokens, prefix, left_pad)[0]
+
+    def _sequence(self, memory, task, b, ids, n_sup, last_tokens, prefix):
+        """Sample b's decoder input: its rows (n, d), their position ids, and the token each row predicts (-100:
+        none)."""
+        cfg, embed = self.cfg, self.decoder.model.embed_tokens
+        ids_of = lambda ids: embed(torch.tensor(ids, dtype=torch.long, device=self.device))
+        pre = self.decoder_start + list(prefix[b] if prefix else [])
+        x = ([ids_of(pre)] if pre else []) + self.carrier.inputs(self, memory, b)
+        special = self.special[task]
+        if special is not None:
+            x.append(special(b, last_tokens)[None].to(embed.weight.dtype))
+        x = torch.cat(x + [ids_of(ids)])
+        # EPL §3.2 / Tables 13-15: DPL numbers the inputs physically (after the k|M| cached slots of the KV
+        # carrier); EPL (CPL) keeps the memory at its encoder positions, [AE] at 0 or [LM] at p, the text after
+        pos = positions.decoder_inputs(cfg.layout, cfg.carrier, task, memory.chunk_lens[b], memory.mem_counts[b],
+                                       sum(memory.chunk_lens[b]), len(ids), span=self.span,
+                                       n_prefix=len(prefix[b]) if prefix else 0, delimiters=cfg.delimiters,
+                                       special=special is not None)
+        # the slot before a supervised token predicts it (next-token prediction)
+        tgt, first = [-100] * len(x), len(x) - len(ids)           # first: the slot of follow[0]
+        for t in range(len(ids) - n_sup, len(ids)):
+            if first + t - 1 >= 0:
+                tgt[first + t - 1] = ids[t]
+        return x, pos, tgt
 
     def _decoder_inputs(self, memory, task, follow, n_supervised=None, last_tokens=None, prefix=None, left_pad=False):
         """decoder_batch, and where its loss is taken as Python lists: (batch, (flat slot b*T + t of every
         supervised prediction, its token)). Kept on the host, so no step ever waits for the GPU to say where."""
         if task not in ("ae", "lm", "qa"):
             raise ValueError(f"unknown task '{task}': choose ae, lm or qa")
-        cfg, embed, dev = self.cfg, self.decoder.model.embed_tokens, self.device
-        kind = self.special_token(task)
-        ids_of = lambda ids: embed(torch.tensor(ids, dtype=torch.long, device=dev))
-        rows_x, rows_pos, rows_tgt = [], [], []
-        for b, ids in enumerate(follow):
-            counts = memory.mem_counts[b]
-            x = []
-            pre = ([self._bos_id()] if cfg.delimiters else []) + list(prefix[b] if prefix else [])
-            if pre:
-                x.append(ids_of(pre))
-            if cfg.carrier == "embeds":
-                starts = [sum(counts[:i]) for i in range(len(counts))]
-                for s, m in zip(starts, counts):
-                    block = [memory.embeds[b, s:s + m]]
-                    if cfg.delimiters:   # PCC code: each segment's memory as <mem> m_1 .. m_k </mem>
-                        block = [self.mem_open[None].to(embed.weight.dtype), *block,
-                                 self.mem_close[None].to(embed.weight.dtype)]
-                    x += block
-            if kind != "none":
-                vec = {"learned": lambda: (self.ae_embed if task == "ae" else self.lm_embed),
-                       "bos": lambda: embed.weight[self._bos_id()],
-                       "last": lambda: embed.weight[last_tokens[b]]}[kind]()
-                x.append(vec[None].to(embed.weight.dtype))
-            x.append(ids_of(ids))
-            x = torch.cat(x)
-            # EPL §3.2 / Tables 13-15: DPL numbers the inputs physically (after the k|M| cached slots of the KV
-            # carrier); EPL (CPL) keeps the memory at its encoder positions, [AE] at 0 or [LM] at p, the text after
-            p = positions.decoder_inputs(cfg.layout, cfg.carrier, task, memory.chunk_lens[b], counts,
-                                         sum(memory.chunk_lens[b]), len(ids), span=None if cfg.cap_mem else cfg.chunk_len,
-                                         n_prefix=len(prefix[b]) if prefix else 0, delimiters=cfg.delimiters,
-                                         special=kind != "none")
-            # the slot before a supervised token predicts it (next-token prediction)
-            tgt = [-100] * len(x)
-            first = len(x) - len(ids)                          # slot of follow[0]
-            n_sup = len(ids) if n_supervised is None else n_supervised[b]
-            for t in range(len(ids) - n_sup, len(ids)):
-                if first + t - 1 >= 0:
-                    tgt[first + t - 1] = ids[t]
-            rows_x.append(x), rows_pos.append(p), rows_tgt.append(tgt)
-
-        lens = [len(x) for x in rows_x]
-        T = max(lens)
+        rows = [self._sequence(memory, task, b, ids, len(ids) if n_supervised is None else n_supervised[b],
+                               last_tokens, prefix) for b, ids in enumerate(follow)]
+        lens = [len(x) for x, _, _ in rows]
+        T, dev = max(lens), self.device
         pad = lambda row, n, value: ([value] * n + row) if left_pad else (row + [value] * n)
-        rows_tgt = [pad(t, T - len(t), -100) for t in rows_tgt]
-        supervised = [(b * T + t, tok) for b, row in enumerate(rows_tgt) for t, tok in enumerate(row) if tok != -100]
+        targets = [pad(t, T - len(t), -100) for _, _, t in rows]
+        supervised = [(b * T + t, tok) for b, row in enumerate(targets) for t, tok in enumerate(row) if tok != -100]
         x = torch.stack([F.pad(r, (0, 0, T - len(r), 0) if left_pad else (0, 0, 0, T - len(r)))
-                         for r in rows_x])                                             # (B, T, d)
-        pos = torch.tensor([pad(p, T - len(p), 0) for p in rows_pos], device=dev)      # (B, T)
-        tgt = torch.tensor(rows_tgt, device=dev)                                       # (B, T)
+                         for r, _, _ in rows])                                         # (B, T, d)
+        pos = torch.tensor([pad(p, T - len(p), 0) for _, p, _ in rows], device=dev)    # (B, T)
         valid = [pad([True] * n, T - n, False) for n in lens]
-        past_kv, P = None, 0
-        if cfg.carrier == "kv":
-            # 500x/AOC: the memory is a KV-cache prefix; its keys keep the encoder's RoPE positions
-            past_kv, P = memory.kv, memory.valid.shape[1]
+        past_kv, P = self.carrier.cache(memory)   # 500x/AOC: the memory is a KV-cache prefix of P slots
+        if P:
             valid = [[j < sum(memory.mem_counts[b]) for j in range(P)] + v for b, v in enumerate(valid)]
         # nothing padded: the mask is the model's default (prefix + causal), and passing None lets
         # SDPA use its fused causal kernel instead of the dense-mask one
         attn_mask = None
         if not all(all(v) for v in valid):   # built on the host, moved once
             attn_mask = masks.with_padding(masks.with_prefix(masks.causal(T), P), torch.tensor(valid)).to(dev)
-        batch = dict(inputs_embeds=x, position_ids=pos, attn_mask=attn_mask, past_kv=past_kv, targets=tgt)
-        return batch, supervised
+        return dict(inputs_embeds=x, position_ids=pos, attn_mask=attn_mask, past_kv=past_kv), supervised
 
     def _supervised(self, memory, task, follow, n_supervised, last_tokens, prefix):
         """The decoder's final hidden states at the slots that predict a supervised token, and those tokens:
         (h (N, d), targets (N,), row of each (N,)). Logits are never made for every position: B*T*vocab would
         dwarf everything else."""
         batch, supervised = self._decoder_inputs(memory, task, follow, n_supervised, last_tokens, prefix)
-        batch.pop("targets")
         with self.decoding():
             h = self.decoder(**batch, compute_logits=False).last_hidden                # (B, T, d)
         T, dev = h.shape[1], h.device
@@ -799,7 +936,6 @@ class Compressor(nn.Module):
         memory = self.compress(contexts)
         follow = [list(q) + list(a) for q, a in zip(questions, answers)]
         batch, supervised = self._decoder_inputs(memory, "qa", follow, [len(a) for a in answers], prefix=prefix)
-        batch.pop("targets")
         with self.decoding():
             student = dec(**batch, output_hidden_states=True, compute_logits=False).hidden_states
         T = batch["inputs_embeds"].shape[1]
@@ -826,32 +962,17 @@ class Compressor(nn.Module):
         B = memory.valid.shape[0]
         prompts = [list(p) for p in prompt] if prompt is not None else [[] for _ in range(B)]
         batch = self.decoder_batch(memory, task, prompts, [0] * B, last_token, prefix, left_pad=True)
-        batch.pop("targets")
         with self.decoding():
             out = self.decoder.generate(**batch, max_new_tokens=max_new_tokens, eos_id=self.tok.eos_ids or None)
-        stop = set(self.tok.eos_ids)
-        cut = lambda ids: next((ids[:i] for i, t in enumerate(ids) if t in stop), ids)
-        return [cut(row) for row in out.tolist()]
+        return [self.tok.cut_at_eos(row) for row in out.tolist()]
 
     # ---- what is trained, saved and loaded ----
 
     def trainable_parameters(self) -> list:
         return [p for p in self.parameters() if p.requires_grad]
 
-    def _saved(self, name: str) -> bool:
-        """Exactly what is not rebuilt from the base model(s): everything of the compressor's own (memory and
-        special tokens, bridge, LSA blocks, a fully trained encoder), the LoRA matrices of a LoRA'd encoder (its
-        base weights are the LLM's), and the decoder's q/k/v after KEFT. Tensors an encoder or LSA copy
-        shares with the decoder (its embedding) carry decoder.* names and are not saved."""
-        if name.startswith("decoder."):
-            return "lora_" in name or (self.cfg.decoder_train == "keft" and
-                                       any(f"self_attn.{m}." in name for m in ("q_proj", "k_proj", "v_proj")))
-        if name.startswith("encoder.") and self.cfg.encoder in ("lora", "first_k"):
-            return "lora_" in name
-        return True
-
     def trained_state(self) -> dict:
-        return {n: p.detach().contiguous() for n, p in self.named_parameters() if self._saved(n)}
+        return {n: p.detach().contiguous() for n, p in self.named_parameters() if saved(self.cfg, n)}
 
     def save(self, out_dir: str, extra: dict | None = None):
         """Write compressor.safetensors (exactly the trained tensors) and compressor.json (the config),
@@ -868,7 +989,7 @@ class Compressor(nn.Module):
 
     def load_trained(self, state: dict):
         """Load exactly the tensors `save` wrote; list whatever is missing, unexpected or misshapen."""
-        own = {n: p for n, p in self.named_parameters() if self._saved(n)}
+        own = {n: p for n, p in self.named_parameters() if saved(self.cfg, n)}
         missing = sorted(set(own) - set(state))
         unexpected = sorted(set(state) - set(own))
         shapes = sorted(n for n in set(own) & set(state) if own[n].shape != state[n].shape)
@@ -878,10 +999,6 @@ class Compressor(nn.Module):
         with torch.no_grad():
             for n, p in own.items():
                 p.copy_(state[n])
-
-
-# what an encoder or LSA copy takes from the decoder instead of copying (model.copy_model)
-SHARED = ("model.embed_tokens", "lm_head")
 
 
 def read_checkpoint_config(ckpt_dir: str) -> dict:
@@ -924,3 +1041,20 @@ def build(method: str, decoder: Transformer, tok, encoder_model: Transformer | N
     """The compressor of a preset around `decoder`, e.g. build("pic", llm, tok, layout="epl").
     encoder_model / encoder_tok: the separate compressor LLM of pcc/pic (default: a copy of the decoder)."""
     return Compressor(make_config(method, **overrides), decoder, tok, encoder_model, encoder_tok)
+
+
+def method_table() -> str:
+    """The presets as the README's markdown table (`python compressors.py`; a test keeps the README in step)."""
+    rows = ["| method | follows | compressor settings (on CompressorConfig's defaults) | objective | lr | batch | steps "
+            "| \\|X\\| |", "|---|---|---|---|---|---|---|---|"]
+    for name, p in PRESETS.items():
+        settings = ", ".join(f"{k}={'/'.join(map(str, v)) if isinstance(v, tuple) else v}"
+                             for k, v in p.settings.items()) or "(the defaults)"
+        r = p.recipe
+        rows.append(f"| `{name}` | {p.cite} | {settings} | {r['objective']} | {r['lr']:.0e} | {r['batch_size']} | "
+                    f"{r['steps']:,} | {r['lengths'][0]}-{r['lengths'][1]} |")
+    return "\n".join(rows).replace("e-0", "e-")
+
+
+if __name__ == "__main__":
+    print(method_table())

@@ -936,7 +936,6 @@ def timed(fn, device, repeats=3, warmup=1):
 def compressed_inputs(comp, memory, prompt):
     """Decoder inputs [memory, special token, prompt] for one sample, as comp.generate builds them."""
     batch = comp.decoder_batch(memory, "qa", [prompt], [0])
-    batch.pop("targets")
     # one unpadded sample: decoder_batch passes no mask, so SDPA takes the same fused causal kernel as
     # the full-context prefill (a dense mask would time a slower kernel)
     assert batch["attn_mask"] is None
@@ -1108,22 +1107,21 @@ def encoder_attention(comp, enc_ids):
     if comp.cfg.source == "group_mean":
         return memory, None
     probs = 0
-    with comp.encoding():
-        for attn, x, cos, sin, mask in calls:
-            R, T, _ = x.shape
-            H, Hkv, D = attn.n_head, attn.n_kv_head, attn.head_dim
-            q = attn.q_proj(x).view(R, T, H, D)                         # (R, T, H, D)
-            k = attn.k_proj(x).view(R, T, Hkv, D)                       # (R, T, Hkv, D)
-            if attn.qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q = apply_rope(q.transpose(1, 2), cos, sin)                 # (R, H, T, D)
-            k = apply_rope(k.transpose(1, 2), cos, sin)                 # (R, Hkv, T, D)
-            # GQA: query head h reads K/V head h // (H/Hkv), so repeat each K/V head H/Hkv times
-            k = k.repeat_interleave(H // Hkv, dim=1)                    # (R, H, T, D)
-            scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(D)   # (R, H, T, T)
-            if mask is None:
-                mask = masks.causal(T).to(x.device)   # the layer ran plain causal (no explicit mask)
-            probs = probs + scores.masked_fill(~mask, float("-inf")).softmax(-1).mean(1)  # (R, T, T)
+    for attn, x, cos, sin, mask in calls:
+        R, T, _ = x.shape
+        H, Hkv, D = attn.n_head, attn.n_kv_head, attn.head_dim
+        q = attn.q_proj(x).view(R, T, H, D)                         # (R, T, H, D)
+        k = attn.k_proj(x).view(R, T, Hkv, D)                       # (R, T, Hkv, D)
+        if attn.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)                 # (R, H, T, D)
+        k = apply_rope(k.transpose(1, 2), cos, sin)                 # (R, Hkv, T, D)
+        # GQA: query head h reads K/V head h // (H/Hkv), so repeat each K/V head H/Hkv times
+        k = k.repeat_interleave(H // Hkv, dim=1)                    # (R, H, T, D)
+        scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(D)   # (R, H, T, T)
+        if mask is None:
+            mask = masks.causal(T).to(x.device)   # the layer ran plain causal (no explicit mask)
+        probs = probs + scores.masked_fill(~mask, float("-inf")).softmax(-1).mean(1)  # (R, T, T)
     probs = probs / len(calls)
     # one encoder row per chunk, laid out [chunk (n), memory (m), padding]: gather memory -> context
     lens, counts = memory.chunk_lens[0], memory.mem_counts[0]

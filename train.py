@@ -319,7 +319,7 @@ def resolve_defaults(args):
         args.warmup = min(paper["warmup"], args.steps // 10)
     # lengths: the paper's, shrunk with the chunk so a context still spans the same number of chunks
     # (EPL: p = |X|/2 is 1 to 2 chunks of 510), and a quarter of it for the tiny CPU model (ours)
-    scale = min(1.0, cfg["chunk_len"] / C.PRESETS[args.method].get("chunk_len", C.CompressorConfig.chunk_len))
+    scale = min(1.0, cfg["chunk_len"] / C.PRESETS[args.method].settings.get("chunk_len", C.CompressorConfig.chunk_len))
     scale *= TINY["length_scale"] if tiny else 1
     lo, hi = paper["lengths"]
     args.max_len = args.max_len or max(args.min_len or 2, round(hi * scale))
@@ -356,7 +356,7 @@ def build_compressor(args, device, ckpt_dir=None):
         comp = C.load(ckpt_dir or args.init, device=device)     # its config + its trained tensors
     else:
         # --model compresses and decodes; with --decoder, --model is only the compressor (pcc/pic)
-        if args.decoder and (args.encoder or C.PRESETS[args.method].get("encoder")) != "separate":
+        if args.decoder and (args.encoder or C.PRESETS[args.method].settings.get("encoder")) != "separate":
             fail(f"--decoder needs a separate compressor model (pcc, pic or --encoder separate), "
                  f"not {args.method}'s encoder")
         decoder, tok = load_pretrained(args.decoder or args.model, device=device)

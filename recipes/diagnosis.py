@@ -84,7 +84,6 @@ def measure(comp, xs):
     memory = comp.compress([comp.encoder_ids(x) for x in xs])
     follow = [comp.ae_target(x) for x in xs]
     batch = comp.decoder_batch(memory, "ae", follow)
-    batch.pop("targets")
     x = batch["inputs_embeds"]
     B, T = x.shape[:2]
     is_mem = memory_slots(memory, batch)                                            # (B, S)

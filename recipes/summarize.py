@@ -40,7 +40,7 @@ def read_metric(out, arm, spec):
     if task == "params":
         import compressors as C
         comp = C.load(run)
-        return sum(p.numel() for n, p in comp.named_parameters() if comp._saved(n) and
+        return sum(p.numel() for n, p in comp.named_parameters() if C.saved(comp.cfg, n) and
                    not n.startswith(("ae_embed", "lm_embed", "mem_open", "mem_close")))
     path_json = os.path.join(run, f"eval_{task}.json")
     return lookup(json.load(open(path_json)), path) if os.path.isfile(path_json) else None

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `import positions`
+import compressors as C  # noqa: E402
 import positions  # noqa: E402
+from model import build_tiny  # noqa: E402
 from positions import decoder_positions, encoder_positions, upl  # noqa: E402
 
 K, L, M, P, X, Q, A = 2, 510, 102, 1020, 2040, 50, 5  # the paper's worked example
@@ -103,6 +105,33 @@ def test_upl_ablation_decoder(task, n_follow):
     assert (m.tolist(), s, f[0].item(), f[-1].item()) == (DPL_ICAE_MEM, 204, 205, 204 + n_follow)
     m, s, f = decoder_positions("upl", "kv", task, [L, L], M, P, n_follow)
     assert (m.tolist(), s, f[0].item(), f[-1].item()) == (EPL_MEM, 204, 205, 204 + n_follow)
+
+
+# ---- the same tables through the compressor: the position ids decoder_batch hands the decoder ----
+
+@pytest.mark.parametrize("method", ["icae", "500x"])
+@pytest.mark.parametrize("layout", ["dpl", "upl", "epl"])
+@pytest.mark.parametrize("task", ["ae", "lm"])
+def test_tables_12_to_14_through_decoder_batch(method, layout, task):
+    # the worked example on the tiny model: x_0 … x_1019 compressed in two chunks of 510 into 102 slots each;
+    # AE regenerates them, LM continues with x_1020 … x_2039 (no [BOS] in the context, as in the tables)
+    torch.manual_seed(0)
+    dec, tok = build_tiny()
+    comp = C.build(method, dec, tok, layout=layout, mem=M, chunk_len=L, bos=False)
+    context = [7 + i % 200 for i in range(P)]
+    follow = context if task == "ae" else [7 + (i * 3) % 200 for i in range(X - P)]
+    with torch.no_grad():
+        memory = comp.compress([context])
+        batch = comp.decoder_batch(memory, task, [follow])
+    # Table 12: where the encoder put the memory (DPL: 510 … 611 in every chunk; EPL and UPL: 3 … 508 | 513 … 1018)
+    assert memory.enc_pos[0].tolist() == (DPL_500X_MEM if layout == "dpl" else EPL_MEM)
+    if layout == "epl":   # Tables 13, 14 EPL rows: memory as encoded, [AE] 0 / [LM] 1020, the text after it
+        mem, special, text = EPL_MEM, 0 if task == "ae" else 1020, span(1, 1020) if task == "ae" else span(1021, 2040)
+    else:                 # DPL rows and Table 6's "+UPL": fresh ICAE embeddings at 0 … 203, [AE]/[LM] 204, text after
+        mem, special, text = DPL_ICAE_MEM, 204, span(205, 1224)
+    if method == "500x":  # the K/V carrier: the memory is no input, its keys keep their encoder positions (above)
+        mem = []
+    assert batch["position_ids"][0].tolist() == mem + [special] + text
 
 
 # ---- EPL Algorithm 1 ----

@@ -1,0 +1,120 @@
+"""The README's reading guide: for each method, the functions to read from its preset to the decoder's input, in the
+order they run, with the lines of each that the method runs, and the conditions on the config its forward pass meets.
+
+    python tests/reading_guide.py          # the markdown the README shows
+
+Measured, not listed by hand: each preset is built on the tiny model, compresses two texts and builds the decoder
+input for AE, under sys.settrace. A line is a line of code the method runs in compressors.py, positions.py or
+masks.py, a statement over several lines counting all of them. Not counted: the LLM itself (model.py), comments,
+docstrings, the branches the method never takes, and input checks (validate, positions' and masks' _check_*, every
+`if bad: raise` and the loops of nothing else), which say what a method refuses rather than what it does. The config conditions are the `if`s and
+conditional expressions whose test reads the config (cfg.x, self.cfg.x) and that run in the forward pass (compress
+and decoder_batch): what construction chose once is not counted again.
+"""
+
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+FILES = {str(ROOT / f): f for f in ("compressors.py", "positions.py", "masks.py")}
+CHECKS = {"validate", "_check_int", "_check_choice", "_check_mem"}   # input checks: not the method
+
+
+def is_check(node) -> bool:
+    """An input check: `if bad: raise ...`, a call of a _check_* helper, or a loop of nothing but checks."""
+    if isinstance(node, ast.If):
+        return not node.orelse and all(isinstance(n, ast.Raise) or is_check(n) for n in node.body)
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+        return getattr(node.value.func, "id", "").startswith("_check")
+    if isinstance(node, ast.For):
+        return not node.orelse and all(is_check(n) for n in node.body)
+    return False
+
+
+def statements(path):
+    """line -> (first, last line of the smallest statement starting there, or a compound statement's header),
+    and line -> whether it is an if/conditional expression reading the config."""
+    tree = ast.parse(Path(path).read_text())
+    spans, conds, guards = {}, {}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.stmt):
+            body = getattr(node, "body", None)
+            last = body[0].lineno - 1 if isinstance(body, list) and body else node.end_lineno
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                last = node.lineno   # a def is read as its signature line; its docstring is not code
+            spans.setdefault(node.lineno, (node.lineno, max(last, node.lineno)))
+        if isinstance(node, ast.stmt) and is_check(node):
+            guards.update(range(node.lineno, node.end_lineno + 1))
+        if isinstance(node, (ast.If, ast.IfExp)) and any(
+                isinstance(n, ast.Attribute) and "cfg" in (getattr(n.value, "id", ""), getattr(n.value, "attr", ""))
+                for n in ast.walk(node.test)):
+            conds[node.lineno] = True
+    spans = {line: span for line, span in spans.items() if line not in guards}
+    return spans, conds
+
+
+def trace(method):
+    """(function -> set of lines run, in first-run order), the config-condition lines run in the forward pass."""
+    import compressors as C
+    from model import build_tiny
+    runs, forward, phase = defaultdict(set), set(), {"forward": False}
+
+    def tracer(frame, event, arg):
+        f = frame.f_code.co_filename
+        if f not in FILES:
+            return None
+        if event == "line":
+            # a comprehension or lambda is read as part of the function that holds it
+            runs[(FILES[f], frame.f_code.co_qualname.split(".<locals>")[0])].add(frame.f_lineno)
+            if phase["forward"]:
+                forward.add((FILES[f], frame.f_lineno))
+        return tracer
+    torch.manual_seed(0)
+    decoder, tok = build_tiny()
+    texts = [tok.encode("A first short text to compress."), tok.encode("And a second one.")]
+    small = {} if method in ("compllm", "gmsa") else dict(mem=4, chunk_len=16)
+    sys.settrace(tracer)
+    try:
+        comp = C.build(method, decoder, tok, **small)
+        phase["forward"] = True
+        with torch.no_grad():
+            comp.decoder_batch(comp.compress([comp.encoder_ids(t) for t in texts]), "ae", [comp.ae_target(t) for t in texts])
+    finally:
+        sys.settrace(None)
+    return runs, forward
+
+
+def guide():
+    import compressors as C
+    parsed = {f: statements(ROOT / f) for f in FILES.values()}
+    rows, totals = [], {}
+    presets = next(n.value for n in ast.parse((ROOT / "compressors.py").read_text()).body
+                   if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "PRESETS")
+    for method in C.METHODS:
+        runs, forward = trace(method)
+        entry = next(v for k, v in zip(presets.keys, presets.values) if k.value == method)
+        size = entry.end_lineno - entry.lineno + 1         # the preset record itself, then the code it runs
+        parts, total = [f"`PRESETS[\"{method}\"]` ({size})"], size
+        read = defaultdict(set)   # lines of code run, per function; a line shared by two calls counts once
+        for (f, name), lines in runs.items():
+            spans = parsed[f][0]
+            read[(f, name)] |= {n for line in lines if line in spans for n in range(spans[line][0], spans[line][1] + 1)}
+        for (f, name), lines in read.items():
+            if name in CHECKS or not lines:
+                continue
+            parts.append(f"`{name}` ({len(lines)})")
+            total += len(lines)
+        conds = sum(1 for f, line in forward if parsed[f][1].get(line))
+        totals[method] = (total, conds)
+        rows.append(f"| `{method}` | {', '.join(parts)} | {total} | {conds} |")
+    return "\n".join(["| method | functions it runs, in order (lines of each it runs) | lines | config conditions "
+                      "in its forward pass |", "|---|---|---|---|"] + rows), totals
+
+
+if __name__ == "__main__":
+    print(guide()[0])
