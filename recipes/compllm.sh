@@ -4,11 +4,24 @@
 # independently, so a context shared by several questions is compressed once and its cached CEs give the same
 # answers; time to first token and KV-cache size against the full context.
 #
-#   bash recipes/compllm.sh             # SmolLM2-135M-Instruct on 2 CPU cores, ~1.3 h (about 17 s a step; STEPS=80: 40 min)
+#   bash recipes/compllm.sh             # SmolLM2-135M-Instruct on 2 CPU cores: 2 seeds x up to 600 steps (~17 s each); resumes
 #   SMOKE=1 bash recipes/compllm.sh     # tiny model, 2 steps (CI)
 #   SCALE=paper bash recipes/compllm.sh # CompLLM §4.1 on a GPU: Qwen3-4B, NarrativeQA + RACE
 PAPER=compllm
 source "$(dirname "$0")/common.sh"
+
+# two questions per long context, compressed once (reused) or anew: the answers must be identical
+reuse_check() {
+  $PY - "$1" <<'PY'
+import json, sys
+d = sys.argv[1]
+reuse, fresh = (json.load(open(f"{d}/eval_{k}.json")) for k in ("reuse", "fresh"))
+same = all(a["compressed"]["text"] == b["compressed"]["text"] for a, b in zip(reuse["examples"], fresh["examples"]))
+print(f"cached CEs give the same answers as compressing anew: {same} ({len(reuse['examples'])} questions, "
+      f"{reuse['concat']} per context)")
+json.dump({"identical_answers": same, "questions": len(reuse["examples"])}, open(f"{d}/eval_reuse_check.json", "w"))
+PY
+}
 
 if [ "$SCALE" = paper ]; then
   # CompLLM §4.1: LoRA r 32, Adam lr 1e-4, batch 4, C = 2, S = 20, teacher answers of up to 512 tokens
@@ -18,32 +31,65 @@ if [ "$SCALE" = paper ]; then
   train_arm compllm --method compllm --data $DATA --steps 20000
   QA=(--data $HELD --n 1000)
   LENGTHS=1024,2048,4096,8192,16384,32768
+  eval_arm compllm qa "${QA[@]}"
+  # two questions per long context: compressed once (reused) or anew; the answers must be identical
+  eval_arm compllm qa:reuse "${QA[@]}" --concat 2
+  eval_arm compllm qa:fresh "${QA[@]}" --concat 2 --no-reuse
+  eval_arm compllm speed --lengths $LENGTHS
+  reuse_check "$OUT/compllm"
+  $PY recipes/summarize.py --out "$OUT" --arms compllm --curves distill \
+    --title "CompLLM: C = 2 concept embeddings vs full and no context (held-out questions)" \
+    --metric "F1 CEs=qa:scores.compressed.squad_f1" --metric "F1 full=qa:scores.full.squad_f1" \
+    --metric "F1 none=qa:scores.none.squad_f1" --metric "cached CEs: same answers=reuse_check:identical_answers" \
+    --metric "TTFT speedup (longest)=speed:rows.-1.speedup_offline" --note "model $MODEL"
 else
-  # ours: the fill-in-the-blank training questions, the LLM's own answers of up to 48 tokens, 200 steps
-  train_arm compllm --method compllm "${TRAIN_QA[@]}" --max-len 256 --batch-size 4 --lr 1e-4 \
-    --answer-tokens ${ANSWER_TOKENS:-48} --steps ${STEPS:-200} --save-every 100
+  # ours: the fill-in-the-blank training questions, the LLM's own answers of up to 48 tokens, batch 4, lr 1e-4.
+  # Distilled in stages of STAGE steps, each scored on the held-out questions, until the CEs answer clearly better
+  # than no context (F1 at least GAP above it) or MAX_STEPS; SEEDS seeds
+  STAGE=${STAGE:-100}
+  MAX_STEPS=${MAX_STEPS:-600}
+  GAP=${GAP:-0.1}
+  SEEDS=${SEEDS:-0 1}
+  [ "$SMOKE" = 1 ] && STAGE=2 MAX_STEPS=2 SEEDS=0
   QA=("${HELD_QA[@]}" --max-new-tokens 32)
   LENGTHS=${LENGTHS:-256,512,1024,2048,4096}
-fi
-eval_arm compllm qa "${QA[@]}"
-# two questions per long context: compressed once (reused) or anew; the answers must be identical
-eval_arm compllm qa:reuse "${QA[@]}" --concat 2
-eval_arm compllm qa:fresh "${QA[@]}" --concat 2 --no-reuse
-eval_arm compllm speed --lengths $LENGTHS
-$PY - "$OUT/compllm" <<'PY'
+  gap() { $PY -c "import json; s = json.load(open('$OUT/$1/eval_qa.json'))['scores']; print(s['compressed']['squad_f1'] - s['none']['squad_f1'])"; }
+  for seed in $SEEDS; do
+    steps=$STAGE
+    while :; do
+      train_arm compllm_s$seed --method compllm "${TRAIN_QA[@]}" --max-len 256 --batch-size 4 --lr 1e-4 \
+        --answer-tokens ${ANSWER_TOKENS:-48} --steps $steps --save-every $STAGE --seed $seed
+      eval_arm compllm_s$seed qa "${QA[@]}"
+      echo "== compllm_s$seed at $steps steps: CE F1 - no-context F1 = $(gap compllm_s$seed)"
+      $PY -c "import sys; sys.exit(0 if $(gap compllm_s$seed) >= $GAP or $steps >= $MAX_STEPS else 1)" && break
+      steps=$((steps + STAGE))
+    done
+    $PY - "$OUT/compllm_s$seed" <<'PY'
 import json, sys
 d = sys.argv[1]
-reuse, fresh = (json.load(open(f"{d}/eval_{k}.json")) for k in ("reuse", "fresh"))
-same = all(a["compressed"]["text"] == b["compressed"]["text"] for a, b in zip(reuse["examples"], fresh["examples"]))
-print(f"cached CEs give the same answers as compressing anew: {same} ({len(reuse['examples'])} questions, "
-      f"{reuse['concat']} per context)")
-json.dump({"identical_answers": same, "questions": len(reuse["examples"])}, open(f"{d}/eval_reuse_check.json", "w"))
+s = json.load(open(f"{d}/eval_qa.json"))["scores"]
+json.dump({"ce_minus_none": s["compressed"]["squad_f1"] - s["none"]["squad_f1"]}, open(f"{d}/eval_gap.json", "w"))
 PY
-$PY recipes/summarize.py --out "$OUT" --arms compllm --curves distill \
-  --title "CompLLM: C = 2 concept embeddings vs full and no context (held-out questions)" \
-  --metric "F1 CEs=qa:scores.compressed.squad_f1" --metric "F1 full=qa:scores.full.squad_f1" \
-  --metric "F1 none=qa:scores.none.squad_f1" --metric "Acc CEs=qa:scores.compressed.substring_acc" \
-  --metric "Acc full=qa:scores.full.substring_acc" --metric "Acc none=qa:scores.none.substring_acc" \
-  --metric "cached CEs: same answers=reuse_check:identical_answers" \
-  --metric "TTFT speedup (longest)=speed:rows.-1.speedup_offline" --note "model $MODEL"
+  done
+  ARMS=$(for seed in $SEEDS; do echo compllm_s$seed; done)
+  ONE=compllm_s$(echo $SEEDS | cut -d' ' -f1)
+  # the mechanics, on the first seed: cached CEs answer as freshly compressed ones, and speed / KV size
+  eval_arm $ONE qa:reuse "${QA[@]}" --concat 2
+  eval_arm $ONE qa:fresh "${QA[@]}" --concat 2 --no-reuse
+  eval_arm $ONE speed --lengths $LENGTHS
+  reuse_check "$OUT/$ONE"
+  $PY recipes/summarize.py --out "$OUT" --arms $ARMS --curves distill \
+    --title "CompLLM: C = 2 concept embeddings vs full and no context (held-out questions), every run" \
+    --metric "steps=log:step" --metric "F1 CEs=qa:scores.compressed.squad_f1" --metric "F1 full=qa:scores.full.squad_f1" \
+    --metric "F1 none=qa:scores.none.squad_f1" --metric "Acc CEs=qa:scores.compressed.substring_acc" \
+    --metric "Acc full=qa:scores.full.substring_acc" --metric "Acc none=qa:scores.none.substring_acc" \
+    --metric "cached CEs: same answers=reuse_check:identical_answers" \
+    --metric "TTFT speedup (longest)=speed:rows.-1.speedup_offline" --note "model $MODEL"
+  for B in none full; do
+    $PY recipes/verdict.py --out "$OUT" --claim "CompLLM: the CEs answer better than $([ $B = none ] && echo "no context" || echo "the full context")" \
+      --arm CEs $ARMS --arm $B $ARMS --expect CEs $B --context CEs compressed --context $B $B \
+      --carry gap:ce_minus_none --carry-min $GAP \
+      --metric "F1=qa:scores.{context}.squad_f1:higher" --metric "Acc=qa:scores.{context}.substring_acc:higher"
+  done
+fi
 finish

@@ -20,11 +20,14 @@ STEPS=${STEPS:-300}
 EVERY=${EVERY:-50}
 [ "$SMOKE" = 1 ] && EVERY=1 && RUNGS=${RUNGS:-1x}   # CI: the 1:1 rung (the 4x rung runs the same code)
 ARMS=${ARMS:-"icae 500x lora pcc pic compllm gmsa aoc"}
+DIAG_ARMS=${DIAG_ARMS:-icae_norm}   # ours, diagnostic arms at 1:1 (after the presets): ICAE with its memory rescaled
+[ "$SMOKE" = 1 ] && DIAG_ARMS=""
 # one arm of a rung: its preset and how it reaches the rung's compression, given n text tokens and ratio r
 arm_flags() {
   local arm=$1 n=$2 r=$3
   case $arm in
     icae)    echo --method icae --mem 16 --chunk-len $((n + 1)) ;;   # ICAE's context is [BOS] x: one chunk
+    icae_norm) echo --method icae --mem 16 --chunk-len $((n + 1)) --mem-norm ;;   # to the token embeddings' norm
     500x)    echo --method 500x --mem 16 --chunk-len $n ;;           # --objective ae: the original 500x recipe
     lora)    echo --method 500x --mem 16 --chunk-len $n --lora-r 64 --lora-alpha 32 --lora-dropout 0.05 \
                --lora-targets q_proj k_proj v_proj o_proj --lr 2e-4 ;;   # AOC's LoRA baseline (AOC code)
@@ -39,7 +42,7 @@ GROUPS_ARGS=()
 for rung in ${RUNGS:-1x 4x}; do
   case $rung in 1x) n=16 r=1 ;; 4x) n=64 r=4 ;; *) echo "unknown rung $rung (1x or 4x)"; exit 2 ;; esac
   names=()
-  for arm in $ARMS; do
+  for arm in $ARMS $([ $rung = 1x ] && echo $DIAG_ARMS); do
     # shellcheck disable=SC2046
     train_arm ${arm}_$rung $(arm_flags $arm $n $r) --objective ae --crop window --min-len $n --max-len $n \
       --batch-size 4 --steps $STEPS --save-every $EVERY --keep-every $EVERY \
@@ -51,10 +54,10 @@ for rung in ${RUNGS:-1x 4x}; do
 done
 $PY recipes/curve.py --out "$OUT" "${HELD_TEXT[@]}" --n ${N:-32} "${GROUPS_ARGS[@]}" --title "held-out own/other"
 if [[ " ${RUNGS:-1x 4x} " == *" 1x "* ]]; then
-  $PY recipes/diagnosis.py --runs $(for arm in $ARMS; do echo "$OUT/${arm}_1x"; done) "${HELD_TEXT[@]}" \
+  $PY recipes/diagnosis.py --runs $(for arm in $ARMS $DIAG_ARMS; do echo "$OUT/${arm}_1x"; done) "${HELD_TEXT[@]}" \
     --texts ${DIAG_TEXTS:-8} --out "$OUT/diagnosis"
 fi
-ALL=$(for rung in ${RUNGS:-1x 4x}; do for arm in $ARMS; do echo ${arm}_$rung; done; done)
+ALL=$(for rung in ${RUNGS:-1x 4x}; do for arm in $ARMS $([ $rung = 1x ] && echo $DIAG_ARMS); do echo ${arm}_$rung; done; done)
 $PY recipes/summarize.py --out "$OUT" --arms $ALL --curves \
   --title "The ladder: every preset, one protocol (AE on held-out texts, batch 4, $STEPS steps)" \
   --metric "first step at own/other 0.5=curve:first_at_threshold" --metric "own/other=ae:loss.own_other_ratio" \

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # PIC (Fig. 5, Table 4): PCC's compressor with its ordinary causal mask against the same compressor with PIC's
-# block-wise causal mask, at 16x, pretrained on TR + TC (PIC Eq. 6-8), then fine-tuned on QA the same short way.
-# The claim: PIC's TR/TC losses fall faster and its QA scores are higher (16x: 52.01 F1 / 39.80 EM against
-# 48.80 / 36.81, Table 4).
+# block-wise causal mask, pretrained on TR + TC (PIC Eq. 6-8), then fine-tuned on QA the same short way. The claim:
+# PIC's TR/TC losses fall faster and its QA scores are higher (16x: 52.01 F1 / 39.80 EM against 48.80 / 36.81,
+# Table 4). Decided at the highest compression where PCC's memory carries its text on this CPU: PCC is probed at
+# RATIOS in turn (16x, then 4x, then 1:1), and the first that carries (held-out own/other <= 0.5) is the rung.
 #
-#   bash recipes/pic.sh                 # SmolLM2-135M compressing for itself on 2 CPU cores, 78 min
+#   bash recipes/pic.sh                 # SmolLM2-135M compressing for itself on 2 CPU cores: 5-7 runs, 4-6 h; resumes
 #   SMOKE=1 bash recipes/pic.sh         # tiny model, 2 steps per arm (CI)
 #   SCALE=paper bash recipes/pic.sh     # PIC §4.1 on a GPU: Qwen2.5-0.5B-Instruct -> Llama-3-8B-Instruct
 PAPER=pic
@@ -24,26 +25,61 @@ if [ "$SCALE" = paper ]; then
     train_arm ${arm}_qa --method $arm --init "$OUT/$arm" --objective qa --data $SQUAD
     eval_arm ${arm}_qa qa --data $SQUAD_TEST
   done
+  $PY recipes/summarize.py --out "$OUT" --arms pcc pic --curves ae lm \
+    --title "PIC vs PCC at 16x: pretraining (TR = ae, TC = lm)" --metric "TR loss own=ae:loss.own" --note "model $MODEL"
+  $PY recipes/summarize.py --out "$OUT" --append --arms pcc_qa pic_qa --curves qa \
+    --title "PIC vs PCC at 16x: QA after pretraining and the same fine-tune" \
+    --metric "F1=qa:scores.compressed.squad_f1" --metric "EM=qa:scores.compressed.squad_em"
 else
-  # ours (78 min on 2 CPU cores): SmolLM2 compresses (a trained copy) for itself (frozen); 64-token segments with 4 slots
-  # (16x), texts of 128-160 tokens (TR on the first half, TC on the rest), lr 1e-4, 300 steps; then 100 QA steps
-  # on the fill-in-the-blank training questions; scored on the 60 held-out questions
-  COMMON=(--chunk-len 64 --mem 4 --min-len 128 --max-len 160 --batch-size 4 --lr 1e-4 --warmup 30
-          --steps ${STEPS:-300} --save-every 100 "${TRAIN_TEXT[@]}")
-  for arm in pcc pic; do
-    train_arm $arm --method $arm "${COMMON[@]}"
-    eval_arm $arm ae "${HELD_TEXT[@]}" --n ${N:-48} --max-len 160
-    train_arm ${arm}_qa --method $arm --init "$OUT/$arm" --objective qa "${TRAIN_QA[@]}" --batch-size 4 \
-      --lr 5e-5 --warmup 10 --steps ${QA_STEPS:-100} --save-every 100 --max-len 256
-    eval_arm ${arm}_qa qa "${HELD_QA[@]}"
+  # ours: SmolLM2 compresses (a trained copy) for itself (frozen); 64-token segments with 64 / r slots, texts of
+  # 128-160 tokens (TR on the first half, TC on the rest), lr 1e-4, batch 4, STEPS steps, SEEDS seeds per arm at
+  # the rung; then QA_STEPS QA steps on the fill-in-the-blank training questions, scored on 60 held-out questions
+  STEPS=${STEPS:-300}
+  EVERY=${EVERY:-100}
+  SEEDS=${SEEDS:-0 1}
+  RATIOS=${RATIOS:-16 4 1}
+  [ "$SMOKE" = 1 ] && EVERY=1 && SEEDS=0 && RATIOS=16
+  SEED0=$(echo $SEEDS | cut -d' ' -f1)
+  pretrain() {   # pretrain ARM METHOD RATIO SEED
+    train_arm $1 --method $2 --chunk-len 64 --mem $((64 / $3)) --min-len 128 --max-len 160 --batch-size 4 \
+      --lr 1e-4 --warmup 30 --steps $STEPS --save-every $EVERY --keep-every $EVERY --seed $4 "${TRAIN_TEXT[@]}"
+    eval_arm $1 ae "${HELD_TEXT[@]}" --n ${N:-48} --max-len 160
+  }
+  own_other() { $PY -c "import json; print(json.load(open('$OUT/$1/eval_ae.json'))['loss']['own_other_ratio'])"; }
+  for r in $RATIOS; do   # the probe: does PCC carry its text at r x?
+    pretrain pcc_r${r}_s$SEED0 pcc $r $SEED0
+    RATIO=$r
+    if $PY -c "import sys; sys.exit(0 if $(own_other pcc_r${r}_s$SEED0) <= 0.5 else 1)"; then break; fi
+    echo "== PCC at ${r}x: own/other $(own_other pcc_r${r}_s$SEED0) > 0.5, its memory carries nothing: one rung down"
   done
+  echo "== the rung: ${RATIO}x (PCC's own/other $(own_other pcc_r${RATIO}_s$SEED0))"
+  for seed in $SEEDS; do
+    for arm in pcc pic; do
+      name=${arm}_r${RATIO}_s$seed
+      pretrain $name $arm $RATIO $seed
+      train_arm ${name}_qa --method $arm --init "$OUT/$name" --objective qa "${TRAIN_QA[@]}" --batch-size 4 \
+        --lr 5e-5 --warmup 10 --steps ${QA_STEPS:-100} --save-every 100 --max-len 256 --seed $seed
+      eval_arm ${name}_qa qa "${HELD_QA[@]}"
+    done
+  done
+  runs() { for seed in $SEEDS; do echo $1_r${RATIO}_s$seed${2:-}; done; }
+  PROBES=$(for r in $RATIOS; do [ -d "$OUT/pcc_r${r}_s$SEED0" ] && echo pcc_r${r}_s$SEED0; done)
+  $PY recipes/curve.py --out "$OUT" "${HELD_TEXT[@]}" --n ${N:-48} --title "PIC vs PCC" \
+    --group "${RATIO}x" $(runs pcc) $(runs pic)
+  $PY recipes/summarize.py --out "$OUT" --arms $(echo $PROBES $(runs pcc) $(runs pic) | tr ' ' '\n' | awk '!seen[$0]++') \
+    --curves ae lm --title "PIC vs PCC: pretraining (TR = ae, TC = lm), the probes of PCC and the rung ${RATIO}x" \
+    --metric "TR loss own=ae:loss.own" --metric "own/other=ae:loss.own_other_ratio" \
+    --metric "AE BLEU-4 (words)=ae:scores.compressed.bleu4_words" --note "model $MODEL"
+  $PY recipes/summarize.py --out "$OUT" --append --arms $(runs pcc _qa) $(runs pic _qa) --curves qa \
+    --title "PIC vs PCC at ${RATIO}x: QA after the same fine-tune (held-out questions)" \
+    --metric "F1=qa:scores.compressed.squad_f1" --metric "EM=qa:scores.compressed.squad_em" \
+    --metric "full-context F1=qa:scores.full.squad_f1" --metric "no-context F1=qa:scores.none.squad_f1"
+  $PY recipes/verdict.py --out "$OUT" --claim "PIC's TR loss falls lower and faster than PCC's (${RATIO}x)" \
+    --arm PIC $(runs pic) --arm PCC $(runs pcc) --expect PIC PCC \
+    --metric "TR loss own=ae:loss.own:lower" --metric "first step at own/other 0.5=curve:first_at_threshold:lower"
+  $PY recipes/verdict.py --out "$OUT" --claim "PIC answers better than PCC after the same QA fine-tune (${RATIO}x)" \
+    --arm PIC $(runs pic _qa) --arm PCC $(runs pcc _qa) --expect PIC PCC \
+    --carry-runs PIC $(runs pic) --carry-runs PCC $(runs pcc) \
+    --metric "F1=qa:scores.compressed.squad_f1:higher" --metric "EM=qa:scores.compressed.squad_em:higher"
 fi
-$PY recipes/summarize.py --out "$OUT" --arms pcc pic --curves ae lm \
-  --title "PIC vs PCC at 16x: pretraining (TR = ae, TC = lm)" \
-  --metric "TR loss own=ae:loss.own" --metric "own/other=ae:loss.own_other_ratio" \
-  --metric "AE BLEU-4 (words)=ae:scores.compressed.bleu4_words" --note "model $MODEL"
-$PY recipes/summarize.py --out "$OUT" --append --arms pcc_qa pic_qa --curves qa \
-  --title "PIC vs PCC at 16x: QA after the same fine-tune (held-out questions)" \
-  --metric "F1=qa:scores.compressed.squad_f1" --metric "EM=qa:scores.compressed.squad_em" \
-  --metric "full-context F1=qa:scores.full.squad_f1" --metric "no-context F1=qa:scores.none.squad_f1"
 finish

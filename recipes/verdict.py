@@ -7,11 +7,14 @@
 --expect A B: the paper says arm A beats arm B. For each metric (NAME=TASK:PATH:higher|lower, read as
 recipes/summarize.py reads it), each arm's mean over its seeds and its spread (the range, max - min), then:
 
-    reproduced      A beats B in the mean, by more than the larger of the two spreads
-    contradicted    B beats A, by more than that
-    not visible     the gap is inside the spread, and every run of both arms carries its text
-    undecided       the gap is inside the spread, but some run's memory carries nothing (so the comparison says
-                    nothing either way); or a run has no value for the metric
+    reproduced      every run of both arms carries its text, and A beats B in the mean by more than the larger of
+                    the two spreads
+    contradicted    every run carries its text, and B beats A by more than that
+    not visible     every run carries its text, and the gap is inside the spread
+    undecided       some run's memory carries nothing (so the comparison says nothing either way), or a run has
+                    no value for the metric
+A steps-to-threshold metric (lower is better, None = never within the run) is decided when every run of one arm
+gets there and no run of the other does, whatever the other metrics say.
 
 A run "carries its text" when its held-out own/other (the AE loss with each text's own memory over the loss with
 another text's; --carry, default ae:loss.own_other_ratio) is at or below --carry-max (0.5). A QA arm fine-tuned from
@@ -41,12 +44,14 @@ def decide(a, b, better, carried):
         return "undecided (some runs never get there)"
     if not a or not b or None in a or None in b:
         return "undecided (a run has no value)"
+    if not carried:   # a comparison between memories that carry nothing says nothing either way
+        return "undecided (a memory carries nothing)"
     gap = statistics.mean(a) - statistics.mean(b)
     gap = gap if better == "higher" else -gap                     # > 0: A is better
     spread = max(max(a) - min(a), max(b) - min(b))
     if abs(gap) > spread:
         return "reproduced" if gap > 0 else "contradicted"
-    return "not visible" if carried else "undecided (a memory carries nothing)"
+    return "not visible"
 
 
 def fmt(values):
@@ -67,23 +72,32 @@ def main(argv=None):
     p.add_argument("--metric", action="append", required=True, help="NAME=TASK:PATH:higher|lower")
     p.add_argument("--carry", default="ae:loss.own_other_ratio")
     p.add_argument("--carry-max", type=float, default=0.5)
+    p.add_argument("--carry-min", type=float, help="instead of --carry-max: a run carries when its --carry metric is "
+                   "at least this (CompLLM: how much better its CEs answer than no context)")
+    p.add_argument("--context", nargs=2, action="append", default=[], metavar=("LABEL", "CONTEXT"),
+                   help="fill {context} in the metric paths of arm LABEL (two rows of one evaluation: CEs and full)")
     p.add_argument("--carry-runs", nargs="+", action="append", default=[], metavar=("LABEL", "RUN"))
     p.add_argument("--note", default="")
     a = p.parse_args(argv)
     arms = {g[0]: g[1:] for g in a.arm}
     carry_runs = {**arms, **{g[0]: g[1:] for g in a.carry_runs}}
     own_other = {label: [read_metric(a.out, run, a.carry) for run in carry_runs[label]] for label in arms}
-    carried = all(v is not None and v <= a.carry_max for vs in own_other.values() for v in vs)
+    ok = (lambda v: v >= a.carry_min) if a.carry_min is not None else (lambda v: v <= a.carry_max)
+    carried = all(vs and all(v is not None and ok(v) for v in vs) for vs in own_other.values())
+    contexts = dict(a.context)
     A, B = a.expect
     lines = [f"### {a.claim}", "", f"| metric | {A} | {B} | verdict |", "|---|---|---|---|"]
     verdicts = {}
     for spec in a.metric:
         name, _, rest = spec.partition("=")
         path, _, better = rest.rpartition(":")
-        values = {label: [read_metric(a.out, run, path) for run in arms[label]] for label in (A, B)}
+        values = {label: [read_metric(a.out, run, path.replace("{context}", contexts.get(label, "")))
+                          for run in arms[label]] for label in (A, B)}
         verdicts[name] = decide(values[A], values[B], better, carried)
         lines.append(f"| {name} ({better} is better) | {fmt(values[A])} | {fmt(values[B])} | **{verdicts[name]}** |")
-    lines.append(f"| held-out own/other (each run; <= {a.carry_max} carries its text) | "
+    rule = f">= {a.carry_min}" if a.carry_min is not None else f"<= {a.carry_max}"
+    what = "held-out own/other" if a.carry == "ae:loss.own_other_ratio" else a.carry
+    lines.append(f"| {what} (each run; {rule} carries its text) | "
                  + " | ".join(", ".join("-" if v is None else f"{v:.3f}" for v in own_other[label]) for label in (A, B))
                  + " | " + ("every run carries its text" if carried else "**not every run carries its text**") + " |")
     lines += ["", f"mean over {len(arms[A])} seed(s) per arm, (min-max) across seeds. " + a.note]

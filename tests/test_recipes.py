@@ -49,16 +49,17 @@ def test_recipe_runs_end_to_end_without_matplotlib(paper, tmp_path):
         assert "(figure skipped: no matplotlib)" in (tmp_path / "results.md").read_text()
     assert not list(tmp_path.rglob("*.png"))
     if paper == "compllm":   # the reuse check compares two questions per context, compressed once against anew
-        reuse, fresh = (json.loads((tmp_path / "compllm" / f"eval_{k}.json").read_text()) for k in ("reuse", "fresh"))
+        reuse, fresh = (json.loads((tmp_path / "compllm_s0" / f"eval_{k}.json").read_text()) for k in ("reuse", "fresh"))
         assert reuse["concat"] == fresh["concat"] == 2 and reuse["reuse"] and not fresh["reuse"]
-        assert results["tables"][0]["arms"]["compllm"]["cached CEs: same answers"] is True
+        assert results["tables"][0]["arms"]["compllm_s0"]["cached CEs: same answers"] is True
 
 
 def test_a_recipe_with_matplotlib_draws_its_figures(tmp_path):
     pytest.importorskip("matplotlib")
     _, results = run_recipe("gmsa", tmp_path, hide_matplotlib=False)
-    curves = [c for table in results["tables"] for c in table["curves"].values()]
+    curves = [c for table in results["tables"] for c in table.get("curves", {}).values()]
     assert curves and all(Path(c["png"]).is_file() for c in curves)
+    assert (tmp_path / "curve.png").is_file()        # own/other along the runs (recipes/curve.py)
 
 
 def test_held_out_questions_are_answered_in_their_paragraphs():
@@ -68,3 +69,21 @@ def test_held_out_questions_are_answered_in_their_paragraphs():
     assert len(rows) == 60 and len({r["question"] for r in rows}) == 60
     for r in rows:
         assert r["answer"].strip() and r["answer"] in r["context"], r["question"]
+
+
+@pytest.mark.parametrize("a, b, better, carried, verdict", [
+    ([0.80, 0.82], [0.60, 0.65], "higher", True, "reproduced"),       # the paper's direction, gap 0.185 > spread 0.05
+    ([0.60, 0.65], [0.80, 0.82], "higher", True, "contradicted"),
+    ([0.70, 0.80], [0.65, 0.78], "higher", True, "not visible"),      # gap 0.035 inside the spread 0.13
+    ([2.0, 2.1], [3.0, 3.1], "lower", True, "reproduced"),            # a lower loss is better
+    ([0.80, 0.82], [0.60, 0.65], "higher", False, "undecided"),       # memories that carry nothing decide nothing
+    ([100, 200], [None, None], "lower", False, "reproduced"),         # A reaches the threshold, B never does
+    ([None, None], [100, 200], "lower", False, "contradicted"),
+    ([100, None], [None, None], "lower", False, "undecided"),
+    ([0.8, None], [0.6, 0.6], "higher", True, "undecided"),           # a run without a value
+])
+def test_verdict_rules(a, b, better, carried, verdict):
+    import sys
+    sys.path.insert(0, str(REPO / "recipes"))
+    import verdict as V
+    assert V.decide(a, b, better, carried).startswith(verdict)
