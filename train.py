@@ -39,7 +39,7 @@ import shutil
 import signal
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from glob import glob
 
 import numpy as np
@@ -53,57 +53,6 @@ from model import load_pretrained
 
 # ---- arguments ----
 
-# Each paper's training recipe; any flag overrides it. "ours" marks a value the paper and its code do not give.
-# lengths = (shortest, longest) text |X| in tokens per example (pretrain compresses the first half, ae all of
-# it), at the preset's chunk length. A key named after an objective holds what changes for it (--objective qa:
-# fine-tuning); such a row may also change compressor settings, e.g. the original 500x regenerates from [BOS].
-PAPER_DEFAULTS = {
-    # EPL App. C, Table 8 and code (ICAE continued pretraining, 1B/3B): AdamW β=(0.9, 0.95), wd 0.1, lr 1e-4
-    # pretrain / 5e-5 fine-tune, constant schedule, warmup 300, batch 16, 20k steps, clip 2.0; |X| ∈ [510, 2040],
-    # α = 0.5 (the code averages the two losses 1:1)
-    "icae": dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, schedule="constant",
-                 warmup=300, batch_size=16, clip=2.0, steps=20000, lengths=(510, 2040), lm_weight=0.5, crop="window",
-                 qa=dict(lr=5e-5)),
-    # EPL App. C, Table 8: the same recipe for 500xCompressor (EPL's 500xCompressor branch). `ae`: the original
-    # 500xCompressor code (train_500xCompressor.py): AE only from [BOS], memory tokens N(0, 1), no BOS in the
-    # context, LoRA r 64, α 32, dropout 0.05 (PEFT's default q, v), lr 1e-4, HF Trainer's AdamW (wd 0, clip 1.0),
-    # constant after 300 warmup steps, texts cut to their first 500 tokens
-    "500x": dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, schedule="constant",
-                 warmup=300, batch_size=16, clip=2.0, steps=20000, lengths=(510, 2040), lm_weight=0.5, crop="window",
-                 qa=dict(lr=5e-5),
-                 ae=dict(betas=(0.9, 0.999), weight_decay=0.0, clip=1.0, lengths=(500, 500), crop="head",
-                         ae_token="bos", lm_token="bos", mem_init="normal", bos=False, lora_r=64, lora_alpha=32,
-                         lora_dropout=0.05, template="plain")),
-    # PCC code (PIC §3.4: "we align our training pipeline with the established PCC framework"): AdamW β=(0.9,
-    # 0.999), wd 0, lr 1e-4 (PIC §4.1.2 too), cosine after 300 warmup steps, clip 0.5, batch 256; 256-token
-    # texts to compress (|X| = 512: p = 256, then its continuation). QA fine-tuning: lr 5e-5, cosine, warmup 100,
-    # batch 128. Steps: one epoch in the paper (ours: 20k)
-    "pcc": dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="cosine",
-                warmup=300, batch_size=256, clip=0.5, steps=20000, lengths=(512, 512), lm_weight=0.5, crop="window",
-                qa=dict(lr=5e-5, warmup=100, batch_size=128)),
-    "pic": dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="cosine",
-                warmup=300, batch_size=256, clip=0.5, steps=20000, lengths=(512, 512), lm_weight=0.5, crop="window",
-                qa=dict(lr=5e-5, warmup=100, batch_size=128)),
-    # CompLLM §4.1: Adam (= AdamW with weight decay 0), lr 1e-4, batch 4, "until convergence". Schedule, warmup,
-    # clip, steps and the |X| range for --objective pretrain/ae are ours
-    "compllm": dict(objective="distill", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="constant",
-                    warmup=0, batch_size=4, clip=1.0, steps=20000, lengths=(510, 2040), lm_weight=0.5, crop="window",
-                    qa=dict()),
-    # GMSA App. C, Table 3: AdamW, linear schedule, clip 2.0, batch 4 (AE) / 16 (KEFT); 10k AE / 5k KEFT steps
-    # (PwC); texts of at most 512 tokens for PwC (§4.1), QA contexts up to 3072. Its learning rates are not
-    # legible in our copy of the paper: 1e-4 (AE) / 1e-5 (KEFT) are ours, as are betas, weight decay (PyTorch's
-    # AdamW defaults), warmup, and the shortest text
-    "gmsa": dict(objective="ae", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01, schedule="linear",
-                 warmup=300, batch_size=4, clip=2.0, steps=10000, lengths=(256, 512), lm_weight=0.5, crop="window",
-                 qa=dict(lr=1e-5, batch_size=16, steps=5000, lengths=(256, 3072))),
-    # AOC §2 and code (pretrain_and_eval.py, HF Trainer defaults): AdamW β=(0.9, 0.999), wd 0, 300 warmup steps to
-    # lr 2e-4 (the paper; the code's default is 5e-4), then constant; clip 1.0; batch 16; one model per prompt
-    # length n: every text is the first n tokens of a document (head crop, a short one padded with EOS and
-    # trained on), n = 96 in the code; 300k abstracts at batch 16 = 18,750 steps
-    "aoc": dict(objective="ae", lr=2e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="constant",
-                warmup=300, batch_size=16, clip=1.0, steps=18750, lengths=(96, 96), lm_weight=0.5, crop="head",
-                qa=dict()),
-}
 # --model tiny is a CPU smoke test (ours): a quarter of the paper's lengths and batch 4 keep a step near 0.2 s
 TINY = dict(length_scale=0.25, batch_size=4)
 # flags that may change when a run is continued with --resume; every other flag must match the checkpoint
@@ -118,10 +67,7 @@ EXAMPLES = """examples:
   python train.py --resume runs/aoc --stop-after 4000                                  # time-sliced jobs
   torchrun --nproc_per_node 8 train.py --method icae ...                               # one process per GPU"""
 # every compressor axis (compressors.CompressorConfig) that a flag can set
-COMPRESSOR_FLAGS = ("mem", "ratio", "ratios", "source", "chunking", "lsa_layers", "layout", "mask", "carrier",
-                    "bridge", "encoder", "mlp", "chunk_len", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
-                    "enc_layers", "mem_init", "cap_mem", "bos", "delimiters", "ae_token", "lm_token", "train_specials",
-                    "template")
+COMPRESSOR_FLAGS = tuple(f.name for f in C.FLAG_FIELDS)
 RECIPE_FLAGS = ("lr", "betas", "weight_decay", "schedule", "batch_size", "clip", "steps", "lm_weight", "crop")
 
 
@@ -131,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__.split("\n\n")[0].strip(),
         epilog=defaults_table() + "\n\n" + EXAMPLES)
     g = p.add_argument_group("what to train")
-    g.add_argument("--method", choices=C.METHODS, help="the compressor preset (compressors.py PRESETS); "
+    g.add_argument("--method", choices=C.METHODS, help="the compressor preset (compressors.PRESETS); "
                    "optional with --resume")
     g.add_argument("--model", default="tiny", help="the LLM: a Hugging Face id, a local folder with config.json "
                    "+ *.safetensors, or 'tiny' (a random 4-layer model for CPU tests; default). It decodes, and "
@@ -154,50 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", help="run directory: checkpoints, log.jsonl, token cache (default: runs/METHOD, or "
                    "the --resume directory)")
 
-    g = p.add_argument_group("compressor (default: the method's preset in compressors.py)")
-    g.add_argument("--mem", type=int, help="memory tokens per chunk (EPL: 102 per 510; AOC: 1, 4 or 16)")
-    g.add_argument("--ratio", type=float, help="memory per chunk = ceil(chunk tokens / R) instead of --mem "
-                   "(PIC 16x, CompLLM C = 2)")
-    g.add_argument("--ratios", type=int, nargs="+", metavar="R", help="GMSA group sizes, one sampled per "
-                   "example (GMSA §4.1: 4 8)")
-    g.add_argument("--layout", choices=("dpl", "upl", "epl"), help="position layout of memory tokens (EPL "
-                   "§3.2); only for methods with memory tokens")
-    g.add_argument("--source", choices=("mem_tokens", "eos", "group_mean"), help="what becomes the memory: learned "
-                   "memory tokens (ICAE, 500x, PCC/PIC, AOC), EOS embeddings (CompLLM), group means (GMSA)")
-    g.add_argument("--chunking", choices=("fixed", "sentences"), help="chunks of --chunk-len, or CompLLM's "
-                   "sentence segments of at most --chunk-len tokens")
-    g.add_argument("--mask", choices=("causal", "pic"), help="encoder mask over [chunk, memory] (PIC Eq. 5)")
-    g.add_argument("--carrier", choices=("embeds", "kv"), help="hidden states as input embeddings (ICAE) or "
-                   "per-layer K/V (500x, AOC)")
-    g.add_argument("--bridge", choices=("none", "linear", "mlp", "lsa"), help="encoder -> decoder map "
-                   "(CompLLM linear, PCC/PIC MLP converter, GMSA LSA)")
-    g.add_argument("--encoder", choices=("lora", "full", "separate", "first_k"), help="encoder weights")
-    g.add_argument("--mlp", choices=("swiglu", "aoc", "none"), help="encoder blocks: with MLP, AOC Eq. 3, or "
-                   "without the sub-block")
-    g.add_argument("--chunk-len", type=int, help="context tokens per chunk (CompLLM: segment length S)")
-    g.add_argument("--lora-r", type=int, help="LoRA rank (EPL 128, CompLLM 32)")
-    g.add_argument("--lora-alpha", type=int, help="LoRA alpha (EPL 256)")
-    g.add_argument("--enc-layers", type=int, help="first_k encoder: layers kept (GMSA: 8 of 32)")
-    g.add_argument("--lsa-layers", type=int, help="LSA bridge: decoder blocks copied (GMSA: 1)")
-    g.add_argument("--lora-dropout", type=float, help="dropout on the LoRA branch (ICAE, AOC's LoRA baselines: 0.05)")
-    g.add_argument("--lora-targets", nargs="+", metavar="NAME", help="linear layers that get LoRA (EPL: q_proj "
-                   "v_proj; AOC's baselines: q_proj k_proj v_proj o_proj)")
-    g.add_argument("--mem-init", choices=("embed", "normal", "hf"), help="memory and learned special tokens: "
-                   "N(mean, std of the embedding table) (EPL), N(0, 1) (ICAE, 500x, AOC) or N(0, 0.02) (PCC)")
-    g.add_argument("--cap-mem", action=argparse.BooleanOptionalAction, help="ours: a chunk shorter than --mem "
-                   "gets as many slots as tokens (the papers' code gives it all --mem)")
-    g.add_argument("--bos", action=argparse.BooleanOptionalAction, help="the context starts with [BOS] and AE "
-                   "reconstructs it (ICAE, EPL code)")
-    g.add_argument("--delimiters", action=argparse.BooleanOptionalAction, help="PCC: [BOS] and <mem> ... </mem> "
-                   "around each chunk's memory in the decoder input")
-    g.add_argument("--ae-token", choices=("learned", "bos", "none"), help="after the memory for AE: a learned [AE] "
-                   "(ICAE, EPL), [BOS] (500x, AOC) or nothing")
-    g.add_argument("--lm-token", choices=("learned", "bos", "last", "none"), help="after the memory for LM and "
-                   "QA: a learned [LM] (EPL), [BOS], x_k (PIC Eq. 7) or nothing (CompLLM)")
-    g.add_argument("--train-specials", action=argparse.BooleanOptionalAction, help="learned [AE]/[LM] and "
-                   "delimiters train (PCC code keeps them random and frozen)")
-    g.add_argument("--template", choices=("plain", "pcc", "epl", "chat", "chatml", "llama3", "gemma"),
-                   help="QA prompt around context and question (compressors.TEMPLATES; chat: the model's own)")
+    g = p.add_argument_group("compressor (default: the method's preset, compressors.PRESETS)")
+    for f in C.FLAG_FIELDS:   # one flag per compressor axis, its help and choices from CompressorConfig
+        flag, kind, meta = "--" + f.name.replace("_", "-"), type(f.default), f.metadata
+        if kind is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, help=meta["help"])
+        elif kind is tuple:
+            g.add_argument(flag, type=meta["item"], nargs="+", metavar=meta.get("metavar"), help=meta["help"])
+        else:
+            g.add_argument(flag, type=kind, choices=meta["choices"], help=meta["help"])
 
     g = p.add_argument_group("optimization (default: the method's row in the table below)")
     g.add_argument("--steps", type=int, help="optimizer steps of the whole run")
@@ -214,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lm-weight", type=float, help="α (EPL) / λ (PIC Eq. 8): weight of the LM loss in "
                    "pretrain; AE gets 1 - α (default 0.5)")
 
+    add_data_and_run_flags(p)
+    return p
+
+
+def add_data_and_run_flags(p: argparse.ArgumentParser):
     g = p.add_argument_group("data")
     g.add_argument("--min-len", type=int, help="shortest text |X| in tokens (default: the paper's, scaled "
                    "down with a shorter --chunk-len and for --model tiny)")
@@ -239,15 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "(encoder and decoder): less memory, about a third more compute")
     g.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
     g.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    return p
 
 
 def defaults_table() -> str:
     """The per-method defaults as the table --help prints."""
-    rows = ["per-method defaults (flags override; see PAPER_DEFAULTS in train.py for the sources):",
+    rows = ["per-method defaults (flags override; compressors.PRESETS gives the sources of each):",
             f"  {'method':8} {'objective':9} {'lr':>7} {'betas':>11} {'wd':>5} {'schedule':9} {'warmup':>6} "
             f"{'batch':>5} {'clip':>4} {'steps':>6}  |X|"]
-    for m, d in PAPER_DEFAULTS.items():
+    for m, d in ((m, p.recipe) for m, p in C.PRESETS.items()):
         rows.append(f"  {m:8} {d['objective']:9} {d['lr']:7.0e} {str(d['betas']):>11} {d['weight_decay']:5} "
                     f"{d['schedule']:9} {d['warmup']:6} {d['batch_size']:5} {d['clip']:4} {d['steps']:6}  "
                     f"{d['lengths'][0]}-{d['lengths'][1]}" + (f"   qa: {d['qa']}" if d["qa"] else ""))
@@ -286,8 +201,8 @@ def parse_args(argv=None):
 
 
 def resolve_defaults(args):
-    """Fill every flag left unset from the method's paper recipe (PAPER_DEFAULTS), scaled for small runs."""
-    paper = dict(PAPER_DEFAULTS[args.method])
+    """Fill every flag left unset from the method's paper recipe (compressors.PRESETS), scaled for small runs."""
+    paper = dict(C.PRESETS[args.method].recipe)
     if args.objective is None:
         args.objective = "qa" if args.stage == "keft" else paper["objective"]
     paper.update(paper.get(args.objective, {}))   # what changes for this objective (fine-tuning, the original 500x)
@@ -667,19 +582,29 @@ def loss_distill(comp, b):
     return l, {"distill": l}
 
 
-def main(argv=None):
-    args, resume_state = parse_args(argv)
+@dataclass
+class Run:
+    """Where and how a run trains: its processes (one per GPU under torchrun) and how a step's batch is split."""
+    device: torch.device
+    rank: int           # this process (0 logs and writes)
+    world: int          # processes
+    micro: int          # examples per forward pass and process
+    accum: int          # micro-batches per step and process
+    start: int          # steps done (the data position is this number)
+    autocast: object    # bf16 autocast on CUDA, else nothing
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+
+def set_up(args, resume_state) -> Run:
+    """Processes, the batch split, the seeds; refuses a run that would overwrite another."""
     device, rank, world = setup_device(args)
-    master = rank == 0                     # only rank 0 logs and writes
     micro = args.micro_batch or args.batch_size // world
     if micro < 1 or args.batch_size % (micro * world):
         fail(f"--batch-size {args.batch_size} must be a multiple of --micro-batch {micro} x {world} GPU(s)")
-    accum = args.batch_size // (micro * world)   # micro-batches per step and GPU
-    ckpt_dir = latest_checkpoint(args.resume) if args.resume else None
-    start = resume_state["step"] if resume_state else 0      # steps done; the data position is this number
-    if start >= args.steps:
-        print(f"{args.resume} is already at step {start} of {args.steps}: nothing to do (raise --steps)")
-        return
+    start = resume_state["step"] if resume_state else 0
     if not args.resume and latest_checkpoint(args.out, required=False):
         fail(f"{args.out} already holds a checkpoint: continue it with --resume {args.out}, or pick another --out")
     # torch's RNG draws the init of memory tokens / LoRA / bridges (one stream per process: DDP then copies rank
@@ -689,10 +614,13 @@ def main(argv=None):
     random.seed(args.seed)
     np.random.seed(args.seed)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    return Run(device, rank, world, micro, args.batch_size // (micro * world), start, autocast)
 
-    # model and compressor (a bad model name, a corrupt checkpoint: one line, not a traceback)
-    try:
-        comp = build_compressor(args, device, ckpt_dir)
+
+def build_step(args, run: Run, ckpt_dir):
+    """The compressor (from the checkpoint when resuming) and the objective as a module (DDP-wrapped on > 1 GPU)."""
+    try:   # a bad model name, a corrupt checkpoint: one line, not a traceback
+        comp = build_compressor(args, run.device, ckpt_dir)
     except (ValueError, OSError) as e:
         fail(e)
     for model in (comp.encoder, comp.decoder):   # activation checkpointing per block (model.py)
@@ -700,11 +628,24 @@ def main(argv=None):
     if args.compile:
         compile_blocks(comp)
     step_fn = TrainStep(comp, args.objective, args.lm_weight)
-    if world > 1:   # unused parameters: e.g. the [LM] embedding when the objective is ae
-        step_fn = nn.parallel.DistributedDataParallel(step_fn, find_unused_parameters=True,
-                                                      device_ids=[device.index] if device.type == "cuda" else None)
+    if run.world > 1:   # unused parameters: e.g. the [LM] embedding when the objective is ae
+        step_fn = nn.parallel.DistributedDataParallel(step_fn, find_unused_parameters=True, device_ids=[
+            run.device.index] if run.device.type == "cuda" else None)
+    return comp, step_fn
 
-    # data (tokenised once, then cached)
+
+@dataclass
+class Data:
+    tokens: dict        # tokenize_corpus's tensors
+    key: str            # its cache key (saved with each checkpoint)
+    documents: int      # texts read
+    questions: int      # QA examples read
+    answers: dict       # distill: the frozen LLM's answers, memoised (saved with each checkpoint)
+    answers_path: str
+
+
+def load_data(args, comp) -> Data:
+    """The corpus, checked against the objective, tokenised once and cached."""
     try:
         texts, qa, identity = read_corpus(args.data)
     except OSError as e:     # unreadable files: one line
@@ -722,133 +663,173 @@ def main(argv=None):
     if args.objective == "distill" and comp.enc_tok is not comp.tok:
         fail("distill runs the teacher and the student on the same ids: it needs one tokenizer for both models")
     cache_dir = args.cache_dir or os.path.join(args.out, "cache")
-    data, data_key = tokenize_corpus(texts, qa, identity, comp, cache_dir)
+    data, key = tokenize_corpus(texts, qa, identity, comp, cache_dir)
     if args.objective in ("pretrain", "ae") and len(data["tokens"]) == 0:   # (documents of < 2 tokens are dropped)
         fail(f"no text of 2 tokens or more in {args.data}")
-    answers_path = os.path.join(cache_dir, f"answers-{data_key}-{args.answer_tokens}.pt")
+    answers_path = os.path.join(cache_dir, f"answers-{key}-{args.answer_tokens}.pt")
     answers = torch.load(answers_path, weights_only=True) if os.path.exists(answers_path) else {}
+    return Data(data, key, len(texts), len(qa), answers, answers_path)
 
-    # optimizer and schedule
-    params = comp.trainable_parameters()   # what compressors.py leaves trainable for this method and stage
-    opt = make_optimizer(comp, args, device)
-    if resume_state:   # the optimizer's moments and step counts, and every RNG where it stood
+
+def restore(opt, resume_state, rank):
+    """A resumed run's optimizer moments and step counts, and every RNG where it stood."""
+    try:
+        opt.load_state_dict(resume_state["optimizer"])
+    except (ValueError, KeyError) as e:
+        fail(f"mismatched checkpoint: its optimizer state does not fit this compressor ({e})")
+    set_rng_state(resume_state["rng"][rank if rank < len(resume_state["rng"]) else 0])
+
+
+def accumulate(args, run: Run, comp, step_fn, data: Data, step: int):
+    """Forward and backward over this process's micro-batches of the step: (loss, per-task parts, tokens read)."""
+    total, parts, tokens = 0.0, {}, 0
+    examples = step_examples(data.tokens, args.objective, args, comp, step)
+    norm = step_normalizers(comp, args.objective, examples)
+    for m in range(run.accum):
+        first = (m * run.world + run.rank) * run.micro   # this rank's slice of the step's examples
+        batch = collate(examples[first:first + run.micro])
+        batch["norm"] = norm
+        if args.objective == "distill":   # the frozen LLM answers first (once per example, cached)
+            batch["answer"] = [teacher_answer(comp, data.answers, p + c + q, args.answer_tokens, run.autocast)
+                               for p, c, q in zip(batch["prefix"], batch["dec_context"], batch["question"])]
+            batch["tokens"] += sum(len(c) + len(q) + 2 * len(a) for c, q, a in   # teacher + student
+                                   zip(batch["dec_context"], batch["question"], batch["answer"]))
+        # DDP all-reduces gradients after every backward; only the last micro-batch needs it
+        sync = step_fn.no_sync() if run.world > 1 and m < run.accum - 1 else nullcontext()
         try:
-            opt.load_state_dict(resume_state["optimizer"])
-        except (ValueError, KeyError) as e:
-            fail(f"mismatched checkpoint: its optimizer state does not fit this compressor ({e})")
-        set_rng_state(resume_state["rng"][rank if rank < len(resume_state["rng"]) else 0])
+            with sync, run.autocast:
+                loss, part = step_fn(batch)
+            # each loss is this micro-batch's share of the step's mean (step_normalizers): the gradients of the
+            # shares add up to the step's, as if it had been one forward pass. DDP averages the processes'
+            # gradients, so each process's share counts `world` times
+            (loss * run.world).backward()
+        except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
+            if not is_out_of_memory(e):
+                raise
+            # nothing is saved: the last checkpoint in --out stays the last good state
+            fail(f"out of memory at step {step + 1} on {run.device} with a micro-batch of {run.micro} "
+                 f"({batch_shape(batch)}): use --micro-batch {max(1, run.micro // 2)}"
+                 f"{'' if args.grad_ckpt else ' or --grad-ckpt'}; the last good checkpoint in {args.out} is kept")
+        total += loss.item()
+        for k, v in part.items():
+            parts[k] = parts.get(k, 0.0) + v.item()
+        tokens += batch["tokens"]
+    return total, parts, tokens
 
-    # loop
-    if master:
-        os.makedirs(args.out, exist_ok=True)
-        trim_log(os.path.join(args.out, "log.jsonl"), start)   # a resumed run rewrites the steps after its checkpoint
-        log = open(os.path.join(args.out, "log.jsonl"), "a")
-        n_train = sum(p.numel() for p in params)
-        read = f"{len(texts):,} documents" + (f", {len(qa):,} QA examples" if qa else "")
-        print(f"{comp.cfg.method}: {args.objective} objective on {read}, {n_train:,} trained parameters, batch {args.batch_size}"
-              f" ({accum} x {micro} x {world}), |X| in [{args.min_len}, {args.max_len}], lr {args.lr:g}, "
-              f"{args.schedule} after {args.warmup} warmup steps, steps {start}->{args.steps} on {device}")
-    stop = {"signal": None}    # Ctrl-C / SIGTERM: finish the step, save, stop (a second Ctrl-C stops at once)
 
+def train_step(args, run: Run, comp, step_fn, opt, params, data: Data, step: int, stop: dict) -> dict:
+    """One optimizer step: the step's log row, with "stop" when any process was asked to stop (by now)."""
+    t0 = time.time()
+    lr = lr_at(step, args)       # set by hand each step: the schedule is a plain function of the step
+    for group in opt.param_groups:
+        group["lr"] = lr
+    total, parts, tokens = accumulate(args, run, comp, step_fn, data, step)
+    # clip_grad_norm_ returns the norm before clipping; clip 0 = measure only
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else float("inf")).item()
+    stats = torch.tensor([total, grad_norm, tokens, stop["signal"] is not None, *parts.values()], dtype=torch.float64,
+                         device=run.device)
+    if run.world > 1:   # the processes' shares add up to the step's loss; every rank then decides alike below
+        dist.all_reduce(stats)
+        stats[1] /= run.world   # the gradient norm is the same on every rank (DDP synced the gradients)
+    total, tokens, stopping = stats[0].item(), int(stats[2].item()), bool(stats[3].item())
+    parts = dict(zip(parts, stats[4:].tolist()))
+    if not (math.isfinite(total) and math.isfinite(grad_norm)):
+        # no optimizer step and no save: the last checkpoint in --out stays the last good state
+        fail(f"loss {total} / grad-norm {grad_norm} at step {step + 1}: stopping; "
+             f"the last good checkpoint in {args.out} is kept")
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if run.device.type == "cuda":
+        torch.cuda.synchronize()     # dt measures the step, not just its kernel launches
+    dt = time.time() - t0
+    return dict(step=step + 1, loss=total, lr=lr, grad_norm=grad_norm, dt=dt, tokens_per_s=tokens / dt,
+                tokens=tokens, **parts, stop=stopping)
+
+
+def write_log(log, bar, row, steps):
+    """The step's row in log.jsonl and on the console."""
+    parts = {k: v for k, v in row.items() if k not in ("step", "loss", "lr", "grad_norm", "dt", "tokens_per_s",
+                                                       "tokens", "stop")}
+    log.write(json.dumps({k: v for k, v in row.items() if k != "stop"}) + "\n")
+    log.flush()
+    detail = ", ".join(f"{k} {v:.4f}" for k, v in parts.items())
+    tqdm.write(f"step {row['step']:>{len(str(steps))}}/{steps} | loss {row['loss']:.4f} ({detail}) | "
+               f"lr {row['lr']:.2e} | grad-norm {row['grad_norm']:.3f} | dt {row['dt'] * 1000:.0f}ms | "
+               f"tok/s {row['tokens_per_s']:,.0f}")
+    bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+    bar.update(1)
+
+
+def save(args, run: Run, comp, opt, data: Data, done: int):
+    """A checkpoint of step `done` (every rank hands rank 0 its RNG state; rank 0 writes)."""
+    rng = gather_rng_states(run.world)
+    if run.master:
+        save_checkpoint(args.out, done, comp, opt, args, rng, data.key, args.keep_every)
+        if data.answers:
+            torch.save(data.answers, data.answers_path + ".tmp")
+            os.replace(data.answers_path + ".tmp", data.answers_path)
+
+
+def catch_signals(stop: dict) -> dict:
+    """Ctrl-C / SIGTERM: finish the step, save, stop (a second Ctrl-C stops at once). Returns the old handlers."""
     def on_signal(signum, frame):
         if stop["signal"] is not None:
             raise KeyboardInterrupt
         stop["signal"] = signal.Signals(signum).name
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def main(argv=None):
+    args, resume_state = parse_args(argv)
+    run = set_up(args, resume_state)
+    if run.start >= args.steps:
+        print(f"{args.resume} is already at step {run.start} of {args.steps}: nothing to do (raise --steps)")
+        return
+    comp, step_fn = build_step(args, run, latest_checkpoint(args.resume) if args.resume else None)
+    data = load_data(args, comp)
+    params = comp.trainable_parameters()   # what compressors.py leaves trainable for this method and stage
+    opt = make_optimizer(comp, args, run.device)
+    if resume_state:
+        restore(opt, resume_state, run.rank)
+
+    if run.master:
+        os.makedirs(args.out, exist_ok=True)
+        trim_log(os.path.join(args.out, "log.jsonl"), run.start)   # a resumed run rewrites the steps after its checkpoint
+        log = open(os.path.join(args.out, "log.jsonl"), "a")
+        read = f"{data.documents:,} documents" + (f", {data.questions:,} QA examples" if data.questions else "")
+        print(f"{comp.cfg.method}: {args.objective} objective on {read}, {sum(p.numel() for p in params):,} trained "
+              f"parameters, batch {args.batch_size} ({run.accum} x {run.micro} x {run.world}), |X| in "
+              f"[{args.min_len}, {args.max_len}], lr {args.lr:g}, {args.schedule} after {args.warmup} warmup steps, "
+              f"steps {run.start}->{args.steps} on {run.device}")
+    stop = {"signal": None}
+    old_handlers = catch_signals(stop)
     end = min(args.steps, args.stop_after or args.steps)      # --stop-after K: this job ends after step K
-    bar = tqdm(total=args.steps, initial=start, disable=not master, desc=comp.cfg.method, dynamic_ncols=True)
+    bar = tqdm(total=args.steps, initial=run.start, disable=not run.master, desc=comp.cfg.method, dynamic_ncols=True)
     try:
-        for step in range(start, end):
-            t0 = time.time()
-            lr = lr_at(step, args)       # set by hand each step: the schedule is a plain function of the step
-            for group in opt.param_groups:
-                group["lr"] = lr
-            total, parts, tokens = 0.0, {}, 0   # this step's loss, its per-task parts, tokens read
-            examples = step_examples(data, args.objective, args, comp, step)
-            norm = step_normalizers(comp, args.objective, examples)
-            for m in range(accum):
-                first = (m * world + rank) * micro   # this rank's slice of the step's examples
-                batch = collate(examples[first:first + micro])
-                batch["norm"] = norm
-                if args.objective == "distill":   # the frozen LLM answers first (once per example, cached)
-                    batch["answer"] = [teacher_answer(comp, answers, p + c + q, args.answer_tokens, autocast)
-                                       for p, c, q in zip(batch["prefix"], batch["dec_context"], batch["question"])]
-                    batch["tokens"] += sum(len(c) + len(q) + 2 * len(a) for c, q, a in   # teacher + student
-                                           zip(batch["dec_context"], batch["question"], batch["answer"]))
-                # DDP all-reduces gradients after every backward; only the last micro-batch needs it
-                sync = step_fn.no_sync() if world > 1 and m < accum - 1 else nullcontext()
-                try:
-                    with sync, autocast:
-                        loss, part = step_fn(batch)
-                    # each loss is this micro-batch's share of the step's mean (step_normalizers): the gradients
-                    # of the shares add up to the step's, as if it had been one forward pass. DDP averages the
-                    # processes' gradients, so each process's share counts `world` times
-                    (loss * world).backward()
-                except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
-                    if not is_out_of_memory(e):
-                        raise
-                    # nothing is saved: the last checkpoint in --out stays the last good state
-                    fail(f"out of memory at step {step + 1} on {device} with a micro-batch of {micro} "
-                         f"({batch_shape(batch)}): use --micro-batch {max(1, micro // 2)}"
-                         f"{'' if args.grad_ckpt else ' or --grad-ckpt'}; the last good checkpoint in {args.out} is kept")
-                total += loss.item()
-                for k, v in part.items():
-                    parts[k] = parts.get(k, 0.0) + v.item()
-                tokens += batch["tokens"]
-            # clip_grad_norm_ returns the norm before clipping; clip 0 = measure only
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else float("inf")).item()
-            stats = torch.tensor([total, grad_norm, tokens, stop["signal"] is not None, *parts.values()],
-                                 dtype=torch.float64, device=device)
-            if world > 1:   # the processes' shares add up to the step's loss; every rank then decides alike below
-                dist.all_reduce(stats)
-                stats[1] /= world   # the gradient norm is the same on every rank (DDP synced the gradients)
-            total, tokens, stop_now = stats[0].item(), int(stats[2].item()), bool(stats[3].item())
-            parts = dict(zip(parts, stats[4:].tolist()))
-            if not (math.isfinite(total) and math.isfinite(grad_norm)):
-                # no optimizer step and no save: the last checkpoint in --out stays the last good state
-                fail(f"loss {total} / grad-norm {grad_norm} at step {step + 1}: stopping; "
-                     f"the last good checkpoint in {args.out} is kept")
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize()     # dt measures the step, not just its kernel launches
-            dt = time.time() - t0
-            if master:
-                row = dict(step=step + 1, loss=total, lr=lr, grad_norm=grad_norm, dt=dt,
-                           tokens_per_s=tokens / dt, tokens=tokens, **parts)
-                log.write(json.dumps(row) + "\n")
-                log.flush()
-                detail = ", ".join(f"{k} {v:.4f}" for k, v in parts.items())
-                tqdm.write(f"step {step + 1:>{len(str(args.steps))}}/{args.steps} | loss {total:.4f} ({detail}) | "
-                           f"lr {lr:.2e} | grad-norm {grad_norm:.3f} | dt {dt * 1000:.0f}ms | "
-                           f"tok/s {tokens / dt:,.0f}")
-                bar.set_postfix(loss=f"{total:.4f}", tok_s=f"{tokens / dt:,.0f}")
-                bar.update(1)
+        for step in range(run.start, end):
+            row = train_step(args, run, comp, step_fn, opt, params, data, step, stop)
+            if run.master:
+                write_log(log, bar, row, args.steps)
             done = step + 1
-            # save on schedule, at the end of this job, or when asked to stop: never after a bad step (above)
-            if stop_now or done == end or done % args.save_every == 0 or (args.keep_every and done % args.keep_every == 0):
-                rng = gather_rng_states(world)       # every rank takes part; rank 0 writes
-                if master:
-                    save_checkpoint(args.out, done, comp, opt, args, rng, data_key, args.keep_every)
-                    if answers:
-                        torch.save(answers, answers_path + ".tmp")
-                        os.replace(answers_path + ".tmp", answers_path)
-            if stop_now:
+            # save on schedule, at the end of this job, or when asked to stop: never after a bad step (train_step)
+            if row["stop"] or done == end or done % args.save_every == 0 or (args.keep_every and done % args.keep_every == 0):
+                save(args, run, comp, opt, data, done)
+            if row["stop"]:
                 end = done
-                if master:
+                if run.master:
                     print(f"\nstopped by a signal after step {done}; continue with --resume {args.out}")
                 break
     finally:
         bar.close()
         for s, h in old_handlers.items():
             signal.signal(s, h)
-        if master:
+        if run.master:
             log.close()
-        if world > 1:
+        if run.world > 1:
             dist.destroy_process_group()
-    if master and end == args.steps:
+    if run.master and end == args.steps:
         print(f"done: {args.steps} steps; the compressor is in {args.out} (compressors.load, evaluate.py --ckpt)")
-    elif master and end == args.stop_after:
+    elif run.master and end == args.stop_after:
         print(f"stopped after step {end} (--stop-after); continue with --resume {args.out}")
 
 

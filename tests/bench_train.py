@@ -54,7 +54,7 @@ def bench_shape(shape, method, device, steps, batch=4):
     torch.manual_seed(0)
     decoder, tok = build_shape(shape, device)   # ids below the tiny vocabulary: any tokenizer will do
     comp = C.build(method, decoder, tok)
-    recipe = train.PAPER_DEFAULTS[method]
+    recipe = C.PRESETS[method].recipe
     n = recipe["lengths"][1] // (2 if recipe["objective"] == "pretrain" else 1)
     opt = torch.optim.AdamW(comp.trainable_parameters(), lr=1e-5, fused=device == "cuda")
     g = torch.Generator().manual_seed(0)
