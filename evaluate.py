@@ -20,7 +20,7 @@ perplexity.
     question answering    squad_em, squad_f1 (normalised) · exact_match, token_f1 (unnormalised)
                           · substring_acc (GMSA "Acc") · epl_qa_f1, epl_qa_em (EPL)
 
-Which paper scores how (SPEC "How each paper scores"): what the official script computes, our
+Which paper scores how (each paper's scoring code, as cited at each function): what it computes, our
 function for it, and [its key] in ae_scores / qa_scores.
 
     EPL          BLEU-4 on token ids, no smoothing          bleu4(ids, ids)                      [bleu4_ids]
@@ -55,6 +55,7 @@ import time
 from collections import Counter
 from contextlib import nullcontext
 from dataclasses import asdict
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -632,12 +633,6 @@ def compress(comp, contexts, ratio=None, cache=None):
     return comp.compress(contexts, rates=rates, cache=cache)
 
 
-def start_ids(tok):
-    """What a plain-LLM prompt starts with: BOS, or EOS for tokenizers without one (Qwen uses its
-    <|endoftext|> as the document separator). The LM rows need a first slot to predict from."""
-    return [tok.bos_id if tok.bos_id is not None else tok.eos_id]
-
-
 class PlainLLM:
     """The references' LLM: the base model with no memory. Usually the compressor's own decoder with a shared
     encoder's LoRA switched off; after GMSA's KEFT (whose q/k/v are trained) a fresh copy of the base model."""
@@ -667,7 +662,7 @@ class PlainLLM:
         with self.decoding():
             out = self.model.generate(ids, position_ids=pos, attn_mask=mask, max_new_tokens=max_new_tokens,
                                       eos_id=self.tok.eos_ids or None)
-        return [cut_at_eos(row, self.tok.eos_ids) for row in out.tolist()]
+        return [self.tok.cut_at_eos(row) for row in out.tolist()]
 
     @torch.no_grad()
     def nll(self, prefixes, follows):
@@ -682,11 +677,6 @@ class PlainLLM:
             logits = self.model.lm_head(h[b, len(p) - 1:len(p) + len(f) - 1]).float()   # (len(f), V)
             out.append((F.cross_entropy(logits, ids[b, len(p):len(p) + len(f)], reduction="sum").item(), len(f)))
         return out
-
-
-def cut_at_eos(ids, eos_ids):
-    eos_ids = set(eos_ids if isinstance(eos_ids, (list, tuple, set)) else [eos_ids])
-    return next((ids[:i] for i, t in enumerate(ids) if t in eos_ids), ids)
 
 
 def summarize(rows, extra=None):
@@ -763,10 +753,10 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
         if other:
             theirs = compress(comp, [comp.encoder_ids(pairs[other[i]][0]) for i in idx], ratio)
             nll_other = comp.nll(theirs, "ae", follow, n_text)
-        nll_none = plain.nll([start_ids(tok)] * len(xs), [x + [tok.eos_id] for x in xs])
+        nll_none = plain.nll([[tok.start_id]] * len(xs), [x + [tok.eos_id] for x in xs])
         outs = {"compressed": comp.generate(own, "ae", max_new_tokens=n_new),
-                "full": plain.generate([start_ids(tok) + x + tok.encode(SEP) for x in xs], n_new),
-                "none": plain.generate([start_ids(tok)] * len(xs), n_new)}
+                "full": plain.generate([[tok.start_id] + x + tok.encode(SEP) for x in xs], n_new),
+                "none": plain.generate([[tok.start_id]] * len(xs), n_new)}
         for j, i in enumerate(idx):
             row = {"text": examples[i]["text"], "reference": tok.decode(refs[j]), "reference_ids": refs[j],
                    "memory_slots": sum(own.mem_counts[j]),
@@ -807,8 +797,8 @@ def run_lm(comp, examples, batch_size=8, ratio=None):
             theirs = compress(comp, [comp.encoder_ids(c) for c in theirs_ctx], ratio)
             nll_other = comp.nll(theirs, "lm", cont, last_tokens=last(theirs_ctx))
         nlls = {"compressed": list(zip(*nll_own)), "other": [other and x for x in zip(*nll_other)],
-                "full": plain.nll([start_ids(tok) + c for c in ctx], cont),
-                "none": plain.nll([start_ids(tok)] * len(idx), cont)}
+                "full": plain.nll([[tok.start_id] + c for c in ctx], cont),
+                "none": plain.nll([[tok.start_id]] * len(idx), cont)}
         for j, i in enumerate(idx):
             row = {"text": examples[i]["text"], "context_tokens": len(ctx[j]), "memory_slots": sum(own.mem_counts[j]),
                    "loss": {"own": nlls["compressed"][j], "other": nlls["other"][j], "none": nlls["none"][j]}}
@@ -877,7 +867,7 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
     n_new = max_new_tokens or QA_BUDGET.get(comp.cfg.method, 64)
     examples = concatenated(examples, concat) if concat > 1 else examples
     # a chat template carries its own start; otherwise the plain LLM's prompt starts with BOS
-    lead = [] if comp.template()[0] else start_ids(tok)
+    lead = [] if comp.template()[0] else [tok.start_id]
     cache, rows = ({} if reuse else None), []
     for group in tqdm(batches(examples, batch_size), desc="qa", leave=False):
         parts = [comp.qa_parts(ex["context"], ex["question"]) for ex in group]
@@ -894,6 +884,24 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
                 row[mode] = {"text": text, "scores": qa_scores(text, ex["answer"])}
             rows.append(row)
     return summarize(rows, {"max_new_tokens": n_new, "concat": concat, "reuse": reuse})
+
+
+def report_text(result):
+    """ae, lm, qa: each context's scores, the teacher-forced losses, and (ae) texts next to their regenerations."""
+    keys = list(result["scores"]["compressed"])
+    table = markdown_table(["context"] + keys, [[m] + [s.get(k, "") for k in keys] for m, s in result["scores"].items()])
+    if "loss" not in result:
+        return table
+    L = result["loss"]
+    other = "" if L["other"] is None else (
+        f", another text's memory {L['other']:.4f}; own/other {L['own_other_ratio']:.3f} "
+        "(1.0 = the memory says nothing about its own text)")
+    table += (f"\n\nteacher-forced loss per token ({L['tokens']} tokens): own memory {L['own']:.4f}, "
+              f"no memory {L['none']:.4f}{other}")
+    if result["task"] == "ae":   # a few texts next to what the decoder regenerated from their memory
+        shown = [[repr(ex["reference"][:160]), repr(ex["compressed"]["text"][:160])] for ex in result["examples"][:3]]
+        table += "\n\n" + markdown_table(["held-out text", "regenerated from its memory"], shown)
+    return table
 
 
 # -----------------------------------------------------------------------------
@@ -991,7 +999,7 @@ def run_speed(comp, lengths, max_new_tokens=None, repeats=3):
             compress(comp, [enc], cache=cache)
             t_cached, _ = timed(lambda: compress(comp, [enc], cache=cache), dev, repeats)
             M = sum(memory.mem_counts[0])
-            full = dict(input_ids=torch.tensor([start_ids(tok) + ctx + question], device=dev))
+            full = dict(input_ids=torch.tensor([[tok.start_id] + ctx + question], device=dev))
             t_full, (kv_full, first_full) = timed(lambda: prefill(comp, full), dev, repeats)
             mem_in = compressed_inputs(comp, memory, question)
             t_mem, (kv_mem, first_mem) = timed(lambda: prefill(comp, mem_in), dev, repeats)
@@ -1005,7 +1013,7 @@ def run_speed(comp, lengths, max_new_tokens=None, repeats=3):
             break
         # the cache that holds the context: its T token slots (after BOS) vs the M memory slots, which
         # come first in both carriers (KV prefix, or the first M input embeddings)
-        b_full, b_mem = kv_bytes(kv_full, len(start_ids(tok)), T), kv_bytes(kv_mem, 0, M)
+        b_full, b_mem = kv_bytes(kv_full, 1, T), kv_bytes(kv_mem, 0, M)
         rows.append(dict(context_tokens=T, memory_slots=M, compression=T / M,
                          compress_s=t_comp, compress_cached_s=t_cached, ttft_full_s=t_full, ttft_compressed_s=t_mem,
                          ttft_online_s=t_comp + t_mem, speedup_offline=t_full / t_mem,
@@ -1026,6 +1034,26 @@ def run_speed(comp, lengths, max_new_tokens=None, repeats=3):
     return {"rows": rows, "decode_tokens": n_decode, "exponents": exponents, "exponents_longest_two": tail,
             "ttft_bound_c2": bound, "ttft_ratio_of_bound": last["speedup_offline"] / bound,
             "nominal_c2": nominal, "stopped": stopped}
+
+
+def report_speed(result):
+    header = ["tokens", "mem", "compress ms", "TTFT full ms", "TTFT comp ms", "speedup off", "speedup on",
+              "decode full ms/tok", "decode comp ms/tok", "KV full MB", "KV comp MB", "KV ratio"]
+    rows = [[r["context_tokens"], r["memory_slots"], 1e3 * r["compress_s"], 1e3 * r["ttft_full_s"],
+             1e3 * r["ttft_compressed_s"], r["speedup_offline"], r["speedup_online"],
+             1e3 * r["decode_full_s_per_token"], 1e3 * r["decode_compressed_s_per_token"],
+             r["kv_bytes_full"] / 2**20, r["kv_bytes_compressed"] / 2**20, r["kv_ratio"]] for r in result["rows"]]
+    e, t = result["exponents"], result["exponents_longest_two"]
+    lines = [markdown_table(header, rows), "",
+             "time ~ length^k: " + ", ".join(f"{k[:-2]} k={e[k]:.2f} (longest two: {t[k]:.2f})" for k in e),
+             f"TTFT speedup at {rows[-1][0]} tokens: {result['rows'][-1]['speedup_offline']:.2f} of the "
+             f"(N/M)^2 = C^2 = {result['ttft_bound_c2']:.3g} bound ({100 * result['ttft_ratio_of_bound']:.0f}%)"
+             + (f"; nominal C^2 = {result['nominal_c2']:g} "
+                f"({100 * result['rows'][-1]['speedup_offline'] / result['nominal_c2']:.0f}%)"
+                if result["nominal_c2"] else "")]
+    if result["stopped"]:
+        lines.append(f"stopped: {result['stopped']}")
+    return "\n".join(lines)
 
 
 # -----------------------------------------------------------------------------
@@ -1058,6 +1086,12 @@ def run_interpolate(comp, text0, text1, weights, max_new_tokens=None, proto=None
     rows = [{"w": w, "ids": ids, "text": tok.decode(ids)} for w in weights for ids in [regen(z0.lerp(z1, w))]]
     ends = {name: {"ids": ids, "text": tok.decode(ids)} for name, ids in (("z0", regen(z0)), ("z1", regen(z1)))}
     return {"text0": text0, "text1": text1, "memory_slots": m0, "rows": rows, **ends}
+
+
+def report_interpolate(result):
+    rows = [["Z0", result["z0"]["text"]]] + [[f"w={r['w']:g}", r["text"]] for r in result["rows"]] + \
+           [["Z1", result["z1"]["text"]]]
+    return markdown_table(["memory", "regeneration"], [[a, repr(b)] for a, b in rows])
 
 
 # -----------------------------------------------------------------------------
@@ -1204,6 +1238,15 @@ def run_heatmap(comp, text, png_stem):
     return out
 
 
+def report_heatmap(result):
+    parts = [f"cosine(memory slot, context token): {result['cosine_png']}", render_text(result["cosine"])]
+    if result["attention"] is not None:
+        parts += [f"encoder attention memory -> context: {result['attention_png']}", render_text(result["attention"])]
+    else:
+        parts.append(f"attention: {result['attention_note']}")
+    return "\n".join(parts)
+
+
 # -----------------------------------------------------------------------------
 # ---- curves (EPL Fig. 4, PIC Fig. 5, GMSA Fig. 5: loss against steps) ----
 
@@ -1260,6 +1303,15 @@ def run_curves(runs, key="loss", target=None, alpha=0.05, png=None):
     return {"key": key, "target": target, "ema_alpha": alpha, "png": png, "runs": out}
 
 
+def report_curves(result):
+    rows = [[os.path.basename(os.path.normpath(r["run"])), r["method"], r["last_step"], r["final_ema"],
+             r["best_ema"]] + ([r["reached"]["step"], r["reached"]["tokens"], r["reached"]["seconds"]]
+                               if r["reached"] else ["-", "-", "-"]) for r in result["runs"]]
+    return (markdown_table(["run", "method", "steps", f"final {result['key']} (EMA)", "best (EMA)",
+                            f"step to {result['target']:.3g}", "tokens", "seconds"], rows)
+            + (f"\n\nfigure: {result['png']}" if result["png"] else ""))
+
+
 # -----------------------------------------------------------------------------
 # ---- command line ----
 
@@ -1300,7 +1352,6 @@ Results go to --out (default: CKPT/eval_TASK.json), a markdown table to stdout.
 Built-in data is used when --data is not given (.jsonl or .parquet with {"text"} or {"context",
 "question","answer"} records, or plain text with one text per line)."""
 
-TASKS = ("ae", "lm", "qa", "speed", "interpolate", "heatmap", "curves")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -1393,59 +1444,38 @@ def markdown_table(header, rows):
     return "\n".join(lines + ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows])
 
 
-def report(task, result):
-    """The markdown stdout shows for a task's result."""
-    if task in ("ae", "lm", "qa"):
-        keys = list(result["scores"]["compressed"])
-        table = markdown_table(["context"] + keys, [[m] + [s.get(k, "") for k in keys]
-                                                    for m, s in result["scores"].items()])
-        if "loss" not in result:
-            return table
-        L = result["loss"]
-        other = "" if L["other"] is None else (
-            f", another text's memory {L['other']:.4f}; own/other {L['own_other_ratio']:.3f} "
-            "(1.0 = the memory says nothing about its own text)")
-        table += (f"\n\nteacher-forced loss per token ({L['tokens']} tokens): own memory {L['own']:.4f}, "
-                  f"no memory {L['none']:.4f}{other}")
-        if task == "ae":   # a few texts next to what the decoder regenerated from their memory
-            shown = [[repr(ex["reference"][:160]), repr(ex["compressed"]["text"][:160])] for ex in result["examples"][:3]]
-            table += "\n\n" + markdown_table(["held-out text", "regenerated from its memory"], shown)
-        return table
-    if task == "curves":
-        rows = [[os.path.basename(os.path.normpath(r["run"])), r["method"], r["last_step"], r["final_ema"],
-                 r["best_ema"]] + ([r["reached"]["step"], r["reached"]["tokens"], r["reached"]["seconds"]]
-                                   if r["reached"] else ["-", "-", "-"]) for r in result["runs"]]
-        return (markdown_table(["run", "method", "steps", f"final {result['key']} (EMA)", "best (EMA)",
-                                f"step to {result['target']:.3g}", "tokens", "seconds"], rows)
-                + (f"\n\nfigure: {result['png']}" if result["png"] else ""))
-    if task == "speed":
-        header = ["tokens", "mem", "compress ms", "TTFT full ms", "TTFT comp ms", "speedup off", "speedup on",
-                  "decode full ms/tok", "decode comp ms/tok", "KV full MB", "KV comp MB", "KV ratio"]
-        rows = [[r["context_tokens"], r["memory_slots"], 1e3 * r["compress_s"], 1e3 * r["ttft_full_s"],
-                 1e3 * r["ttft_compressed_s"], r["speedup_offline"], r["speedup_online"],
-                 1e3 * r["decode_full_s_per_token"], 1e3 * r["decode_compressed_s_per_token"],
-                 r["kv_bytes_full"] / 2**20, r["kv_bytes_compressed"] / 2**20, r["kv_ratio"]] for r in result["rows"]]
-        e, t = result["exponents"], result["exponents_longest_two"]
-        lines = [markdown_table(header, rows), "",
-                 "time ~ length^k: " + ", ".join(f"{k[:-2]} k={e[k]:.2f} (longest two: {t[k]:.2f})" for k in e),
-                 f"TTFT speedup at {rows[-1][0]} tokens: {result['rows'][-1]['speedup_offline']:.2f} of the "
-                 f"(N/M)^2 = C^2 = {result['ttft_bound_c2']:.3g} bound ({100 * result['ttft_ratio_of_bound']:.0f}%)"
-                 + (f"; nominal C^2 = {result['nominal_c2']:g} "
-                    f"({100 * result['rows'][-1]['speedup_offline'] / result['nominal_c2']:.0f}%)"
-                    if result["nominal_c2"] else "")]
-        if result["stopped"]:
-            lines.append(f"stopped: {result['stopped']}")
-        return "\n".join(lines)
-    if task == "interpolate":
-        rows = [["Z0", result["z0"]["text"]]] + [[f"w={r['w']:g}", r["text"]] for r in result["rows"]] + \
-               [["Z1", result["z1"]["text"]]]
-        return markdown_table(["memory", "regeneration"], [[a, repr(b)] for a, b in rows])
-    parts = [f"cosine(memory slot, context token): {result['cosine_png']}", render_text(result["cosine"])]
-    if result["attention"] is not None:
-        parts += [f"encoder attention memory -> context: {result['attention_png']}", render_text(result["attention"])]
-    else:
-        parts.append(f"attention: {result['attention_note']}")
-    return "\n".join(parts)
+class Task(NamedTuple):
+    """One evaluation task: what it reads, how it runs from the command line's arguments, how stdout shows it."""
+    examples: bool      # reads held-out examples (--data, --n)
+    run: object         # (args, comp, examples, proto, out) -> result dict; comp is None for a task without a model
+    report: object      # result -> markdown
+    model: bool = True  # loads the compressor (--ckpt, or an untrained preset)
+
+
+TASKS = {
+    "ae": Task(True, lambda a, comp, ex, proto, out: run_ae(comp, ex, a.max_new_tokens, proto, batch_size=a.batch_size,
+                                                            ratio=a.ratio), report_text),
+    "lm": Task(True, lambda a, comp, ex, proto, out: run_lm(comp, ex, batch_size=a.batch_size, ratio=a.ratio),
+               report_text),
+    "qa": Task(True, lambda a, comp, ex, proto, out: run_qa(comp, ex, a.max_new_tokens, batch_size=a.batch_size,
+                                                            ratio=a.ratio, concat=a.concat, reuse=not a.no_reuse),
+               report_text),
+    "speed": Task(False, lambda a, comp, ex, proto, out: run_speed(comp, a.lengths, a.max_new_tokens), report_speed),
+    "interpolate": Task(False, lambda a, comp, ex, proto, out: run_interpolate(
+        comp, a.text0 or DEFAULT_TEXT0, a.text1 or DEFAULT_TEXT1, a.weights, a.max_new_tokens, proto), report_interpolate),
+    "heatmap": Task(True, lambda a, comp, ex, proto, out: run_heatmap(comp, a.text0 or ex[0]["text"], out),
+                    report_heatmap),
+    "curves": Task(False, lambda a, comp, ex, proto, out: run_curves(a.runs, a.key, a.target_loss, png=out + ".png"),
+                   report_curves, model=False),   # training logs of several runs
+}
+
+
+def numbers(text, kind, name):
+    """--lengths / --weights: comma-separated numbers."""
+    try:
+        return [kind(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--{name} takes comma-separated numbers, got {text!r}") from None
 
 
 def main(argv=None):
@@ -1454,39 +1484,17 @@ def main(argv=None):
     torch.manual_seed(0)   # an untrained preset's memory tokens, and anything else random, repeat run to run
     out = args.out or (os.path.join(args.ckpt, f"eval_{args.task}.json") if args.ckpt
                        else f"eval_{args.task}_{args.method or 'runs'}.json")
+    comp = None
     try:
-        try:
-            lengths = [int(x) for x in args.lengths.split(",")]
-            weights = [float(x) for x in args.weights.split(",")]
-        except ValueError:
-            raise ValueError(f"--lengths and --weights take comma-separated numbers, got "
-                             f"{args.lengths!r} and {args.weights!r}") from None
-        if min(lengths) < 1:
+        args.lengths, args.weights = numbers(args.lengths, int, "lengths"), numbers(args.weights, float, "weights")
+        if min(args.lengths) < 1:
             raise ValueError(f"--lengths must be positive, got {args.lengths}")
-        if args.task == "curves":
-            result = run_curves(args.runs, args.key, args.target_loss, png=os.path.splitext(out)[0] + ".png")
-            comp = None
-        else:
-            examples = None
-            if args.task in ("ae", "lm", "qa") or (args.task == "heatmap" and args.text0 is None):
-                examples = load_examples(args.data, args.task, args.n)
-            comp = load_compressor(args)
-            proto = protocol(comp, args.ckpt, args.max_len)
-            common = dict(batch_size=args.batch_size, ratio=args.ratio)
-            if args.task == "ae":
-                result = run_ae(comp, examples, args.max_new_tokens, proto, **common)
-            elif args.task == "lm":
-                result = run_lm(comp, examples, **common)
-            elif args.task == "qa":
-                result = run_qa(comp, examples, args.max_new_tokens, concat=args.concat, reuse=not args.no_reuse,
-                                **common)
-            elif args.task == "speed":
-                result = run_speed(comp, lengths, args.max_new_tokens)
-            elif args.task == "interpolate":
-                result = run_interpolate(comp, args.text0 or DEFAULT_TEXT0, args.text1 or DEFAULT_TEXT1, weights,
-                                         args.max_new_tokens, proto)
-            else:
-                result = run_heatmap(comp, args.text0 or examples[0]["text"], os.path.splitext(out)[0])
+        task = TASKS[args.task]
+        examples = load_examples(args.data, args.task, args.n) if task.examples and (
+            args.task != "heatmap" or args.text0 is None) else None
+        comp = load_compressor(args) if task.model else None
+        proto = protocol(comp, args.ckpt, args.max_len) if comp else None
+        result = task.run(args, comp, examples, proto, os.path.splitext(out)[0])
     except (FileNotFoundError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
     result = {"task": args.task, "checkpoint": args.ckpt, "config": comp and asdict(comp.cfg),
@@ -1494,7 +1502,7 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
-    print(report(args.task, result))
+    print(task.report(result))
     print(f"\nwrote {out}")
     return result
 

@@ -112,7 +112,7 @@ def measure(comp, xs):
     n_text = [len(t) + 1 for t in xs]                  # the text and its EOS (as evaluate.py counts the AE loss)
     own = comp.nll(memory, "ae", follow, n_text)
     other = comp.nll(comp.compress([comp.encoder_ids(t) for t in xs[1:] + xs[:1]]), "ae", follow, n_text)
-    none = E.PlainLLM(comp).nll([E.start_ids(comp.tok)] * len(xs), [t + [comp.tok.eos_id] for t in xs])
+    none = E.PlainLLM(comp).nll([[comp.tok.start_id]] * len(xs), [t + [comp.tok.eos_id] for t in xs])
     loss = lambda r: sum(r[0]) / sum(r[1])
     return dict(layers=layers, embed_norm_ratio=embed_norm, loss_own=loss(own), loss_other=loss(other),
                 loss_none=sum(s for s, _ in none) / sum(c for _, c in none), own_other=loss(own) / loss(other))
