@@ -588,8 +588,7 @@ class Compressor(nn.Module):
         if cfg.mem_norm:   # ours (diagnostic): the memory at the scale of the decoder's own token embeddings
             self.to_decoder = rescaled(self.to_decoder, decoder.model.embed_tokens.weight)
         self.carrier = CARRIERS[cfg.carrier]
-        # decoder-side special tokens, drawn like the memory tokens (EPL code: N(μ, σ) of the embedding table;
-        # ICAE: N(0, 1); PCC: N(0, 0.02), frozen with the decoder)
+        # decoder-side special tokens, drawn like the memory tokens (draw, --mem-init); PCC code keeps them frozen
         specials = [("ae_embed", cfg.ae_token == "learned"), ("lm_embed", cfg.lm_token == "learned"),
                     ("mem_open", cfg.delimiters), ("mem_close", cfg.delimiters)]
         for name, wanted in specials:
