@@ -978,9 +978,13 @@ class Compressor(nn.Module):
         each atomically (temp file + rename), so an interrupted save never leaves a broken checkpoint."""
         os.makedirs(out_dir, exist_ok=True)
         tmp = os.path.join(out_dir, "compressor.safetensors.tmp")
-        save_file({k: v.cpu() for k, v in self.trained_state().items()}, tmp)
+        state = self.trained_state()
+        save_file({k: v.cpu() for k, v in state.items()}, tmp)
         os.replace(tmp, os.path.join(out_dir, "compressor.safetensors"))
-        meta = {"config": asdict(self.cfg), **(extra or {})}
+        # the size of what was trained, special-token vectors aside, kept with the config (a record without weights)
+        trained = sum(v.numel() for k, v in state.items() if not k.startswith(("ae_embed", "lm_embed", "mem_open",
+                                                                                "mem_close")))
+        meta = {"config": asdict(self.cfg), "trained_parameters": trained, **(extra or {})}
         tmp = os.path.join(out_dir, "compressor.json.tmp")
         with open(tmp, "w") as f:
             json.dump(meta, f, indent=2)

@@ -10,7 +10,9 @@
 #                  out in each recipe
 #   OUT=...        where the runs, results.json, results.md and the figure go (default runs/recipes/PAPER)
 # An arm that already has a checkpoint is continued with --resume, so a recipe stopped halfway (Ctrl-C, a
-# time limit) picks up where it stopped when it is run again.
+# time limit) picks up where it stopped when it is run again. An arm whose folder holds a finished run's record
+# without its weights (logs, scores, configs: what recipes/results keeps in git) is not trained again, and every
+# score the recipe needs from it is read from the record, so a recipe can span machines.
 
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -45,11 +47,18 @@ train_arm() {
   local name=$1; shift
   local dir="$OUT/$name"
   [ "$SMOKE" = 1 ] && set -- "$@" --steps 2 --save-every 1
+  local steps done
+  steps=$(printf '%s\n' "$@" | grep -A1 -x -- --steps | tail -1)
   if ls "$dir"/ckpt-*/train_state.pt >/dev/null 2>&1; then
     echo "== $name: continuing $dir"
-    local steps
-    steps=$(printf '%s\n' "$@" | grep -A1 -x -- --steps | tail -1)
     $PY train.py --resume "$dir" ${steps:+--steps "$steps"}
+  elif [ -f "$dir/log.jsonl" ]; then   # a kept record (recipes/results): the log and scores, not the weights
+    done=$($PY -c 'import json, sys; print(json.loads(open(sys.argv[1]).readlines()[-1])["step"])' "$dir/log.jsonl")
+    if [ "$done" -lt "${steps:-0}" ]; then
+      echo "$dir holds the record of a run stopped at step $done of $steps, without its weights: remove the folder to train it again" >&2
+      exit 1
+    fi
+    echo "== $name: trained to step $done (its record is kept; the weights are not)"
   else
     echo "== $name: python train.py $* --model $MODEL --out $dir"
     $PY train.py "$@" --model "$MODEL" --out "$dir"

@@ -23,10 +23,17 @@ import compressors as C  # noqa: E402
 import evaluate as E  # noqa: E402
 
 
+def kept(result, run):
+    """Does the result file still describe the run's weights? Yes while it is newer than them, and when they are gone:
+    a run's record kept without its weights (recipes/results) is read, never recomputed."""
+    weights = os.path.join(run, "compressor.safetensors")
+    return os.path.isfile(result) and (not os.path.isfile(weights) or os.path.getmtime(result) >= os.path.getmtime(weights))
+
+
 def score(ckpt, examples):
     """own, other, none and own/other of one checkpoint on the held-out examples (cached in ckpt/eval_curve.json)."""
     path = os.path.join(ckpt, "eval_curve.json")
-    if os.path.isfile(path) and os.path.getmtime(path) >= os.path.getmtime(os.path.join(ckpt, "compressor.safetensors")):
+    if kept(path, ckpt):
         return json.load(open(path))
     comp = C.load(ckpt).eval()
     L = E.run_ae(comp, examples, max_new_tokens=1, proto=E.protocol(comp, ckpt))["loss"]

@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import compressors as C  # noqa: E402
 import evaluate as E  # noqa: E402
+from curve import kept  # noqa: E402
 from model import apply_rope  # noqa: E402
 
 
@@ -119,6 +120,17 @@ def measure(comp, xs):
 
 
 def diagnose(run, texts, count):
+    """Both states of one run, measured once: run/diagnosis.json is kept and read again while it is newer than the
+    run's weights, or when the weights are gone (a kept record in recipes/results)."""
+    path = os.path.join(run, "diagnosis.json")
+    if kept(path, run) and json.load(open(path)).get("asked") == count:
+        return json.load(open(path))
+    row = dict(measure_run(run, texts, count), asked=count)
+    json.dump(row, open(path, "w"), indent=1)
+    return row
+
+
+def measure_run(run, texts, count):
     meta = C.read_checkpoint_config(run)
     args = meta.get("train_args", {})
     n = args.get("max_len", 16)

@@ -37,11 +37,8 @@ def read_metric(out, arm, spec):
     if task == "log":
         rows = [json.loads(line) for line in open(os.path.join(run, "log.jsonl")) if line.strip()]
         return lookup(rows[-1], path) if rows else None
-    if task == "params":
-        import compressors as C
-        comp = C.load(run)
-        return sum(p.numel() for n, p in comp.named_parameters() if C.saved(comp.cfg, n) and
-                   not n.startswith(("ae_embed", "lm_embed", "mem_open", "mem_close")))
+    if task == "params":   # written by Compressor.save
+        return json.load(open(os.path.join(run, "compressor.json"))).get("trained_parameters")
     path_json = os.path.join(run, f"eval_{task}.json")
     return lookup(json.load(open(path_json)), path) if os.path.isfile(path_json) else None
 

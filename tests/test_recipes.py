@@ -17,13 +17,13 @@ def test_every_paper_has_a_recipe():
     assert RECIPES == ["aoc", "compllm", "epl", "gmsa", "ladder", "pic"]
 
 
-def run_recipe(paper, out, hide_matplotlib):
+def run_recipe(paper, out, hide_matplotlib, **extra_env):
     """bash recipes/PAPER.sh at SMOKE=1 into out; hide_matplotlib puts a matplotlib that raises ImportError
     first on PYTHONPATH (figures are optional: every recipe must run without them)."""
-    env = {**os.environ, "SMOKE": "1", "OUT": str(out), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "SMOKE": "1", "OUT": str(out), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **extra_env}
     if hide_matplotlib:
         hide = out / "hide"
-        (hide / "matplotlib").mkdir(parents=True)
+        (hide / "matplotlib").mkdir(parents=True, exist_ok=True)
         (hide / "matplotlib" / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hide), os.environ.get("PYTHONPATH")]))
     p = subprocess.run(["bash", f"recipes/{paper}.sh"], cwd=REPO, env=env, capture_output=True, text=True)
@@ -60,6 +60,26 @@ def test_a_recipe_with_matplotlib_draws_its_figures(tmp_path):
     curves = [c for table in results["tables"] for c in table.get("curves", {}).values()]
     assert curves and all(Path(c["png"]).is_file() for c in curves)
     assert (tmp_path / "curve.png").is_file()        # own/other along the runs (recipes/curve.py)
+
+
+def test_a_recipe_continues_from_a_record_without_weights(tmp_path):
+    """recipes/results keeps what a run measured, not its weights: a recipe run again over such a record trains
+    nothing, reads every score from it and writes the same results; a record of an unfinished run stops it."""
+    first, _ = run_recipe("ladder", tmp_path, hide_matplotlib=True, ARMS="aoc")
+    results = (tmp_path / "results.md").read_text()
+    log = (tmp_path / "aoc_1x" / "log.jsonl").read_text()
+    weights = [*tmp_path.rglob("*.safetensors"), *tmp_path.rglob("*.pt")]
+    assert weights
+    for path in weights:
+        path.unlink()
+    again, _ = run_recipe("ladder", tmp_path, hide_matplotlib=True, ARMS="aoc")
+    assert "aoc_1x: trained to step 2 (its record is kept" in again.stdout and "python train.py" not in again.stdout
+    assert (tmp_path / "results.md").read_text() == results and (tmp_path / "aoc_1x" / "log.jsonl").read_text() == log
+    rows = log.splitlines()
+    (tmp_path / "aoc_1x" / "log.jsonl").write_text(rows[0] + "\n")   # as if the machine had stopped after step 1
+    env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path), "ARMS": "aoc", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(["bash", "recipes/ladder.sh"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert p.returncode == 1 and "stopped at step 1 of 2, without its weights: remove the folder" in p.stderr
 
 
 def test_held_out_questions_are_answered_in_their_paragraphs():
