@@ -40,23 +40,29 @@ else
   SEEDS=${SEEDS:-0 1}
   [ "$SMOKE" = 1 ] && SEEDS=0   # CI: one seed (the second runs the same code)
   ARMS=""
+  SEED0=$(echo $SEEDS | cut -d' ' -f1)
   for seed in $SEEDS; do
     for n in 16 32; do
       COMMON=(--mem 16 --max-len $n --batch-size 4 --steps $STEPS --save-every $EVERY --keep-every $EVERY --seed $seed
               "${TRAIN_TEXT[@]}")
       train_arm aoc_n${n}_s$seed --method aoc "${COMMON[@]}"
       train_arm lora_n${n}_s$seed "${BASELINE[@]}" --chunk-len $n --lr 2e-4 "${COMMON[@]}"
-      for arm in aoc_n${n}_s$seed lora_n${n}_s$seed; do eval_arm $arm ae "${HELD_TEXT[@]}" --n ${N:-48}; done
+      for arm in aoc_n${n}_s$seed lora_n${n}_s$seed; do
+        eval_arm $arm ae "${HELD_TEXT[@]}" --n ${N:-48}
+        curve_arm $arm "${HELD_TEXT[@]}" --n ${N:-48}
+        if [ $n = 16 ] && [ $seed = $SEED0 ]; then diagnose_arm $arm "${HELD_TEXT[@]}"; fi
+      done
       ARMS="$ARMS aoc_n${n}_s$seed lora_n${n}_s$seed"
     done
   done
   train_arm aocmlp_n16 --method aoc --mlp swiglu --mem 16 --max-len 16 --batch-size 4 --steps ${CHECK_STEPS:-300} \
     --save-every 50 --keep-every 50 "${TRAIN_TEXT[@]}"
   eval_arm aocmlp_n16 ae "${HELD_TEXT[@]}" --n ${N:-48}
+  curve_arm aocmlp_n16 "${HELD_TEXT[@]}" --n ${N:-48}
+  diagnose_arm aocmlp_n16 "${HELD_TEXT[@]}"
   by_n() { for seed in $SEEDS; do echo "aoc_n$1_s$seed lora_n$1_s$seed"; done; }
   $PY recipes/curve.py --out "$OUT" "${HELD_TEXT[@]}" --n ${N:-48} --title "AOC vs LoRA" \
     --group "m = n = 16" $(by_n 16) aocmlp_n16 --group "2x: n = 32, m = 16" $(by_n 32)
-  SEED0=$(echo $SEEDS | cut -d' ' -f1)
   $PY recipes/diagnosis.py --runs "$OUT/aoc_n16_s$SEED0" "$OUT/aocmlp_n16" "$OUT/lora_n16_s$SEED0" \
     "${HELD_TEXT[@]}" --out "$OUT/diagnosis"
   $PY recipes/summarize.py --out "$OUT" --arms $ARMS aocmlp_n16 --curves loss \

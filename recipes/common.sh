@@ -78,6 +78,20 @@ eval_arm() {
   $PY evaluate.py --ckpt "$OUT/$name" --task "$task" "$@" --out "$OUT/$name/eval_$label.json" > "$OUT/$name/eval_$label.md"
 }
 
+# curve_arm NAME HELD-FLAGS...: score every kept checkpoint of a trained arm on held-out texts now, while its weights
+# are here (recipes/curve.py keeps each score beside the checkpoint, where the recipe's figure reads it later)
+curve_arm() {
+  local name=$1; shift
+  $PY recipes/curve.py --out "$OUT" --group "$name" "$name" --score-only "$@"
+}
+
+# diagnose_arm NAME HELD-FLAGS...: what the decoder sees of a trained arm's memory (recipes/diagnosis.py), measured
+# now, while its weights are here, and kept in its folder for the recipe's diagnosis table
+diagnose_arm() {
+  local name=$1; shift
+  $PY recipes/diagnosis.py --runs "$OUT/$name" "$@" > /dev/null
+}
+
 finish() {
   echo "wall time: $(( (SECONDS - START) / 60 )) min $(( (SECONDS - START) % 60 )) s"
 }

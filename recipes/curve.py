@@ -98,6 +98,8 @@ def main(argv=None):
     p.add_argument("--title", default="")
     p.add_argument("--loss-ref", nargs="+", metavar="ARM", help="also find each arm's first step at the final training "
                    "loss of these arms (their mean, each smoothed over its last 20 steps)")
+    p.add_argument("--score-only", action="store_true", help="score the arms' checkpoints and write each "
+                   "OUT/ARM/eval_curve.json, nothing else (a recipe does so as soon as an arm is trained)")
     a = p.parse_args(argv)
     loss_at = None
     if a.loss_ref:
@@ -109,6 +111,8 @@ def main(argv=None):
         for arm in arms:
             curves[arm] = arm_curve(os.path.join(a.out, arm), examples, a.threshold, loss_at)
             json.dump(curves[arm], open(os.path.join(a.out, arm, "eval_curve.json"), "w"), indent=1)
+    if a.score_only:
+        return
     png = figure(os.path.join(a.out, "curve.png"), groups, curves, a.threshold, a.title)
     json.dump(dict(curves=curves, png=png), open(os.path.join(a.out, "curve.json"), "w"), indent=1)
     steps = sorted({p["step"] for c in curves.values() for p in c["points"]})

@@ -42,6 +42,7 @@ else
         --crop window --min-len 96 --max-len 128 --batch-size 4 --steps $STEPS --save-every $EVERY \
         --keep-every $EVERY --seed $seed "${TRAIN_TEXT[@]}"
       eval_arm 500x_${layout}_s$seed ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len 128
+      curve_arm 500x_${layout}_s$seed "${HELD_TEXT[@]}" --n ${N:-32}
     done
   done
   ARMS=$(for seed in $SEEDS; do for layout in $LAYOUTS; do echo 500x_${layout}_s$seed; done; done)
@@ -50,6 +51,7 @@ else
       train_arm icae_$layout --method icae --layout $layout --chunk-len 32 --mem 8 --min-len 96 --max-len 128 \
         --batch-size 4 --steps $STEPS --save-every $EVERY --keep-every $EVERY "${TRAIN_TEXT[@]}"
       eval_arm icae_$layout ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len 128
+      curve_arm icae_$layout "${HELD_TEXT[@]}" --n ${N:-32}
       ARMS="$ARMS icae_$layout"
     done
   fi

@@ -35,7 +35,10 @@ else
             --lr 5e-4 --warmup 30 --steps $STEPS --save-every $EVERY --keep-every $EVERY --seed $seed "${TRAIN_TEXT[@]}")
     train_arm gmsa_s$seed "${COMMON[@]}"
     train_arm tcp_s$seed "${COMMON[@]}" --source mem_tokens
-    for arm in gmsa_s$seed tcp_s$seed; do eval_arm $arm ae "${HELD_TEXT[@]}" --n ${N:-48} --max-len 128 --ratio 4; done
+    for arm in gmsa_s$seed tcp_s$seed; do
+      eval_arm $arm ae "${HELD_TEXT[@]}" --n ${N:-48} --max-len 128 --ratio 4
+      curve_arm $arm "${HELD_TEXT[@]}" --n ${N:-48}
+    done
   done
   runs() { for seed in $SEEDS; do echo $1_s$seed; done; }
   $PY recipes/curve.py --out "$OUT" "${HELD_TEXT[@]}" --n ${N:-48} --title "GMSA vs TCP-AE" \

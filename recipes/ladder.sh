@@ -50,8 +50,8 @@ for rung in ${RUNGS:-1x 4x}; do
     eval_arm ${arm}_$rung ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len $n
     # score every kept checkpoint now (and, at 1:1, what the decoder sees of the memory): the scores are kept in
     # the arm's folder, so the summary below needs no weights (an arm trained on another machine, recipes/results)
-    $PY recipes/curve.py --out "$OUT" "${HELD_TEXT[@]}" --n ${N:-32} --group $rung ${arm}_$rung > /dev/null
-    [ $rung = 1x ] && $PY recipes/diagnosis.py --runs "$OUT/${arm}_1x" "${HELD_TEXT[@]}" --texts ${DIAG_TEXTS:-8} > /dev/null
+    curve_arm ${arm}_$rung "${HELD_TEXT[@]}" --n ${N:-32}
+    if [ $rung = 1x ]; then diagnose_arm ${arm}_1x "${HELD_TEXT[@]}" --texts ${DIAG_TEXTS:-8}; fi
     names+=(${arm}_$rung)
   done
   GROUPS_ARGS+=(--group "$rung ($n tokens)" "${names[@]}")

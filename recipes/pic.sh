@@ -44,6 +44,7 @@ else
     train_arm $1 --method $2 --chunk-len 64 --mem $((64 / $3)) --min-len 128 --max-len 160 --batch-size 4 \
       --lr 1e-4 --warmup 30 --steps $STEPS --save-every $EVERY --keep-every $EVERY --seed $4 "${TRAIN_TEXT[@]}"
     eval_arm $1 ae "${HELD_TEXT[@]}" --n ${N:-48} --max-len 160
+    curve_arm $1 "${HELD_TEXT[@]}" --n ${N:-48}
   }
   own_other() { $PY -c "import json; print(json.load(open('$OUT/$1/eval_ae.json'))['loss']['own_other_ratio'])"; }
   for r in $RATIOS; do   # the probe: does PCC carry its text at r x?
