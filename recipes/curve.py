@@ -36,7 +36,9 @@ def score(ckpt, examples):
     if kept(path, ckpt):
         return json.load(open(path))
     comp = C.load(ckpt).eval()
-    L = E.run_ae(comp, examples, max_new_tokens=1, proto=E.protocol(comp, ckpt))["loss"]
+    # the texts cut as the arm was trained: its first --max-len tokens (what `evaluate.py --max-len` does)
+    max_len = C.read_checkpoint_config(ckpt).get("train_args", {}).get("max_len")
+    L = E.run_ae(comp, examples, max_new_tokens=1, proto=E.protocol(comp, ckpt, max_len))["loss"]
     point = dict(own=L["own"], other=L["other"], none=L["none"], ratio=L["own_other_ratio"])
     json.dump(point, open(path, "w"))
     return point

@@ -107,3 +107,24 @@ def test_verdict_rules(a, b, better, carried, verdict):
     sys.path.insert(0, str(REPO / "recipes"))
     import verdict as V
     assert V.decide(a, b, better, carried).startswith(verdict)
+
+
+def test_curve_scores_texts_cut_as_the_arm_was_trained(tmp_path):
+    """recipes/curve.py's own/other at a checkpoint is the recipe's evaluation of it (`evaluate.py --max-len` the
+    arm's length): a window-cropped arm trained on 8-token texts is scored on 8-token texts, not on whole ones."""
+    import sys
+    import compressors as C
+    import evaluate as E
+    import train
+    sys.path.insert(0, str(REPO / "recipes"))
+    import curve
+    out = tmp_path / "arm"
+    train.main(["--method", "500x", "--objective", "ae", "--model", "tiny", "--mem", "4", "--chunk-len", "8",
+                "--crop", "window", "--min-len", "8", "--max-len", "8", "--batch-size", "2", "--steps", "2",
+                "--save-every", "2", "--keep-every", "2", "--out", str(out)])
+    comp = C.load(str(out)).eval()
+    examples = E.load_examples(None, "ae")[:4]
+    assert all(len(comp.tok.encode(ex["text"])) > 8 for ex in examples)   # the cut matters
+    point = curve.score(str(out / "ckpt-000002"), examples)
+    want = E.run_ae(comp, examples, max_new_tokens=1, proto=E.protocol(comp, str(out), max_len=8))["loss"]
+    assert (point["own"], point["other"], point["none"]) == pytest.approx((want["own"], want["other"], want["none"]))
