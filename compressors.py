@@ -401,6 +401,8 @@ class KV:
 
 
 CARRIERS = {"embeds": Embeds, "kv": KV}
+# the decoder-side special vectors a compressor may learn: the AE and LM task tokens (ICAE code), PCC's <mem> </mem>
+SPECIALS = ("ae_embed", "lm_embed", "mem_open", "mem_close")
 
 
 # -----------------------------------------------------------------------------
@@ -589,9 +591,8 @@ class Compressor(nn.Module):
             self.to_decoder = rescaled(self.to_decoder, decoder.model.embed_tokens.weight)
         self.carrier = CARRIERS[cfg.carrier]
         # decoder-side special tokens, drawn like the memory tokens (draw, --mem-init); PCC code keeps them frozen
-        specials = [("ae_embed", cfg.ae_token == "learned"), ("lm_embed", cfg.lm_token == "learned"),
-                    ("mem_open", cfg.delimiters), ("mem_close", cfg.delimiters)]
-        for name, wanted in specials:
+        for name, wanted in zip(SPECIALS, (cfg.ae_token == "learned", cfg.lm_token == "learned", cfg.delimiters,
+                                           cfg.delimiters)):
             if wanted:
                 setattr(self, name, nn.Parameter(draw(cfg.mem_init, 1, decoder)[0], requires_grad=cfg.train_specials))
         self.special = {task: special_vector(self, task) for task in ("ae", "lm", "qa")}
@@ -982,8 +983,7 @@ class Compressor(nn.Module):
         save_file({k: v.cpu() for k, v in state.items()}, tmp)
         os.replace(tmp, os.path.join(out_dir, "compressor.safetensors"))
         # the size of what was trained, special-token vectors aside, kept with the config (a record without weights)
-        trained = sum(v.numel() for k, v in state.items() if not k.startswith(("ae_embed", "lm_embed", "mem_open",
-                                                                                "mem_close")))
+        trained = sum(v.numel() for k, v in state.items() if k not in SPECIALS)
         meta = {"config": asdict(self.cfg), "trained_parameters": trained, **(extra or {})}
         tmp = os.path.join(out_dir, "compressor.json.tmp")
         with open(tmp, "w") as f:

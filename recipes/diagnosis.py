@@ -123,8 +123,9 @@ def diagnose(run, texts, count):
     """Both states of one run, measured once: run/diagnosis.json is kept and read again while it is newer than the
     run's weights, or when the weights are gone (a kept record in recipes/results)."""
     path = os.path.join(run, "diagnosis.json")
-    if kept(path, run) and json.load(open(path)).get("asked") == count:
-        return json.load(open(path))
+    row = json.load(open(path)) if kept(path, run) else {}
+    if row.get("asked") == count:
+        return row
     row = dict(measure_run(run, texts, count), asked=count)
     json.dump(row, open(path, "w"), indent=1)
     return row
