@@ -732,11 +732,12 @@ def ae_scores(hyp_ids, ref_ids, tok, epl=None):
 
 
 @torch.no_grad()
-def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=None):
+def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=None, generate=True):
     """Reconstruction: compress each text, regenerate it greedily from its memory (ICAE's AE task, AOC §3,
     EPL Table 6), in batches. Default budget: n for a head-cropped checkpoint (AOC code), else the reference
     length + 8. Also the teacher-forced AE loss on the text and its EOS with the own memory, another text's
-    memory and none (EPL Table 9 reports the AE loss and its perplexity)."""
+    memory and none (EPL Table 9 reports the AE loss and its perplexity). generate=False: the losses only
+    ({"protocol", "loss"}, no regeneration), as recipes/curve.py scores every kept checkpoint."""
     tok, plain = comp.tok, PlainLLM(comp)
     proto = proto or protocol(comp)
     pairs = texts_as_trained(comp, [ex["text"] for ex in examples], proto)
@@ -756,7 +757,7 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
         nll_none = plain.nll([[tok.start_id]] * len(xs), [x + [tok.eos_id] for x in xs])
         outs = {"compressed": comp.generate(own, "ae", max_new_tokens=n_new),
                 "full": plain.generate([[tok.start_id] + x + tok.encode(SEP) for x in xs], n_new),
-                "none": plain.generate([[tok.start_id]] * len(xs), n_new)}
+                "none": plain.generate([[tok.start_id]] * len(xs), n_new)} if generate else {}
         for j, i in enumerate(idx):
             row = {"text": examples[i]["text"], "reference": tok.decode(refs[j]), "reference_ids": refs[j],
                    "memory_slots": sum(own.mem_counts[j]),
@@ -768,7 +769,8 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
                 row[mode] = {"text": tok.decode(ids), "ids": ids,
                              "scores": ae_scores(ids, refs[j], tok, epl=(stopped, comp.ae_target(refs[j])))}
             rows.append(row)
-    return summarize(rows, {"protocol": proto, **memory_losses(rows)})
+    losses = {"protocol": proto, **memory_losses(rows)}
+    return summarize(rows, losses) if generate else losses
 
 
 @torch.no_grad()

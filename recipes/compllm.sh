@@ -45,7 +45,9 @@ if [ "$SCALE" = paper ]; then
 else
   # ours: the fill-in-the-blank training questions, the LLM's own answers of up to 48 tokens, batch 4, lr 1e-4.
   # Distilled in stages of STAGE steps, each scored on the held-out questions, until the CEs answer clearly better
-  # than no context (F1 at least GAP above it) or MAX_STEPS; SEEDS seeds
+  # than no context (the answer found in GAP more of the generations than with none: SmolLM2's answers run long, so
+  # F1 stays low even with the full context, 0.077 against 0.019 with none, and an F1 gap could never get there)
+  # or MAX_STEPS; SEEDS seeds. The seeds share one cache of the frozen LLM's answers (they are the same teacher's)
   STAGE=${STAGE:-100}
   MAX_STEPS=${MAX_STEPS:-600}
   GAP=${GAP:-0.1}
@@ -53,23 +55,26 @@ else
   [ "$SMOKE" = 1 ] && STAGE=2 MAX_STEPS=2 SEEDS=0
   QA=("${HELD_QA[@]}" --max-new-tokens 32)
   LENGTHS=${LENGTHS:-256,512,1024,2048,4096}
-  gap() { $PY -c "import json; s = json.load(open('$OUT/$1/eval_qa.json'))['scores']; print(s['compressed']['squad_f1'] - s['none']['squad_f1'])"; }
+  gap() {   # gap ARM: how much more often the CEs' answer holds the reference than no context's (kept in eval_gap.json)
+    $PY - "$OUT/$1" <<'PY'
+import json, sys
+s = json.load(open(f"{sys.argv[1]}/eval_qa.json"))["scores"]
+gap = s["compressed"]["substring_acc"] - s["none"]["substring_acc"]
+json.dump({"ce_minus_none": gap, "metric": "substring_acc"}, open(f"{sys.argv[1]}/eval_gap.json", "w"))
+print(gap)
+PY
+  }
   for seed in $SEEDS; do
     steps=$STAGE
     while :; do
       train_arm compllm_s$seed --method compllm "${TRAIN_QA[@]}" --max-len 256 --batch-size 4 --lr 1e-4 \
-        --answer-tokens ${ANSWER_TOKENS:-48} --steps $steps --save-every $STAGE --seed $seed
+        --answer-tokens ${ANSWER_TOKENS:-48} --steps $steps --save-every $STAGE --seed $seed --cache-dir "$OUT/cache"
       eval_arm compllm_s$seed qa "${QA[@]}"
-      echo "== compllm_s$seed at $steps steps: CE F1 - no-context F1 = $(gap compllm_s$seed)"
-      $PY -c "import sys; sys.exit(0 if $(gap compllm_s$seed) >= $GAP or $steps >= $MAX_STEPS else 1)" && break
+      g=$(gap compllm_s$seed)
+      echo "== compllm_s$seed at $steps steps: answer found, CEs minus no context = $g"
+      $PY -c "import sys; sys.exit(0 if $g >= $GAP or $steps >= $MAX_STEPS else 1)" && break
       steps=$((steps + STAGE))
     done
-    $PY - "$OUT/compllm_s$seed" <<'PY'
-import json, sys
-d = sys.argv[1]
-s = json.load(open(f"{d}/eval_qa.json"))["scores"]
-json.dump({"ce_minus_none": s["compressed"]["squad_f1"] - s["none"]["squad_f1"]}, open(f"{d}/eval_gap.json", "w"))
-PY
   done
   ARMS=$(for seed in $SEEDS; do echo compllm_s$seed; done)
   ONE=compllm_s$(echo $SEEDS | cut -d' ' -f1)
@@ -86,7 +91,8 @@ PY
     --metric "cached CEs: same answers=reuse_check:identical_answers" \
     --metric "TTFT speedup (longest)=speed:rows.-1.speedup_offline" --note "model $MODEL"
   for B in none full; do
-    $PY recipes/verdict.py --out "$OUT" --claim "CompLLM: the CEs answer better than $([ $B = none ] && echo "no context" || echo "the full context")" \
+    # CompLLM Fig. 5: the CEs answer "comparable or slightly lower" than the full context at short contexts
+    $PY recipes/verdict.py --out "$OUT" --claim "CompLLM: the CEs answer $([ $B = none ] && echo "better than no context" || echo "as well as the full context")" \
       --arm CEs $ARMS --arm $B $ARMS --expect CEs $B --context CEs compressed --context $B $B \
       --carry gap:ce_minus_none --carry-min $GAP \
       --metric "F1=qa:scores.{context}.squad_f1:higher" --metric "Acc=qa:scores.{context}.substring_acc:higher"

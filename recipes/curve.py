@@ -5,9 +5,9 @@ it falls to a threshold, and one figure with every arm (used by recipes/ladder.s
     python recipes/curve.py --out runs/recipes/ladder --data runs/corpus/heldout.jsonl --n 32 \
         --group "1:1" icae_1x aoc_1x --group "4x" icae_4x aoc_4x [--threshold 0.5] [--title ...]
 
-Each checkpoint is scored once (its ckpt-*/eval_curve.json is kept; teacher-forced losses only, no generation), on
-the first --n held-out texts cut as the arm was trained (evaluate.protocol: a window-cropped arm's texts are cut to
-its --max-len). Writes OUT/ARM/eval_curve.json (the points, the first step at or below the threshold, the median
+Each checkpoint is scored once (its ckpt-*/eval_curve.json is kept; teacher-forced losses only: evaluate.run_ae
+with generate=False), on the first --n held-out texts cut as the arm was trained (evaluate.protocol: a window-cropped
+arm's texts are cut to its --max-len). Writes OUT/ARM/eval_curve.json (the points, the first step at or below the threshold, the median
 seconds per training step), OUT/curve.json, OUT/curve.md and OUT/curve.png (when matplotlib is installed).
 """
 
@@ -38,7 +38,7 @@ def score(ckpt, examples):
     comp = C.load(ckpt).eval()
     # the texts cut as the arm was trained: its first --max-len tokens (what `evaluate.py --max-len` does)
     max_len = C.read_checkpoint_config(ckpt).get("train_args", {}).get("max_len")
-    L = E.run_ae(comp, examples, max_new_tokens=1, proto=E.protocol(comp, ckpt, max_len))["loss"]
+    L = E.run_ae(comp, examples, proto=E.protocol(comp, ckpt, max_len), generate=False)["loss"]
     point = dict(own=L["own"], other=L["other"], none=L["none"], ratio=L["own_other_ratio"])
     json.dump(point, open(path, "w"))
     return point
