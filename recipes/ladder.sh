@@ -8,7 +8,7 @@
 # Then the final BLEU and ROUGE-L, the parameters trained, the seconds per step, and what the decoder sees of each
 # 1:1 arm's memory at init and after training (recipes/diagnosis.py).
 #
-#   bash recipes/ladder.sh              # SmolLM2-135M on 2 CPU cores, 16 arms x STEPS=300, about 4 h; resumes
+#   bash recipes/ladder.sh              # SmolLM2-135M on 2 CPU cores, 17 arms x STEPS=300: 1:1 about 2 h, 4x about 2.2 h; resumes
 #   SMOKE=1 bash recipes/ladder.sh      # tiny model, 2 steps per arm (CI)
 #   RUNGS=1x bash recipes/ladder.sh     # one rung only; ARMS="icae aoc" for some presets only
 #   SEED=1 OUT=runs/recipes/ladder_s1 bash recipes/ladder.sh   # another seed (data order and init)
