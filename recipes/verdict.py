@@ -8,11 +8,13 @@
 recipes/summarize.py reads it), each arm's mean over its seeds and its spread (the range, max - min), then:
 
     reproduced      every run of both arms carries its text, and A beats B in the mean by more than the larger of
-                    the two spreads
-    contradicted    every run carries its text, and B beats A by more than that
+                    the two spreads; or every run of A carries its text, no run of B does, and A beats B by more
+                    than that (said as "only A carries its text": B cannot within the run's budget)
+    contradicted    the same with A and B swapped
     not visible     every run carries its text, and the gap is inside the spread
-    undecided       some run's memory carries nothing (so the comparison says nothing either way), or a run has
-                    no value for the metric
+    undecided       neither arm carries its text, or some runs of an arm do and some don't (a comparison between
+                    memories that carry nothing says nothing either way), or the one arm that carries does not win
+                    by more than the spread, or a run has no value for the metric
 A steps-to-threshold metric (lower is better, None = never within the run) is decided when every run of one arm
 gets there and no run of the other does, whatever the other metrics say.
 
@@ -32,10 +34,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from summarize import read_metric  # noqa: E402
 
 
-def decide(a, b, better, carried):
-    """The verdict on one metric: a and b are the two arms' per-seed values (A is the paper's winner). For a
-    lower-is-better metric (steps to a threshold) None means never within the run: one arm that always gets there
-    against one that never does is a verdict, anything else with a None is undecided."""
+def decide(a, b, better, carries):
+    """The verdict on one metric: a and b are the two arms' per-seed values (A is the paper's winner), carries
+    whether each arm's memories carry their text: (A, B), each True (every run), False (no run) or None (some).
+    For a lower-is-better metric (steps to a threshold) None means never within the run: one arm that always gets
+    there against one that never does is a verdict, anything else with a None is undecided."""
     if better == "lower" and (None in a or None in b) and a and b:
         if None not in a and all(v is None for v in b):
             return "reproduced"
@@ -44,14 +47,19 @@ def decide(a, b, better, carried):
         return "undecided (some runs never get there)"
     if not a or not b or None in a or None in b:
         return "undecided (a run has no value)"
-    if not carried:   # a comparison between memories that carry nothing says nothing either way
-        return "undecided (a memory carries nothing)"
     gap = statistics.mean(a) - statistics.mean(b)
     gap = gap if better == "higher" else -gap                     # > 0: A is better
     spread = max(max(a) - min(a), max(b) - min(b))
-    if abs(gap) > spread:
-        return "reproduced" if gap > 0 else "contradicted"
-    return "not visible"
+    if carries == (True, True):
+        if abs(gap) > spread:
+            return "reproduced" if gap > 0 else "contradicted"
+        return "not visible"
+    if carries in ((True, False), (False, True)):   # one arm carries its text, the other's memory is a constant prompt
+        only = "A" if carries[0] else "B"
+        if abs(gap) > spread and (gap > 0) == (only == "A"):
+            return ("reproduced" if only == "A" else "contradicted") + f" (only {only} carries its text)"
+        return f"undecided (only {only} carries its text, and it does not win by more than the spread)"
+    return "undecided (a memory carries nothing)"   # a comparison between memories that carry nothing says nothing
 
 
 def fmt(values):
@@ -83,7 +91,10 @@ def main(argv=None):
     carry_runs = {**arms, **{g[0]: g[1:] for g in a.carry_runs}}
     own_other = {label: [read_metric(a.out, run, a.carry) for run in carry_runs[label]] for label in arms}
     ok = (lambda v: v >= a.carry_min) if a.carry_min is not None else (lambda v: v <= a.carry_max)
-    carried = all(vs and all(v is not None and ok(v) for v in vs) for vs in own_other.values())
+    def carry(values):   # True: every run carries its text, False: none does, None: some do
+        hits = [v is not None and ok(v) for v in values]
+        return True if hits and all(hits) else False if not any(hits) else None
+    carries = {label: carry(vs) for label, vs in own_other.items()}
     contexts = dict(a.context)
     A, B = a.expect
     lines = [f"### {a.claim}", "", f"| metric | {A} | {B} | verdict |", "|---|---|---|---|"]
@@ -93,13 +104,14 @@ def main(argv=None):
         path, _, better = rest.rpartition(":")
         values = {label: [read_metric(a.out, run, path.replace("{context}", contexts.get(label, "")))
                           for run in arms[label]] for label in (A, B)}
-        verdicts[name] = decide(values[A], values[B], better, carried)
+        verdicts[name] = decide(values[A], values[B], better, (carries[A], carries[B]))
         lines.append(f"| {name} ({better} is better) | {fmt(values[A])} | {fmt(values[B])} | **{verdicts[name]}** |")
     rule = f">= {a.carry_min}" if a.carry_min is not None else f"<= {a.carry_max}"
     what = "held-out own/other" if a.carry == "ae:loss.own_other_ratio" else a.carry
     lines.append(f"| {what} (each run; {rule} carries its text) | "
                  + " | ".join(", ".join("-" if v is None else f"{v:.3f}" for v in own_other[label]) for label in (A, B))
-                 + " | " + ("every run carries its text" if carried else "**not every run carries its text**") + " |")
+                 + " | " + ("every run carries its text" if carries[A] and carries[B] else
+                            "**not every run carries its text**") + " |")
     lines += ["", f"mean over {len(arms[A])} seed(s) per arm, (min-max) across seeds. " + a.note]
     results = os.path.join(a.out, "results.json")
     tables = json.load(open(results))["tables"] if os.path.isfile(results) else []

@@ -93,22 +93,27 @@ def test_held_out_questions_are_answered_in_their_paragraphs():
         assert r["answer"].strip() and r["answer"] in r["context"], r["question"]
 
 
-@pytest.mark.parametrize("a, b, better, carried, verdict", [
-    ([0.80, 0.82], [0.60, 0.65], "higher", True, "reproduced"),       # the paper's direction, gap 0.185 > spread 0.05
-    ([0.60, 0.65], [0.80, 0.82], "higher", True, "contradicted"),
-    ([0.70, 0.80], [0.65, 0.78], "higher", True, "not visible"),      # gap 0.035 inside the spread 0.13
-    ([2.0, 2.1], [3.0, 3.1], "lower", True, "reproduced"),            # a lower loss is better
-    ([0.80, 0.82], [0.60, 0.65], "higher", False, "undecided"),       # memories that carry nothing decide nothing
-    ([100, 200], [None, None], "lower", False, "reproduced"),         # A reaches the threshold, B never does
-    ([None, None], [100, 200], "lower", False, "contradicted"),
-    ([100, None], [None, None], "lower", False, "undecided"),
-    ([0.8, None], [0.6, 0.6], "higher", True, "undecided"),           # a run without a value
+@pytest.mark.parametrize("a, b, better, carries, verdict", [
+    ([0.80, 0.82], [0.60, 0.65], "higher", (True, True), "reproduced"),      # the paper's direction, gap 0.185 > 0.05
+    ([0.60, 0.65], [0.80, 0.82], "higher", (True, True), "contradicted"),
+    ([0.70, 0.80], [0.65, 0.78], "higher", (True, True), "not visible"),     # gap 0.035 inside the spread 0.13
+    ([2.0, 2.1], [3.0, 3.1], "lower", (True, True), "reproduced"),           # a lower loss is better
+    ([0.80, 0.82], [0.60, 0.65], "higher", (False, False), "undecided"),     # memories that carry nothing decide nothing
+    ([0.80, 0.82], [0.60, 0.65], "higher", (True, None), "undecided"),       # B carries in one seed only
+    ([0.02, 0.03], [0.85, 0.90], "higher", (False, True), "contradicted (only B"),   # only B carries, and it wins
+    ([0.85, 0.90], [0.02, 0.03], "higher", (True, False), "reproduced (only A"),
+    ([0.02, 0.03], [0.85, 0.90], "higher", (True, False), "undecided (only A"),      # the carrying arm loses
+    ([0.60, 0.70], [0.58, 0.66], "higher", (True, False), "undecided (only A"),      # inside the spread: no verdict
+    ([100, 200], [None, None], "lower", (False, False), "reproduced"),       # A reaches the threshold, B never does
+    ([None, None], [100, 200], "lower", (False, False), "contradicted"),
+    ([100, None], [None, None], "lower", (False, False), "undecided"),
+    ([0.8, None], [0.6, 0.6], "higher", (True, True), "undecided"),          # a run without a value
 ])
-def test_verdict_rules(a, b, better, carried, verdict):
+def test_verdict_rules(a, b, better, carries, verdict):
     import sys
     sys.path.insert(0, str(REPO / "recipes"))
     import verdict as V
-    assert V.decide(a, b, better, carried).startswith(verdict)
+    assert V.decide(a, b, better, carries).startswith(verdict)
 
 
 def test_curve_scores_texts_cut_as_the_arm_was_trained(tmp_path):
