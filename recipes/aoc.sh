@@ -4,7 +4,7 @@
 # the first n tokens of a document. The claim: AOC regenerates better (BLEU, EM, ROUGE-L) with about a third of the
 # encoder parameters. Decided (2 seeds per arm) at m = n = 16, where the baseline must carry its text, and at 2x.
 #
-#   bash recipes/aoc.sh                 # SmolLM2-135M on 2 CPU cores: 8 runs x 1,500 steps, about 5 h; resumes
+#   bash recipes/aoc.sh                 # SmolLM2-135M on 2 CPU cores: 8 runs x 1,500 steps, about 3.5 h; resumes
 #   SMOKE=1 bash recipes/aoc.sh         # tiny model, 2 steps per arm (CI)
 #   SCALE=paper bash recipes/aoc.sh     # AOC §2-3 on a GPU: Llama-3.2-1B-Instruct, arXiv abstracts, n = 96
 PAPER=aoc
