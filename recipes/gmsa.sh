@@ -3,7 +3,7 @@
 # "TCP-AE", App. E), with the same first-k-layers LoRA encoder, the same LSA bridge and the same 4x rate, trained
 # as autoencoders. The claim: GMSA-AE converges faster and restores text better (BLEU, prefix EM, ROUGE).
 #
-#   bash recipes/gmsa.sh                # SmolLM2-135M on 2 CPU cores: 4 runs x 1,000 steps, about 2 h; resumes
+#   bash recipes/gmsa.sh                # SmolLM2-135M on 2 CPU cores: 8 runs x 1,000 steps (4x, 1:1), about 5 h; resumes
 #   SMOKE=1 bash recipes/gmsa.sh        # tiny model, 2 steps per arm (CI)
 #   SCALE=paper bash recipes/gmsa.sh    # GMSA §4.1 on a GPU: LLaMA-2-7B-chat, PwC, 10k AE steps
 PAPER=gmsa
@@ -23,37 +23,51 @@ if [ "$SCALE" = paper ]; then
     --metric "BLEU-4 (words)=ae:scores.compressed.bleu4_words" --metric "prefix EM=ae:scores.compressed.prefix_em" \
     --metric "ROUGE-L=ae:scores.compressed.rougeL" --metric "own/other=ae:loss.own_other_ratio" --note "model $MODEL"
 else
-  # ours: texts of 64-128 tokens, the first 7 of SmolLM2's 30 layers with LoRA r 16, lr 5e-4, batch 4, to STEPS =
-  # 1,000 steps (the paper's curves flatten by then, Fig. 5), SEEDS seeds per arm (data order and init); every
-  # kept checkpoint scored on held-out texts
+  # ours: at GMSA's 4x (texts of 64-128 tokens) and at 1:1 (16-token texts, one memory slot per token: the sanity
+  # rung, where the ladder's GMSA carried its text, own/other 0.55 at 300 steps), the first 7 of SmolLM2's 30
+  # layers with LoRA r 16, lr 5e-4, batch 4, to STEPS = 1,000 steps (the paper's curves flatten by then, Fig. 5),
+  # SEEDS seeds per arm (data order and init); every kept checkpoint scored on held-out texts
   STEPS=${STEPS:-1000}
   EVERY=${EVERY:-100}
   SEEDS=${SEEDS:-0 1}
+  RUNGS=${RUNGS:-$([ "$SMOKE" = 1 ] && echo 4 || echo 4 1)}   # CI: one rung (the other runs the same code)
   [ "$SMOKE" = 1 ] && EVERY=1 && SEEDS=0
-  for seed in $SEEDS; do
-    COMMON=(--method gmsa --ratio 4 --lora-r 16 --lora-alpha 32 --min-len 64 --max-len 128 --batch-size 4
-            --lr 5e-4 --warmup 30 --steps $STEPS --save-every $EVERY --keep-every $EVERY --seed $seed "${TRAIN_TEXT[@]}")
-    train_arm gmsa_s$seed "${COMMON[@]}"
-    train_arm tcp_s$seed "${COMMON[@]}" --source mem_tokens
-    for arm in gmsa_s$seed tcp_s$seed; do
-      eval_arm $arm ae "${HELD_TEXT[@]}" --n ${N:-48} --max-len 128 --ratio 4
-      curve_arm $arm "${HELD_TEXT[@]}" --n ${N:-48}
-    done
-  done
   runs() { for seed in $SEEDS; do echo $1_s$seed; done; }
-  $PY recipes/curve.py --out "$OUT" "${HELD_TEXT[@]}" --n ${N:-48} --title "GMSA vs TCP-AE" \
-    --group "4x, 64-128 tokens" $(runs gmsa) $(runs tcp)
-  $PY recipes/summarize.py --out "$OUT" --arms $(runs gmsa) $(runs tcp) --curves loss \
-    --title "GMSA: group merging + LSA against learned memory tokens (same first-k encoder, LSA, 4x): every run" \
+  GROUPS_ARGS=() ; ARMS=""
+  for r in $RUNGS; do
+    case $r in
+      4) LEN=(--min-len 64 --max-len 128) tag="" label="4x, 64-128 tokens" ;;
+      1) LEN=(--min-len 16 --max-len 16) tag=_1x label="1:1, 16 tokens" ;;
+      *) echo "unknown rung $r (4 or 1)"; exit 2 ;;
+    esac
+    for seed in $SEEDS; do
+      COMMON=(--method gmsa --ratio $r --lora-r 16 --lora-alpha 32 "${LEN[@]}" --batch-size 4 --lr 5e-4 --warmup 30
+              --steps $STEPS --save-every $EVERY --keep-every $EVERY --seed $seed "${TRAIN_TEXT[@]}")
+      train_arm gmsa${tag}_s$seed "${COMMON[@]}"
+      train_arm tcp${tag}_s$seed "${COMMON[@]}" --source mem_tokens
+      for arm in gmsa${tag}_s$seed tcp${tag}_s$seed; do
+        eval_arm $arm ae "${HELD_TEXT[@]}" --n ${N:-48} --max-len ${LEN[3]} --ratio $r
+        curve_arm $arm "${HELD_TEXT[@]}" --n ${N:-48}
+      done
+    done
+    GROUPS_ARGS+=(--group "$label" $(runs gmsa$tag) $(runs tcp$tag))
+    ARMS="$ARMS $(runs gmsa$tag) $(runs tcp$tag)"
+  done
+  $PY recipes/curve.py --out "$OUT" "${HELD_TEXT[@]}" --n ${N:-48} --title "GMSA vs TCP-AE" "${GROUPS_ARGS[@]}"
+  $PY recipes/summarize.py --out "$OUT" --arms $ARMS --curves loss \
+    --title "GMSA: group merging + LSA against learned memory tokens (same first-k encoder, LSA): every run" \
     --metric "BLEU-4 (words)=ae:scores.compressed.bleu4_words" --metric "prefix EM=ae:scores.compressed.prefix_em" \
     --metric "ROUGE-L=ae:scores.compressed.rougeL" --metric "AE loss own=ae:loss.own" \
     --metric "own/other=ae:loss.own_other_ratio" --metric "no memory=ae:loss.none" \
     --metric "first step at own/other 0.5=curve:first_at_threshold" \
     --note "model $MODEL; own/other along the runs: curve.md, curve.png"
-  $PY recipes/verdict.py --out "$OUT" --claim "GMSA-AE beats TCP-AE (4x, 64-128 tokens, $STEPS steps)" \
-    --arm GMSA $(runs gmsa) --arm TCP-AE $(runs tcp) --expect GMSA TCP-AE \
-    --metric "BLEU-4 (words)=ae:scores.compressed.bleu4_words:higher" \
-    --metric "prefix EM=ae:scores.compressed.prefix_em:higher" --metric "ROUGE-L=ae:scores.compressed.rougeL:higher" \
-    --metric "first step at own/other 0.5=curve:first_at_threshold:lower"
+  for r in $RUNGS; do
+    tag=$([ $r = 4 ] || echo _1x) rung=$([ $r = 1 ] && echo 1:1 || echo ${r}x)
+    $PY recipes/verdict.py --out "$OUT" --claim "GMSA-AE beats TCP-AE ($rung, $STEPS steps)" \
+      --arm GMSA $(runs gmsa$tag) --arm TCP-AE $(runs tcp$tag) --expect GMSA TCP-AE \
+      --metric "BLEU-4 (words)=ae:scores.compressed.bleu4_words:higher" \
+      --metric "prefix EM=ae:scores.compressed.prefix_em:higher" --metric "ROUGE-L=ae:scores.compressed.rougeL:higher" \
+      --metric "first step at own/other 0.5=curve:first_at_threshold:lower"
+  done
 fi
 finish
