@@ -33,13 +33,16 @@ else
   RUNGS=${RUNGS:-$([ "$SMOKE" = 1 ] && echo 4 || echo 4 1)}   # CI: one rung (the other runs the same code)
   [ "$SMOKE" = 1 ] && EVERY=1 && SEEDS=0
   runs() { for seed in $SEEDS; do echo $1_s$seed; done; }
-  GROUPS_ARGS=() ; ARMS=""
-  for r in $RUNGS; do
-    case $r in
+  rung() {   # rung R: its text lengths, arm-name tag and label
+    case $1 in
       4) LEN=(--min-len 64 --max-len 128) tag="" label="4x, 64-128 tokens" ;;
       1) LEN=(--min-len 16 --max-len 16) tag=_1x label="1:1, 16 tokens" ;;
-      *) echo "unknown rung $r (4 or 1)"; exit 2 ;;
+      *) echo "unknown rung $1 (4 or 1)"; exit 2 ;;
     esac
+  }
+  GROUPS_ARGS=() ; ARMS=""
+  for r in $RUNGS; do
+    rung $r
     for seed in $SEEDS; do
       COMMON=(--method gmsa --ratio $r --lora-r 16 --lora-alpha 32 "${LEN[@]}" --batch-size 4 --lr 5e-4 --warmup 30
               --steps $STEPS --save-every $EVERY --keep-every $EVERY --seed $seed "${TRAIN_TEXT[@]}")
@@ -62,8 +65,8 @@ else
     --metric "first step at own/other 0.5=curve:first_at_threshold" \
     --note "model $MODEL; own/other along the runs: curve.md, curve.png"
   for r in $RUNGS; do
-    tag=$([ $r = 4 ] || echo _1x) rung=$([ $r = 1 ] && echo 1:1 || echo ${r}x)
-    $PY recipes/verdict.py --out "$OUT" --claim "GMSA-AE beats TCP-AE ($rung, $STEPS steps)" \
+    rung $r
+    $PY recipes/verdict.py --out "$OUT" --claim "GMSA-AE beats TCP-AE ($label, $STEPS steps)" \
       --arm GMSA $(runs gmsa$tag) --arm TCP-AE $(runs tcp$tag) --expect GMSA TCP-AE \
       --metric "BLEU-4 (words)=ae:scores.compressed.bleu4_words:higher" \
       --metric "prefix EM=ae:scores.compressed.prefix_em:higher" --metric "ROUGE-L=ae:scores.compressed.rougeL:higher" \
