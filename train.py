@@ -825,14 +825,8 @@ def main(argv=None):
             signal.signal(s, h)
         if run.master:
             log.close()
-    if run.world > 1:
-        # only after a clean end (an error on one rank would leave the others waiting here; the process exits
-        # anyway): every rank reaches this point before any tears down, and the DDP wrapper, which holds the group,
-        # goes first. A rank that closed its gloo connections while the other still exited once aborted in CI
-        # ("terminate called without an active exception")
-        dist.barrier()
-        del step_fn
-        dist.destroy_process_group()
+        if run.world > 1:
+            dist.destroy_process_group()
     if run.master and end == args.steps:
         print(f"done: {args.steps} steps; the compressor is in {args.out} (compressors.load, evaluate.py --ckpt)")
     elif run.master and end == args.stop_after:
