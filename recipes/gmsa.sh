@@ -30,7 +30,7 @@ else
   STEPS=${STEPS:-1000}
   EVERY=${EVERY:-100}
   SEEDS=${SEEDS:-0 1}
-  RUNGS=${RUNGS:-$([ "$SMOKE" = 1 ] && echo 4 || echo 4 1)}   # CI: one rung (the other runs the same code)
+  RUNGS=${RUNGS:-$([ "$SMOKE" = 1 ] && echo 4 || echo 1 4)}   # 1:1 first (m = n before compressing); CI: one rung
   [ "$SMOKE" = 1 ] && EVERY=1 && SEEDS=0
   runs() { for seed in $SEEDS; do echo $1_s$seed; done; }
   rung() {   # rung R: its text lengths, arm-name tag and label
