@@ -15,7 +15,9 @@ from its memory (the AE task, as trained) and we measure, per decoder layer:
                lands on the memory slots
     spread     how much the memory's keys differ from one text to another: std over texts / mean |k|. A memory
                that is the same for every text (a learned constant prompt) has spread 0
-    losses     the AE loss per token with the own memory, another text's memory, no memory, and own / other
+    losses     the AE loss per token with the own memory, another text's memory, no memory, and own / other;
+               the own memory's loss also on the text's first token alone and on the rest (a memory that carries
+               all but its first token, as GMSA's at 1:1, shows a high first and a low rest)
 
 Writes OUT.json and OUT.md (one row per run and state, layers in five groups).
 """
@@ -112,11 +114,15 @@ def measure(comp, xs):
         embed_norm = (memory.embeds[memory.valid].float().norm(dim=-1).mean() / text_norm).item()
     n_text = [len(t) + 1 for t in xs]                  # the text and its EOS (as evaluate.py counts the AE loss)
     own = comp.nll(memory, "ae", follow, n_text)
+    rest = comp.nll(memory, "ae", follow, [n - 1 for n in n_text])   # the last n - 1: all but the first token
     other = comp.nll(comp.compress([comp.encoder_ids(t) for t in xs[1:] + xs[:1]]), "ae", follow, n_text)
     none = E.PlainLLM(comp).nll([[comp.tok.start_id]] * len(xs), [t + [comp.tok.eos_id] for t in xs])
     loss = lambda r: sum(r[0]) / sum(r[1])
+    n_first = sum(own[1]) - sum(rest[1])   # 0 when nothing predicts the first token (K/V memory, no special token)
+    first = (sum(own[0]) - sum(rest[0])) / n_first if n_first else None
     return dict(layers=layers, embed_norm_ratio=embed_norm, loss_own=loss(own), loss_other=loss(other),
-                loss_none=sum(s for s, _ in none) / sum(c for _, c in none), own_other=loss(own) / loss(other))
+                loss_none=sum(s for s, _ in none) / sum(c for _, c in none), own_other=loss(own) / loss(other),
+                loss_own_first=first, loss_own_rest=loss(rest))
 
 
 def diagnose(run, texts, count):
@@ -157,8 +163,9 @@ def table(rows):
     L = len(rows[0]["init"]["layers"])
     head = " / ".join(f"{g * L // min(5, L)}-{(g + 1) * L // min(5, L) - 1}" for g in range(min(5, L)))
     lines = [f"| run | state | embedding norm memory/text | key norm memory/text (layers {head}) | "
-             "attention on memory (same layers) | key spread across texts | AE loss own | other | none | own/other |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "attention on memory (same layers) | key spread across texts | AE loss own | own: first token / the rest "
+             "| other | none | own/other |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for state in ("init", "trained"):
             d = r[state]
@@ -167,8 +174,10 @@ def table(rows):
             emb = "-" if d["embed_norm_ratio"] is None else f"{d['embed_norm_ratio']:.2f}"
             name = os.path.basename(os.path.normpath(r["run"]))
             when = "init" if state == "init" else f"step {r['step']}"
+            split = f"{d['loss_own_first']:.3f} / {d['loss_own_rest']:.3f}" if d.get("loss_own_first") is not None else "-"
             lines.append(f"| {name} | {when} | {emb} | {col('norm')} | {col('attention')} | {spread:.3f} | "
-                         f"{d['loss_own']:.3f} | {d['loss_other']:.3f} | {d['loss_none']:.3f} | {d['own_other']:.3f} |")
+                         f"{d['loss_own']:.3f} | {split} | {d['loss_other']:.3f} | {d['loss_none']:.3f} | "
+                         f"{d['own_other']:.3f} |")
     return "\n".join(lines)
 
 

@@ -51,19 +51,25 @@ else
       for arm in gmsa${tag}_s$seed tcp${tag}_s$seed; do
         eval_arm $arm ae "${HELD_TEXT[@]}" --n ${N:-48} --max-len ${LEN[3]} --ratio $r
         curve_arm $arm "${HELD_TEXT[@]}" --n ${N:-48}
+        # what the decoder sees of the 1:1 memories (recipes/diagnosis.py), while the weights are here
+        if [ $r = 1 ] && [ $seed = ${SEEDS%% *} ]; then diagnose_arm $arm "${HELD_TEXT[@]}"; fi
       done
     done
     GROUPS_ARGS+=(--group "$label" $(runs gmsa$tag) $(runs tcp$tag))
     ARMS="$ARMS $(runs gmsa$tag) $(runs tcp$tag)"
   done
   $PY recipes/curve.py --out "$OUT" "${HELD_TEXT[@]}" --n ${N:-48} --title "GMSA vs TCP-AE" "${GROUPS_ARGS[@]}"
+  if [[ " $RUNGS " == *" 1 "* ]]; then
+    $PY recipes/diagnosis.py --runs "$OUT/gmsa_1x_s${SEEDS%% *}" "$OUT/tcp_1x_s${SEEDS%% *}" "${HELD_TEXT[@]}" \
+      --out "$OUT/diagnosis"
+  fi
   $PY recipes/summarize.py --out "$OUT" --arms $ARMS --curves loss \
     --title "GMSA: group merging + LSA against learned memory tokens (same first-k encoder, LSA): every run" \
     --metric "BLEU-4 (words)=ae:scores.compressed.bleu4_words" --metric "prefix EM=ae:scores.compressed.prefix_em" \
     --metric "ROUGE-L=ae:scores.compressed.rougeL" --metric "AE loss own=ae:loss.own" \
     --metric "own/other=ae:loss.own_other_ratio" --metric "no memory=ae:loss.none" \
     --metric "first step at own/other 0.5=curve:first_at_threshold" \
-    --note "model $MODEL; own/other along the runs: curve.md, curve.png"
+    --note "model $MODEL; own/other along the runs: curve.md, curve.png; the 1:1 memories: diagnosis.md"
   for r in $RUNGS; do
     rung $r
     $PY recipes/verdict.py --out "$OUT" --claim "GMSA-AE beats TCP-AE ($label, $STEPS steps)" \

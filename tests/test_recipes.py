@@ -135,3 +135,25 @@ def test_curve_scores_texts_cut_as_the_arm_was_trained(tmp_path):
     point = curve.score(str(out / "ckpt-000002"), examples)
     want = E.run_ae(comp, examples, max_new_tokens=1, proto=E.protocol(comp, str(out), max_len=8))["loss"]
     assert (point["own"], point["other"], point["none"]) == pytest.approx((want["own"], want["other"], want["none"]))
+
+
+def test_diagnosis_splits_the_own_loss_at_the_first_token():
+    """recipes/diagnosis.py's own-memory AE loss on the first token is the decoder's loss on that token alone (the
+    decoder is causal: the text after it cannot change it), and the rest is the loss on the other tokens and EOS."""
+    import sys
+    import torch
+    import compressors as C
+    sys.path.insert(0, str(REPO / "recipes"))
+    import diagnosis
+    torch.manual_seed(0)
+    from model import build_tiny
+    comp = C.build("gmsa", *build_tiny(), ratio=1).eval()     # merging at 1:1: one slot per token
+    xs = [comp.tok.encode(t)[:8] for t in ("The quick brown fox jumps over the lazy dog.",
+                                            "A second text about something else entirely, longer.")]
+    d = diagnosis.measure(comp, xs)
+    memory = comp.compress([comp.encoder_ids(x) for x in xs])
+    sums, counts = comp.nll(memory, "ae", [x[:1] for x in xs], [1, 1])
+    assert counts == [1, 1]
+    assert d["loss_own_first"] == pytest.approx(sum(sums) / 2, rel=1e-4)
+    n = len(xs[0]) + 1
+    assert (d["loss_own_first"] * 2 + d["loss_own_rest"] * 2 * (n - 1)) / (2 * n) == pytest.approx(d["loss_own"], rel=1e-4)
