@@ -252,9 +252,14 @@ def resolve_defaults(args):
 # ---- model and compressor ----
 
 
+def under_torchrun() -> bool:
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK: one process per GPU (DDP)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def setup_device(args):
-    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK: one process per GPU (DDP). Returns (device, rank, world)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    """Returns (device, rank, world): this process's share of a torchrun job, or the one device."""
+    if under_torchrun():
         local = int(os.environ["LOCAL_RANK"])
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)
@@ -1059,7 +1064,7 @@ BUILTIN_QA = [
 
 if __name__ == "__main__":
     main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if under_torchrun():
         # torchrun: after a clean end (the group destroyed, every file written and closed) the process leaves
         # without Python's finalization. gloo's worker threads outlive destroy_process_group and drop their last
         # work's tensors under the GIL; one caught by finalization aborts the rank ("terminate called without an
