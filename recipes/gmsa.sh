@@ -3,7 +3,7 @@
 # "TCP-AE", App. E), with the same first-k-layers LoRA encoder, the same LSA bridge and the same 4x rate, trained
 # as autoencoders. The claim: GMSA-AE converges faster and restores text better (BLEU, prefix EM, ROUGE).
 #
-#   bash recipes/gmsa.sh                # SmolLM2-135M on 2 CPU cores: 6 runs x 1,000 steps (1:1 x 2 seeds, 4x x 1), about 4 h; resumes
+#   bash recipes/gmsa.sh                # SmolLM2-135M on 2 CPU cores: 6 runs x 1,000 steps (1:1 x 2 seeds, 4x x 1), about 2.5 h; resumes
 #   SMOKE=1 bash recipes/gmsa.sh        # tiny model, 2 steps per arm (CI)
 #   SCALE=paper bash recipes/gmsa.sh    # GMSA §4.1 on a GPU: LLaMA-2-7B-chat, PwC, 10k AE steps
 PAPER=gmsa
