@@ -99,17 +99,20 @@ def main(argv=None):
     p.add_argument("--threshold", type=float, default=0.5)
     p.add_argument("--title", default="")
     p.add_argument("--loss-ref", nargs="+", metavar="ARM", help="also find each arm's first step at the final training "
-                   "loss of these arms (their mean, each smoothed over its last 20 steps)")
+                   "loss of the arms of these in its own panel (their mean, each smoothed over its last 20 steps)")
     p.add_argument("--score-only", action="store_true", help="score the arms' checkpoints and write each "
                    "OUT/ARM/eval_curve.json, nothing else (a recipe does so as soon as an arm is trained)")
     a = p.parse_args(argv)
-    loss_at = None
-    if a.loss_ref:
-        loss_at = statistics.mean(smoothed_losses(os.path.join(a.out, arm))[-1][1] for arm in a.loss_ref)
     examples = E.load_examples(a.data, "ae")[:a.n]
     groups = [(g[0], g[1:]) for g in a.group]
+    stray = set(a.loss_ref or []) - {arm for _, arms in groups for arm in arms}
+    if stray:
+        p.error(f"--loss-ref {' '.join(sorted(stray))}: not in any --group; name arms of the panels")
     curves = {}
     for _, arms in groups:
+        # each panel (a rung) has its own reference: the final training loss of its --loss-ref arms
+        refs = [arm for arm in a.loss_ref or [] if arm in arms]
+        loss_at = statistics.mean(smoothed_losses(os.path.join(a.out, arm))[-1][1] for arm in refs) if refs else None
         for arm in arms:
             curves[arm] = arm_curve(os.path.join(a.out, arm), examples, a.threshold, loss_at)
             json.dump(curves[arm], open(os.path.join(a.out, arm, "eval_curve.json"), "w"), indent=1)
@@ -118,14 +121,15 @@ def main(argv=None):
     png = figure(os.path.join(a.out, "curve.png"), groups, curves, a.threshold, a.title)
     json.dump(dict(curves=curves, png=png), open(os.path.join(a.out, "curve.json"), "w"), indent=1)
     steps = sorted({p["step"] for c in curves.values() for p in c["points"]})
-    at_loss = f" first step at training loss {loss_at:.4g} |" if loss_at is not None else ""
+    at_loss = " first step at the reference's training loss (the loss) |" if a.loss_ref else ""
     lines = ["| arm | " + " | ".join(str(s) for s in steps) + f" | first step <= {a.threshold} |" + at_loss,
              "|---|" + "---|" * (len(steps) + 1 + bool(at_loss))]
     for arm, c in curves.items():
         at = {p["step"]: p["ratio"] for p in c["points"]}
         cells = ["" if at.get(s) is None else f"{at[s]:.3f}" for s in steps]
         first = c["first_at_threshold"] or f"not within {c['points'][-1]['step'] if c['points'] else 0}"
-        reached = f" {c['first_at_loss'] or 'not reached'} |" if loss_at is not None else ""
+        reached = f" {c['first_at_loss'] or 'not reached'} ({c['loss_at']:.4g}) |" if c["loss_at"] is not None else \
+            (" |" if at_loss else "")
         lines.append(f"| {arm} | " + " | ".join(cells) + f" | {first} |" + reached)
     open(os.path.join(a.out, "curve.md"), "w").write("\n".join(lines) + "\n")
     print("\n".join(lines))

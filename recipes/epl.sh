@@ -5,7 +5,7 @@
 # Decided on 500xCompressor, EPL's second architecture, whose K/V carrier learns within a CPU budget (the ICAE arms
 # carry nothing at this scale: own/other ~1.0 after 300 steps even at 1:1, see the ladder; ICAE=1 adds them).
 #
-#   bash recipes/epl.sh                 # SmolLM2-135M on 2 CPU cores: 6 runs x 600 steps, about 3 h; resumes
+#   bash recipes/epl.sh                 # SmolLM2-135M on 2 CPU cores: 9 runs x 600 steps (1:1 x 2 seeds, r = 4 x 1), about 4 h; resumes
 #   SMOKE=1 bash recipes/epl.sh         # tiny model, 2 steps per arm (CI)
 #   SCALE=paper bash recipes/epl.sh     # EPL App. C on a GPU: Llama-3.2-1B, SlimPajama-6B, 20k steps each
 PAPER=epl
@@ -29,50 +29,70 @@ if [ "$SCALE" = paper ]; then
     --metric "own/other=ae:loss.own_other_ratio" --note "model $MODEL"
 else
   # ours: 500xCompressor as its own code trains it (--objective ae: regenerate from [BOS]; EPL §4 pretrains AE + LM),
-  # chunks of L = 32 with |M| = 8 (r = 4), texts of 96-128 tokens (3 or 4 chunks), batch 4, 500x's lr 1e-4, STEPS
-  # steps, SEEDS seeds per layout (data order and init); every kept checkpoint scored on held-out texts
+  # texts of 3-4 chunks, batch 4, 500x's lr 1e-4, STEPS steps; every kept checkpoint scored on held-out texts. Two
+  # rungs, 1:1 first (m = n before compressing): 1:1 (chunks of 16 tokens, 16 slots each, texts of 48-64 tokens),
+  # where DPL carries its text, the final comparison with SEEDS seeds per layout (data order and init); and r = 4
+  # (chunks of 32, 8 slots, texts of 96-128 tokens) with SEEDS_4X seeds (one by default: there DPL's own/other was
+  # still 0.86 at step 600)
   STEPS=${STEPS:-600}
   EVERY=${EVERY:-100}
   SEEDS=${SEEDS:-0 1}
-  [ "$SMOKE" = 1 ] && EVERY=1 && SEEDS=0
+  SEEDS_4X=${SEEDS_4X:-0}
+  RUNGS=${RUNGS:-$([ "$SMOKE" = 1 ] && echo 4 || echo 1 4)}
+  [ "$SMOKE" = 1 ] && EVERY=1 && SEEDS=0 && SEEDS_4X=0
   LAYOUTS="dpl upl epl"
-  for seed in $SEEDS; do
-    for layout in $LAYOUTS; do
-      train_arm 500x_${layout}_s$seed --method 500x --objective ae --layout $layout --chunk-len 32 --mem 8 \
-        --crop window --min-len 96 --max-len 128 --batch-size 4 --steps $STEPS --save-every $EVERY \
-        --keep-every $EVERY --seed $seed "${TRAIN_TEXT[@]}"
-      eval_arm 500x_${layout}_s$seed ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len 128
-      curve_arm 500x_${layout}_s$seed "${HELD_TEXT[@]}" --n ${N:-32}
+  rung() {   # rung R: its chunks, texts, arm-name tag, label and seeds
+    case $1 in
+      1) SHAPE=(--chunk-len 16 --mem 16 --min-len 48 --max-len 64) tag=_1x label="1:1, 3-4 chunks of 16" seeds=$SEEDS ;;
+      4) SHAPE=(--chunk-len 32 --mem 8 --min-len 96 --max-len 128) tag="" label="r = 4, 3-4 chunks of 32" seeds=$SEEDS_4X ;;
+      *) echo "unknown rung $1 (1 or 4)"; exit 2 ;;
+    esac
+  }
+  runs() { for seed in $seeds; do echo 500x_$1${tag}_s$seed; done; }
+  GROUPS_ARGS=() ; ARMS="" ; REFS=""
+  for r in $RUNGS; do
+    rung $r
+    for seed in $seeds; do
+      for layout in $LAYOUTS; do
+        train_arm 500x_${layout}${tag}_s$seed --method 500x --objective ae --layout $layout "${SHAPE[@]}" --crop window \
+          --batch-size 4 --steps $STEPS --save-every $EVERY --keep-every $EVERY --seed $seed "${TRAIN_TEXT[@]}"
+        eval_arm 500x_${layout}${tag}_s$seed ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len ${SHAPE[7]}
+        curve_arm 500x_${layout}${tag}_s$seed "${HELD_TEXT[@]}" --n ${N:-32}
+      done
     done
+    GROUP=$(for layout in $LAYOUTS; do runs $layout; done)
+    if [ "${ICAE:-0}" = 1 ]; then   # the original ICAE arms (EPL Table 6), one seed
+      for layout in $LAYOUTS; do
+        train_arm icae_${layout}$tag --method icae --layout $layout "${SHAPE[@]}" --batch-size 4 --steps $STEPS \
+          --save-every $EVERY --keep-every $EVERY "${TRAIN_TEXT[@]}"
+        eval_arm icae_${layout}$tag ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len ${SHAPE[7]}
+        curve_arm icae_${layout}$tag "${HELD_TEXT[@]}" --n ${N:-32}
+        GROUP="$GROUP icae_${layout}$tag"
+      done
+    fi
+    GROUPS_ARGS+=(--group "$label" $GROUP)
+    ARMS="$ARMS $GROUP" ; REFS="$REFS $(runs dpl)"
   done
-  ARMS=$(for seed in $SEEDS; do for layout in $LAYOUTS; do echo 500x_${layout}_s$seed; done; done)
-  if [ "${ICAE:-0}" = 1 ]; then   # the original ICAE arms (EPL Table 6), one seed
-    for layout in $LAYOUTS; do
-      train_arm icae_$layout --method icae --layout $layout --chunk-len 32 --mem 8 --min-len 96 --max-len 128 \
-        --batch-size 4 --steps $STEPS --save-every $EVERY --keep-every $EVERY "${TRAIN_TEXT[@]}"
-      eval_arm icae_$layout ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len 128
-      curve_arm icae_$layout "${HELD_TEXT[@]}" --n ${N:-32}
-      ARMS="$ARMS icae_$layout"
-    done
-  fi
-  runs() { for seed in $SEEDS; do echo 500x_$1_s$seed; done; }
-  # own/other along the runs, and the step each run's training loss reaches DPL's final loss (EPL §4)
+  # own/other along the runs, and the step each run's training loss reaches its rung's DPL final loss (EPL §4)
   $PY recipes/curve.py --out "$OUT" "${HELD_TEXT[@]}" --n ${N:-32} --title "500x under DPL, +UPL, EPL" \
-    --group "500x, r = 4, 3-4 chunks" $ARMS --loss-ref $(runs dpl)
+    "${GROUPS_ARGS[@]}" --loss-ref $REFS
   $PY recipes/summarize.py --out "$OUT" --arms $ARMS --curves loss \
-    --title "EPL: 500xCompressor under DPL, +UPL and EPL (AE, r = 4, 3-4 chunks): every run" \
+    --title "EPL: 500xCompressor under DPL, +UPL and EPL (AE, 3-4 chunks): every run" \
     --metric "AE BLEU-4 (ids)=ae:scores.compressed.bleu4_ids" --metric "ROUGE-L=ae:scores.compressed.rougeL" \
     --metric "AE loss own=ae:loss.own" --metric "own/other=ae:loss.own_other_ratio" \
     --metric "first step at own/other 0.5=curve:first_at_threshold" \
     --metric "first step at DPL's final training loss=curve:first_at_loss" \
     --note "model $MODEL; own/other along the runs: curve.md, curve.png"
-  for pair in "EPL dpl epl" "+UPL dpl upl"; do
-    read -r name base arm <<< "$pair"
-    $PY recipes/verdict.py --out "$OUT" --claim "$name beats DPL on 500xCompressor (r = 4, 3-4 chunks)" \
-      --arm "$name" $(runs $arm) --arm DPL $(runs $base) --expect "$name" DPL \
-      --metric "AE BLEU-4 (ids)=ae:scores.compressed.bleu4_ids:higher" --metric "AE loss own=ae:loss.own:lower" \
-      --metric "first step at own/other 0.5=curve:first_at_threshold:lower" \
-      --metric "first step at DPL's final training loss=curve:first_at_loss:lower"
+  for r in $RUNGS; do
+    rung $r
+    for pair in "EPL dpl epl" "+UPL dpl upl"; do
+      read -r name base arm <<< "$pair"
+      $PY recipes/verdict.py --out "$OUT" --claim "$name beats DPL on 500xCompressor ($label, $STEPS steps)" \
+        --arm "$name" $(runs $arm) --arm DPL $(runs $base) --expect "$name" DPL \
+        --metric "AE BLEU-4 (ids)=ae:scores.compressed.bleu4_ids:higher" --metric "AE loss own=ae:loss.own:lower" \
+        --metric "first step at own/other 0.5=curve:first_at_threshold:lower" \
+        --metric "first step at DPL's final training loss=curve:first_at_loss:lower"
+    done
   done
 fi
 finish
