@@ -31,9 +31,9 @@ else
   # ours: 500xCompressor as its own code trains it (--objective ae: regenerate from [BOS]; EPL §4 pretrains AE + LM),
   # texts of 3-4 chunks, batch 4, 500x's lr 1e-4, STEPS steps; every kept checkpoint scored on held-out texts. Two
   # rungs, 1:1 first (m = n before compressing): 1:1 (chunks of 16 tokens, 16 slots each, texts of 48-64 tokens),
-  # where DPL carries its text, the final comparison with SEEDS seeds per layout (data order and init); and r = 4
-  # (chunks of 32, 8 slots, texts of 96-128 tokens) with SEEDS_4X seeds (one by default: there DPL's own/other was
-  # still 0.86 at step 600)
+  # the final comparison with SEEDS seeds per layout (data order and init; seed 0 at step 600: own/other DPL 0.808,
+  # +UPL 0.338, EPL 0.044); and r = 4 (chunks of 32, 8 slots, texts of 96-128 tokens) with SEEDS_4X seeds (one by
+  # default: there DPL's own/other was still 0.861 at step 600)
   STEPS=${STEPS:-600}
   EVERY=${EVERY:-100}
   SEEDS=${SEEDS:-0 1}
