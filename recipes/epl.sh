@@ -41,10 +41,10 @@ else
   RUNGS=${RUNGS:-$([ "$SMOKE" = 1 ] && echo 4 || echo 1 4)}
   [ "$SMOKE" = 1 ] && EVERY=1 && SEEDS=0 && SEEDS_4X=0
   LAYOUTS="dpl upl epl"
-  rung() {   # rung R: its chunks, texts, arm-name tag, label and seeds
+  rung() {   # rung R: its chunks, text lengths, arm-name tag, label and seeds
     case $1 in
-      1) SHAPE=(--chunk-len 16 --mem 16 --min-len 48 --max-len 64) tag=_1x label="1:1, 3-4 chunks of 16" seeds=$SEEDS ;;
-      4) SHAPE=(--chunk-len 32 --mem 8 --min-len 96 --max-len 128) tag="" label="r = 4, 3-4 chunks of 32" seeds=$SEEDS_4X ;;
+      1) CHUNK=(--chunk-len 16 --mem 16) MIN=48 MAX=64 tag=_1x label="1:1, 3-4 chunks of 16" seeds=$SEEDS ;;
+      4) CHUNK=(--chunk-len 32 --mem 8) MIN=96 MAX=128 tag="" label="r = 4, 3-4 chunks of 32" seeds=$SEEDS_4X ;;
       *) echo "unknown rung $1 (1 or 4)"; exit 2 ;;
     esac
   }
@@ -54,18 +54,19 @@ else
     rung $r
     for seed in $seeds; do
       for layout in $LAYOUTS; do
-        train_arm 500x_${layout}${tag}_s$seed --method 500x --objective ae --layout $layout "${SHAPE[@]}" --crop window \
-          --batch-size 4 --steps $STEPS --save-every $EVERY --keep-every $EVERY --seed $seed "${TRAIN_TEXT[@]}"
-        eval_arm 500x_${layout}${tag}_s$seed ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len ${SHAPE[7]}
+        train_arm 500x_${layout}${tag}_s$seed --method 500x --objective ae --layout $layout "${CHUNK[@]}" \
+          --min-len $MIN --max-len $MAX --crop window --batch-size 4 --steps $STEPS --save-every $EVERY \
+          --keep-every $EVERY --seed $seed "${TRAIN_TEXT[@]}"
+        eval_arm 500x_${layout}${tag}_s$seed ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len $MAX
         curve_arm 500x_${layout}${tag}_s$seed "${HELD_TEXT[@]}" --n ${N:-32}
       done
     done
     GROUP=$(for layout in $LAYOUTS; do runs $layout; done)
     if [ "${ICAE:-0}" = 1 ]; then   # the original ICAE arms (EPL Table 6), one seed
       for layout in $LAYOUTS; do
-        train_arm icae_${layout}$tag --method icae --layout $layout "${SHAPE[@]}" --batch-size 4 --steps $STEPS \
-          --save-every $EVERY --keep-every $EVERY "${TRAIN_TEXT[@]}"
-        eval_arm icae_${layout}$tag ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len ${SHAPE[7]}
+        train_arm icae_${layout}$tag --method icae --layout $layout "${CHUNK[@]}" --min-len $MIN --max-len $MAX \
+          --batch-size 4 --steps $STEPS --save-every $EVERY --keep-every $EVERY "${TRAIN_TEXT[@]}"
+        eval_arm icae_${layout}$tag ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len $MAX
         curve_arm icae_${layout}$tag "${HELD_TEXT[@]}" --n ${N:-32}
         GROUP="$GROUP icae_${layout}$tag"
       done

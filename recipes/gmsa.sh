@@ -38,8 +38,8 @@ else
   runs() { for seed in $seeds; do echo $1_s$seed; done; }
   rung() {   # rung R: its text lengths, arm-name tag, label and seeds
     case $1 in
-      4) LEN=(--min-len 64 --max-len 128) tag="" label="4x, 64-128 tokens" seeds=$SEEDS_4X ;;
-      1) LEN=(--min-len 16 --max-len 16) tag=_1x label="1:1, 16 tokens" seeds=$SEEDS ;;
+      4) MIN=64 MAX=128 tag="" label="4x, 64-128 tokens" seeds=$SEEDS_4X ;;
+      1) MIN=16 MAX=16 tag=_1x label="1:1, 16 tokens" seeds=$SEEDS ;;
       *) echo "unknown rung $1 (4 or 1)"; exit 2 ;;
     esac
   }
@@ -47,12 +47,12 @@ else
   for r in $RUNGS; do
     rung $r
     for seed in $seeds; do
-      COMMON=(--method gmsa --ratio $r --lora-r 16 --lora-alpha 32 "${LEN[@]}" --batch-size 4 --lr 5e-4 --warmup 30
-              --steps $STEPS --save-every $EVERY --keep-every $EVERY --seed $seed "${TRAIN_TEXT[@]}")
+      COMMON=(--method gmsa --ratio $r --lora-r 16 --lora-alpha 32 --min-len $MIN --max-len $MAX --batch-size 4
+              --lr 5e-4 --warmup 30 --steps $STEPS --save-every $EVERY --keep-every $EVERY --seed $seed "${TRAIN_TEXT[@]}")
       train_arm gmsa${tag}_s$seed "${COMMON[@]}"
       train_arm tcp${tag}_s$seed "${COMMON[@]}" --source mem_tokens
       for arm in gmsa${tag}_s$seed tcp${tag}_s$seed; do
-        eval_arm $arm ae "${HELD_TEXT[@]}" --n ${N:-48} --max-len ${LEN[3]} --ratio $r
+        eval_arm $arm ae "${HELD_TEXT[@]}" --n ${N:-48} --max-len $MAX --ratio $r
         curve_arm $arm "${HELD_TEXT[@]}" --n ${N:-48}
         # what the decoder sees of the 1:1 memories (recipes/diagnosis.py), while the weights are here
         if [ $r = 1 ] && [ $seed = ${seeds%% *} ]; then diagnose_arm $arm "${HELD_TEXT[@]}"; fi
