@@ -99,7 +99,8 @@ def main(argv=None):
     p.add_argument("--threshold", type=float, default=0.5)
     p.add_argument("--title", default="")
     p.add_argument("--loss-ref", nargs="+", metavar="ARM", help="also find each arm's first step at the final training "
-                   "loss of the arms of these in its own panel (their mean, each smoothed over its last 20 steps)")
+                   "loss of the arms of these in its own panel (each smoothed over its last 20 steps; the highest of "
+                   "them, so that every reference run gets there within its own budget)")
     p.add_argument("--score-only", action="store_true", help="score the arms' checkpoints and write each "
                    "OUT/ARM/eval_curve.json, nothing else (a recipe does so as soon as an arm is trained)")
     a = p.parse_args(argv)
@@ -110,9 +111,11 @@ def main(argv=None):
         p.error(f"--loss-ref {' '.join(sorted(stray))}: not in any --group; name arms of the panels")
     curves = {}
     for _, arms in groups:
-        # each panel (a rung) has its own reference: the final training loss of its --loss-ref arms
+        # each panel (a rung) has its own reference: the final training loss of its --loss-ref arms, the highest of
+        # them (ours: a mean over seeds is a loss the worse reference seed never reaches, which would count the
+        # reference itself as "never"); EPL §4 counts the steps to one fixed AE loss in the same way
         refs = [arm for arm in a.loss_ref or [] if arm in arms]
-        loss_at = statistics.mean(smoothed_losses(os.path.join(a.out, arm))[-1][1] for arm in refs) if refs else None
+        loss_at = max(smoothed_losses(os.path.join(a.out, arm))[-1][1] for arm in refs) if refs else None
         for arm in arms:
             curves[arm] = arm_curve(os.path.join(a.out, arm), examples, a.threshold, loss_at)
             json.dump(curves[arm], open(os.path.join(a.out, arm, "eval_curve.json"), "w"), indent=1)

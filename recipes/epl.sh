@@ -74,7 +74,8 @@ else
     GROUPS_ARGS+=(--group "$label" $GROUP)
     ARMS="$ARMS $GROUP" ; REFS="$REFS $(runs dpl)"
   done
-  # own/other along the runs, and the step each run's training loss reaches its rung's DPL final loss (EPL §4)
+  # own/other along the runs, and the step each run's training loss reaches the final loss of its rung's DPL runs
+  # (the higher, if several seeds: every DPL run gets there; EPL §4 counts the steps to one AE loss)
   $PY recipes/curve.py --out "$OUT" "${HELD_TEXT[@]}" --n ${N:-32} --title "500x under DPL, +UPL, EPL" \
     "${GROUPS_ARGS[@]}" --loss-ref $REFS
   $PY recipes/summarize.py --out "$OUT" --arms $ARMS --curves loss \
@@ -82,7 +83,7 @@ else
     --metric "AE BLEU-4 (ids)=ae:scores.compressed.bleu4_ids" --metric "ROUGE-L=ae:scores.compressed.rougeL" \
     --metric "AE loss own=ae:loss.own" --metric "own/other=ae:loss.own_other_ratio" \
     --metric "first step at own/other 0.5=curve:first_at_threshold" \
-    --metric "first step at DPL's final training loss=curve:first_at_loss" \
+    --metric "first step at DPL's final training loss (worse seed)=curve:first_at_loss" \
     --note "model $MODEL; own/other along the runs: curve.md, curve.png"
   for r in $RUNGS; do
     rung $r
@@ -92,7 +93,7 @@ else
         --arm "$name" $(runs $arm) --arm DPL $(runs $base) --expect "$name" DPL \
         --metric "AE BLEU-4 (ids)=ae:scores.compressed.bleu4_ids:higher" --metric "AE loss own=ae:loss.own:lower" \
         --metric "first step at own/other 0.5=curve:first_at_threshold:lower" \
-        --metric "first step at DPL's final training loss=curve:first_at_loss:lower"
+        --metric "first step at DPL's final training loss (worse seed)=curve:first_at_loss:lower"
     done
   done
 fi

@@ -140,7 +140,8 @@ def test_curve_scores_texts_cut_as_the_arm_was_trained(tmp_path):
 def test_curve_finds_the_steps_to_each_panels_own_reference_loss(tmp_path):
     """recipes/curve.py --loss-ref: each arm's first step at the final training loss of the reference arms in its own
     panel (a rung), not at the mean over every panel's references (EPL §4: the steps each layout needs to reach DPL's
-    final loss, at each rung)."""
+    final loss, at each rung); with several reference runs (seeds), the highest of their final losses, which every
+    one of them reaches (their mean, the worse seed would never reach)."""
     import sys
     sys.path.insert(0, str(REPO / "recipes"))
     import curve
@@ -148,15 +149,19 @@ def test_curve_finds_the_steps_to_each_panels_own_reference_loss(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "log.jsonl").write_text(
             "".join(json.dumps(dict(step=i + 1, loss=x, dt=1.0)) + "\n" for i, x in enumerate(losses)))
-    run("dpl_1x", [3.0] * 40)                     # the 1:1 panel's reference ends at 3.0
+    run("dpl_1x", [3.0] * 40)                     # the 1:1 panel's references end at 3.0 and 2.6
+    run("dpl_1x_s1", [5.0] * 10 + [2.6] * 30)     # at or below 3.0 from step 27 (smoothed over its last 20 steps)
     run("epl_1x", [4.0] * 10 + [2.0] * 30)        # there from step 11
     run("dpl_4x", [1.0] * 40)                     # the 4x panel's reference ends at 1.0
     run("epl_4x", [4.0] * 10 + [1.5] * 30)        # never there (the mean of both references, 2.0, it reaches)
-    curve.main(["--out", str(tmp_path), "--score-only", "--group", "1:1", "dpl_1x", "epl_1x",
-                "--group", "4x", "dpl_4x", "epl_4x", "--loss-ref", "dpl_1x", "dpl_4x"])
-    got = {arm: json.loads((tmp_path / arm / "eval_curve.json").read_text()) for arm in ("epl_1x", "epl_4x")}
+    curve.main(["--out", str(tmp_path), "--score-only", "--group", "1:1", "dpl_1x", "dpl_1x_s1", "epl_1x",
+                "--group", "4x", "dpl_4x", "epl_4x", "--loss-ref", "dpl_1x", "dpl_1x_s1", "dpl_4x"])
+    got = {arm: json.loads((tmp_path / arm / "eval_curve.json").read_text())
+           for arm in ("dpl_1x", "dpl_1x_s1", "epl_1x", "epl_4x")}
     # smoothed over 20 steps: epl_1x's mean falls to 3.0 once 10 of its last 20 steps are 2.0 (step 20)
     assert (got["epl_1x"]["loss_at"], got["epl_1x"]["first_at_loss"]) == (3.0, 20)
+    # both references get there (the mean of their finals, 2.8, dpl_1x would never reach)
+    assert (got["dpl_1x"]["first_at_loss"], got["dpl_1x_s1"]["first_at_loss"]) == (1, 27)
     assert (got["epl_4x"]["loss_at"], got["epl_4x"]["first_at_loss"]) == (1.0, None)
     with pytest.raises(SystemExit):   # a reference outside every panel is a mistake, not silently ignored
         curve.main(["--out", str(tmp_path), "--score-only", "--group", "1:1", "epl_1x", "--loss-ref", "dpl_9x"])
