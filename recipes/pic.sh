@@ -41,7 +41,8 @@ else
   EVERY=${EVERY:-100}
   SEEDS=${SEEDS:-0 1}
   RATIOS=${RATIOS:-1 4 16}
-  [ "$SMOKE" = 1 ] && EVERY=1 && RATIOS=16   # both seeds: the second runs only where a memory carries its text
+  # SMOKE keeps both seeds and every ratio: the probe stops at 1x and the second seed is not run (nothing carries)
+  [ "$SMOKE" = 1 ] && EVERY=1
   SEED0=$(echo $SEEDS | cut -d' ' -f1)
   pretrain() {   # pretrain ARM METHOD RATIO SEED
     train_arm $1 --method $2 --chunk-len 64 --mem $((64 / $3)) --min-len 128 --max-len 160 --batch-size 4 \
@@ -78,7 +79,7 @@ else
     fi
   done
   runs() { for seed in $SEEDS; do echo $1_r${RATIO}_s$seed${2:-}; done; }
-  PROBES=$(for r in $RATIOS; do [ -d "$OUT/pcc_r${r}_s$SEED0" ] && echo pcc_r${r}_s$SEED0; done)
+  PROBES=$(for r in $RATIOS; do if [ -d "$OUT/pcc_r${r}_s$SEED0" ]; then echo pcc_r${r}_s$SEED0; fi; done)
   $PY recipes/curve.py --out "$OUT" "${HELD_TEXT[@]}" --n ${N:-48} --title "PIC vs PCC" \
     --group "${RATIO}x" $(runs pcc) $(runs pic)
   $PY recipes/summarize.py --out "$OUT" --arms $(echo $PROBES $(runs pcc) $(runs pic) | tr ' ' '\n' | awk '!seen[$0]++') \
