@@ -79,7 +79,10 @@ def snapshot(folder):
 # memory. A compressor whose memory ignores its text scores exactly 1.0 (tests/test_evaluate.py). Measured on
 # this repository's CPU (300 steps, batch 8, the built-in corpus of 3,000 generated documents): icae 0.980,
 # 500x 0.957, pcc 0.956, pic 0.969, compllm 0.961, gmsa 0.947, aoc 0.732 (the random tiny decoder reads memory
-# poorly; AOC at m = n, no compression, best; its README quickstart, 2,000 steps, reaches 0.41).
+# poorly; AOC at m = n, no compression, best; its README quickstart, 2,000 steps, reaches 0.41). AOC's run lands in
+# one of two modes by seed and arithmetic: seeds 0-3 gave 0.70 / 0.87 / 0.75 / 0.88 on this CPU (one thread) and
+# 0.91 / 0.83 / 0.68 / 0.91 on an H200 in fp32 (0.90 / 0.86 / 0.77 / 0.89 under bf16 autocast), so its bound 0.95
+# holds on either device at any seed and still fails a memory that ignores its text (1.0).
 WINDOWS = ["--objective", "ae", "--crop", "window", "--min-len", "16", "--max-len", "16", "--batch-size", "8",
            "--steps", "300", "--warmup", "10", "--save-every", "1000"]
 RUNS = {
@@ -89,7 +92,7 @@ RUNS = {
     "pic": (["--mem", "8", "--chunk-len", "16", "--lr", "1e-3"], 0.985),
     "gmsa": (["--ratios", "2", "--lora-r", "8", "--lora-alpha", "16", "--lr", "1e-2"], 0.97),
     "compllm": (["--lora-r", "8", "--lora-alpha", "16", "--lr", "1e-2"], 0.975),
-    "aoc": (["--mem", "16", "--lr", "1e-2"], 0.8),
+    "aoc": (["--mem", "16", "--lr", "1e-2"], 0.95),
 }
 
 
