@@ -692,7 +692,8 @@ def memory_losses(rows):
     total = lambda key: sum(r["loss"][key][0] for r in rows) / max(1, sum(r["loss"][key][1] for r in rows))
     own, none = total("own"), total("none")
     other = total("other") if rows[0]["loss"]["other"] is not None else None
-    return {"loss": {"own": own, "other": other, "none": none, "own_other_ratio": other and own / other,
+    full = {"full": total("full")} if "full" in rows[0]["loss"] else {}    # qa: the plain LLM with the context
+    return {"loss": {"own": own, "other": other, "none": none, **full, "own_other_ratio": other and own / other,
                      "perplexity_own": math.exp(own), "tokens": sum(r["loss"]["own"][1] for r in rows)}}
 
 
@@ -864,28 +865,46 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
     """Answer from memory + question (PIC/PCC SQuAD, EPL, CompLLM, GMSA KEFT), with the checkpoint's template
     (Compressor.qa_parts) in all three rows. The whole generation up to EOS is scored, as the papers' scripts
     do. concat > 1: CompLLM's long contexts. reuse: a chunk's memory is computed once and kept (CompLLM's
-    reusability), so a context shared by several questions is compressed once; False compresses every time."""
+    reusability), so a context shared by several questions is compressed once; False compresses every time.
+    Also the teacher-forced loss of the reference answer (the first, QA training's target, without its EOS)
+    after the question's own memory, another document's memory, no context and the full context (ours: the
+    papers score generations only): own / other well below 1 means each memory carries its own context."""
     tok, plain = comp.tok, PlainLLM(comp)
     n_new = max_new_tokens or QA_BUDGET.get(comp.cfg.method, 64)
     examples = concatenated(examples, concat) if concat > 1 else examples
     # a chat template carries its own start; otherwise the plain LLM's prompt starts with BOS
     lead = [] if comp.template()[0] else [tok.start_id]
+    parts = [comp.qa_parts(ex["context"], ex["question"]) for ex in examples]
+    answers = [tok.encode(_references(ex["answer"])[0]) for ex in examples]
+    # the fixed derangement over documents: question i reads the memory of question i + concat's context (the
+    # next document; the concat questions of one long context share it); None when there is one document
+    n = len(examples)
+    other = [(i + concat) % n for i in range(n)] if n > concat else None
     cache, rows = ({} if reuse else None), []
-    for group in tqdm(batches(examples, batch_size), desc="qa", leave=False):
-        parts = [comp.qa_parts(ex["context"], ex["question"]) for ex in group]
-        memory = compress(comp, [p["enc_context"] for p in parts], ratio, cache=cache)
-        outs = {"compressed": comp.generate(memory, "qa", prompt=[p["prompt"] for p in parts], max_new_tokens=n_new,
-                                            prefix=[p["prefix"] for p in parts]),
-                "full": plain.generate([lead + p["prefix"] + p["dec_context"] + p["prompt"] for p in parts], n_new),
-                "none": plain.generate([lead + p["prefix"] + p["prompt"] for p in parts], n_new)}
-        for j, ex in enumerate(group):
+    for idx in tqdm(batches(list(range(n)), batch_size), desc="qa", leave=False):
+        ps, ans = [parts[i] for i in idx], [answers[i] for i in idx]
+        prefix, prompt = [p["prefix"] for p in ps], [p["prompt"] for p in ps]
+        memory = compress(comp, [p["enc_context"] for p in ps], ratio, cache=cache)
+        follow, n_ans = [q + a for q, a in zip(prompt, ans)], [len(a) for a in ans]
+        nll = {"own": list(zip(*comp.nll(memory, "qa", follow, n_ans, prefix=prefix))),
+               "other": [None] * len(idx),
+               "none": plain.nll([lead + p["prefix"] + p["prompt"] for p in ps], ans),
+               "full": plain.nll([lead + p["prefix"] + p["dec_context"] + p["prompt"] for p in ps], ans)}
+        if other:
+            theirs = compress(comp, [parts[other[i]]["enc_context"] for i in idx], ratio, cache=cache)
+            nll["other"] = list(zip(*comp.nll(theirs, "qa", follow, n_ans, prefix=prefix)))
+        outs = {"compressed": comp.generate(memory, "qa", prompt=prompt, max_new_tokens=n_new, prefix=prefix),
+                "full": plain.generate([lead + p["prefix"] + p["dec_context"] + p["prompt"] for p in ps], n_new),
+                "none": plain.generate([lead + p["prefix"] + p["prompt"] for p in ps], n_new)}
+        for j, i in enumerate(idx):
+            ex = examples[i]
             row = {"context": ex["context"], "question": ex["question"], "answer": ex["answer"],
-                   "memory_slots": sum(memory.mem_counts[j])}
+                   "memory_slots": sum(memory.mem_counts[j]), "loss": {k: v[j] for k, v in nll.items()}}
             for mode, gen in outs.items():
                 text = tok.decode(gen[j])
                 row[mode] = {"text": text, "scores": qa_scores(text, ex["answer"])}
             rows.append(row)
-    return summarize(rows, {"max_new_tokens": n_new, "concat": concat, "reuse": reuse})
+    return summarize(rows, {"max_new_tokens": n_new, "concat": concat, "reuse": reuse, **memory_losses(rows)})
 
 
 def report_text(result):
@@ -898,8 +917,9 @@ def report_text(result):
     other = "" if L["other"] is None else (
         f", another text's memory {L['other']:.4f}; own/other {L['own_other_ratio']:.3f} "
         "(1.0 = the memory says nothing about its own text)")
-    table += (f"\n\nteacher-forced loss per token ({L['tokens']} tokens): own memory {L['own']:.4f}, "
-              f"no memory {L['none']:.4f}{other}")
+    full = f", the full context {L['full']:.4f}" if "full" in L else ""
+    table += (f"\n\nteacher-forced loss per token ({L['tokens']} {'answer ' if full else ''}tokens): own memory "
+              f"{L['own']:.4f}, no memory {L['none']:.4f}{full}{other}")
     if result["task"] == "ae":   # a few texts next to what the decoder regenerated from their memory
         shown = [[repr(ex["reference"][:160]), repr(ex["compressed"]["text"][:160])] for ex in result["examples"][:3]]
         table += "\n\n" + markdown_table(["held-out text", "regenerated from its memory"], shown)

@@ -207,7 +207,8 @@ def test_multiple_choice_regex_and_long_concatenated_contexts(monkeypatch, devic
     result = E.run_qa(comp, E.BUILTIN_QA[:4], max_new_tokens=2, batch_size=1, concat=2)
     contexts = [ex["context"] for ex in result["examples"]]
     assert contexts[0] == contexts[1] == E.BUILTIN_QA[0]["context"] + "\n\n" + E.BUILTIN_QA[1]["context"]
-    assert len(calls) == 4 and calls[0] is calls[1] and len(calls[0]) > 0   # one cache of chunk memories
+    # each batch compresses its own context and another document's (the own/other loss), all through one cache
+    assert len(calls) == 8 and all(c is calls[0] for c in calls) and len(calls[0]) > 0
 
 
 def test_data_files(tmp_path):
@@ -429,9 +430,10 @@ def test_own_other_is_exactly_one_for_a_memory_that_ignores_its_text(monkeypatch
     fixed = comp.tok.encode("Always this text.")
     compress = comp.compress
     monkeypatch.setattr(comp, "compress", lambda ctx, **kw: compress([fixed] * len(ctx), **kw))
-    for run_task in (E.run_ae, E.run_lm):
-        kw = dict(max_new_tokens=2) if run_task is E.run_ae else {}
-        L = run_task(comp, [{"text": t} for t in E.BUILTIN_TEXTS[:4]], batch_size=3, **kw)["loss"]
+    for run_task in (E.run_ae, E.run_lm, E.run_qa):
+        kw = dict(max_new_tokens=2) if run_task is not E.run_lm else {}
+        examples = E.BUILTIN_QA[:4] if run_task is E.run_qa else [{"text": t} for t in E.BUILTIN_TEXTS[:4]]
+        L = run_task(comp, examples, batch_size=3, **kw)["loss"]
         assert L["own"] == pytest.approx(L["other"], abs=1e-6) and L["own_other_ratio"] == pytest.approx(1.0, abs=1e-6)
 
 
@@ -446,6 +448,25 @@ def test_own_other_uses_the_memory_of_the_next_text(monkeypatch, device):
     E.run_ae(comp, [{"text": t} for t in texts], max_new_tokens=1, batch_size=8)
     ids = [comp.tok.encode(t) for t in texts]
     assert seen[0] == ids and seen[1] == ids[1:] + ids[:1]
+
+
+def test_qa_own_other_scores_the_reference_answer_after_the_next_documents_memory(monkeypatch, device):
+    """qa's own/other: the first reference answer's tokens are scored after the question's own memory and after
+    the next document's (with concat = 2 the two questions of one long context share a document, so the other
+    memory is the next pair's); the full context lets the plain LLM score it, no context too."""
+    comp = random_comp("compllm", device)
+    seen = []
+    compress = comp.compress
+    monkeypatch.setattr(comp, "compress", lambda ctx, **kw: seen.append([list(c) for c in ctx]) or compress(ctx, **kw))
+    qa = E.BUILTIN_QA[:4]
+    result = E.run_qa(comp, qa, max_new_tokens=1, batch_size=4, concat=2)
+    pair = lambda a, b: comp.qa_parts(qa[a]["context"] + "\n\n" + qa[b]["context"], "")["enc_context"]
+    assert seen[0] == [pair(0, 1)] * 2 + [pair(2, 3)] * 2 and seen[1] == [pair(2, 3)] * 2 + [pair(0, 1)] * 2
+    L = result["loss"]
+    assert L["tokens"] == sum(len(comp.tok.encode(ex["answer"] if isinstance(ex["answer"], str) else ex["answer"][0]))
+                              for ex in qa)
+    assert all(math.isfinite(L[k]) for k in ("own", "other", "none", "full"))
+    assert E.run_qa(comp, qa[:1], max_new_tokens=1)["loss"]["other"] is None       # one document: no other
 
 
 def test_batched_evaluation_equals_one_at_a_time(device):
@@ -465,6 +486,12 @@ def test_batched_evaluation_equals_one_at_a_time(device):
         for key in ("own", "other", "none"):
             assert a["loss"][key][0] == pytest.approx(b["loss"][key][0], rel=1e-5) and a["loss"][key][1] == b["loss"][key][1]
     assert len({tuple(a["compressed"]["ids"]) for a in one["examples"]}) > 1     # generations differ: not vacuous
+    one, many = E.run_qa(comp, E.BUILTIN_QA[:5], max_new_tokens=4, batch_size=1), \
+        E.run_qa(comp, E.BUILTIN_QA[:5], max_new_tokens=4, batch_size=5)
+    for a, b in zip(one["examples"], many["examples"]):
+        assert all(a[mode]["text"] == b[mode]["text"] for mode in E.MODES)
+        for key in ("own", "other", "none", "full"):
+            assert a["loss"][key][0] == pytest.approx(b["loss"][key][0], rel=1e-5) and a["loss"][key][1] == b["loss"][key][1]
     one, many = E.run_lm(comp, examples, batch_size=1), E.run_lm(comp, examples, batch_size=5)
     for mode in E.MODES:
         assert one["scores"][mode]["nll"] == pytest.approx(many["scores"][mode]["nll"], rel=1e-5)
