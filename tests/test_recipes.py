@@ -60,6 +60,9 @@ def test_recipe_runs_end_to_end_without_matplotlib(paper, tmp_path):
         reuse, fresh = (json.loads((tmp_path / "compllm_s0" / f"eval_{k}.json").read_text()) for k in ("reuse", "fresh"))
         assert reuse["concat"] == fresh["concat"] == 2 and reuse["reuse"] and not fresh["reuse"]
         assert results["tables"][0]["arms"]["compllm_s0"]["cached CEs: same answers"] is True
+        # at SMOKE the CEs do not beat no context, so seed 1 of the default SEEDS is not run
+        assert "the CEs do not beat no context" in p.stdout and not (tmp_path / "compllm_s1").exists()
+        assert list(results["tables"][0]["arms"]) == ["compllm_s0"]
 
 
 def test_a_recipe_with_matplotlib_draws_its_figures(tmp_path):
