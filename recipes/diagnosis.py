@@ -2,10 +2,10 @@
 training: why an arm's memory does or does not carry its text (used by recipes/ladder.sh and recipes/aoc.sh).
 
     python recipes/diagnosis.py --runs runs/recipes/ladder/icae_1x runs/recipes/ladder/aoc_1x \
-        [--data runs/corpus/heldout.jsonl] [--texts 8] [--out runs/recipes/ladder/diagnosis]
+        [--data runs/corpus/heldout.jsonl] [--texts 8] [--len N] [--out runs/recipes/ladder/diagnosis]
 
 For each run, its compressor as train.py built it before step 1 (same config and seed, untrained) and as trained
-(its newest checkpoint), on held-out texts of exactly the run's --max-len tokens. The decoder regenerates each text
+(its newest checkpoint), on held-out texts of exactly the run's --max-len tokens (or --len). The decoder regenerates each text
 from its memory (the AE task, as trained) and we measure, per decoder layer:
 
     norm       memory / text: the mean norm of the memory's keys over the mean norm of the text's keys in the same
@@ -125,27 +125,30 @@ def measure(comp, xs):
                 loss_own_first=first, loss_own_rest=loss(rest))
 
 
-def diagnose(run, texts, count):
+def diagnose(run, texts, count, length=None):
     """Both states of one run, measured once: run/diagnosis.json is kept and read again while it is newer than the
     run's weights, or when the weights are gone (a kept record in recipes/results)."""
     path = os.path.join(run, "diagnosis.json")
     row = json.load(open(path)) if kept(path, run) else {}
-    if row.get("asked") == count:
+    if row.get("asked") == count and length in (None, row.get("n")):
         return row
-    row = dict(measure_run(run, texts, count), asked=count)
+    row = dict(measure_run(run, texts, count, length), asked=count)
     json.dump(row, open(path, "w"), indent=1)
     return row
 
 
-def measure_run(run, texts, count):
+def measure_run(run, texts, count, length=None):
     meta = C.read_checkpoint_config(run)
     args = meta.get("train_args", {})
-    n = args.get("max_len", 16)
+    n = length or args.get("max_len", 16)
     out = {}
     for state in ("init", "trained"):
         torch.manual_seed(args.get("seed", 0))   # train.py seeds torch so before it builds the compressor
         comp = C.load(run, trained=state == "trained").eval()
         xs = [ids[:n] for ids in (comp.tok.encode(t) for t in texts) if len(ids) >= n][:count]
+        if len(xs) < 2:   # own/other needs another text; compress([]) would fail deep inside
+            raise SystemExit(f"diagnosis.py: {run}: {len(xs)} held-out text(s) of {n} tokens or more, 2 needed: pass "
+                             f"--data with longer texts, or --len with a shorter length")
         out[state] = measure(comp, xs)
     return dict(run=run, method=meta["config"]["method"], carrier=meta["config"]["carrier"],
                 step=meta.get("step"), texts=len(xs), n=n, **out)
@@ -186,10 +189,11 @@ def main(argv=None):
     p.add_argument("--runs", nargs="+", required=True, help="train.py --out folders")
     p.add_argument("--data", help="held-out texts (.jsonl {\"text\"}; default: evaluate.py's built-in set)")
     p.add_argument("--texts", type=int, default=8, help="held-out texts to measure on (default 8)")
+    p.add_argument("--len", type=int, help="measure on texts of this many tokens (default: each run's --max-len)")
     p.add_argument("--out", help="write OUT.json and OUT.md")
     a = p.parse_args(argv)
     texts = [ex["text"] for ex in E.load_examples(a.data, "ae")]
-    rows = [diagnose(run, texts, a.texts) for run in a.runs]
+    rows = [diagnose(run, texts, a.texts, a.len) for run in a.runs]
     md = table(rows)
     print(md)
     if a.out:

@@ -195,3 +195,19 @@ def test_diagnosis_splits_the_own_loss_at_the_first_token():
     assert d["loss_own_first"] == pytest.approx(sum(sums) / 2, rel=1e-4)
     n = len(xs[0]) + 1
     assert (d["loss_own_first"] * 2 + d["loss_own_rest"] * 2 * (n - 1)) / (2 * n) == pytest.approx(d["loss_own"], rel=1e-4)
+
+
+def test_diagnosis_says_when_no_held_out_text_is_long_enough(tmp_path):
+    """Too few texts of the measured length stop with one line that names the fix (it used to be an IndexError deep
+    in compress([])), and --len measures on shorter texts."""
+    import sys
+    import compressors as C
+    sys.path.insert(0, str(REPO / "recipes"))
+    import diagnosis
+    from model import build_tiny
+    C.build("500x", *build_tiny(), mem=4, chunk_len=64, lora_r=2, lora_alpha=4).save(str(tmp_path))
+    texts = ["A short one.", "Another short text.", "And a third."]         # 12-19 byte tokens, under the 64 asked
+    with pytest.raises(SystemExit, match=r"0 held-out text\(s\) of 64 tokens or more, 2 needed: pass --data"):
+        diagnosis.diagnose(str(tmp_path), texts, 8, length=64)
+    row = diagnosis.diagnose(str(tmp_path), texts, 8, length=10)
+    assert row["n"] == 10 and row["texts"] == 3
