@@ -885,17 +885,16 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
         ps, ans = [parts[i] for i in idx], [answers[i] for i in idx]
         prefix, prompt = [p["prefix"] for p in ps], [p["prompt"] for p in ps]
         memory = compress(comp, [p["enc_context"] for p in ps], ratio, cache=cache)
+        full = [lead + p["prefix"] + p["dec_context"] + p["prompt"] for p in ps]    # the plain LLM's prompts
+        none = [lead + p["prefix"] + p["prompt"] for p in ps]
         follow, n_ans = [q + a for q, a in zip(prompt, ans)], [len(a) for a in ans]
         nll = {"own": list(zip(*comp.nll(memory, "qa", follow, n_ans, prefix=prefix))),
-               "other": [None] * len(idx),
-               "none": plain.nll([lead + p["prefix"] + p["prompt"] for p in ps], ans),
-               "full": plain.nll([lead + p["prefix"] + p["dec_context"] + p["prompt"] for p in ps], ans)}
+               "other": [None] * len(idx), "none": plain.nll(none, ans), "full": plain.nll(full, ans)}
         if other:
             theirs = compress(comp, [parts[other[i]]["enc_context"] for i in idx], ratio, cache=cache)
             nll["other"] = list(zip(*comp.nll(theirs, "qa", follow, n_ans, prefix=prefix)))
         outs = {"compressed": comp.generate(memory, "qa", prompt=prompt, max_new_tokens=n_new, prefix=prefix),
-                "full": plain.generate([lead + p["prefix"] + p["dec_context"] + p["prompt"] for p in ps], n_new),
-                "none": plain.generate([lead + p["prefix"] + p["prompt"] for p in ps], n_new)}
+                "full": plain.generate(full, n_new), "none": plain.generate(none, n_new)}
         for j, i in enumerate(idx):
             ex = examples[i]
             row = {"context": ex["context"], "question": ex["question"], "answer": ex["answer"],

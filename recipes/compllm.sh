@@ -59,6 +59,9 @@ else
   SEED0=$(echo $SEEDS | cut -d' ' -f1)
   QA=("${HELD_QA[@]}" --max-new-tokens 32)
   LENGTHS=${LENGTHS:-256,512,1024,2048,4096}
+  beats() {   # beats GAP-VALUE: the CEs find the answer GAP more often than no context
+    $PY -c "import sys; sys.exit(0 if $1 >= $GAP else 1)"
+  }
   gap() {   # gap ARM: how much more often the CEs' answer holds the reference than no context's (kept in eval_gap.json)
     $PY - "$OUT/$1" <<'PY'
 import json, sys
@@ -76,11 +79,11 @@ PY
       eval_arm compllm_s$seed qa "${QA[@]}"
       g=$(gap compllm_s$seed)
       echo "== compllm_s$seed at $steps steps: answer found, CEs minus no context = $g"
-      $PY -c "import sys; sys.exit(0 if $g >= $GAP or $steps >= $MAX_STEPS else 1)" && break
+      { beats $g || [ $steps -ge $MAX_STEPS ]; } && break
       steps=$((steps + STAGE))
     done
     # more seeds only where the CEs carry their context: seeds of CEs that carry nothing decide nothing (as pic.sh)
-    if [ $seed = $SEED0 ] && ! $PY -c "import sys; sys.exit(0 if $g >= $GAP else 1)"; then
+    if [ $seed = $SEED0 ] && ! beats $g; then
       echo "== compllm_s$seed: the CEs do not beat no context by $GAP within $steps steps (gap $g): one seed"
       SEEDS=$seed; break
     fi
