@@ -126,21 +126,22 @@ def measure(comp, xs):
 
 
 def diagnose(run, texts, count, length=None):
-    """Both states of one run, measured once: run/diagnosis.json is kept and read again while it is newer than the
-    run's weights, or when the weights are gone (a kept record in recipes/results)."""
+    """Both states of one run, measured once on texts of `length` tokens (default the run's --max-len):
+    run/diagnosis.json is kept and read again while it is newer than the run's weights and was measured on as many
+    texts of that length, or when the weights are gone (a kept record in recipes/results)."""
+    meta = C.read_checkpoint_config(run)
+    n = length or meta.get("train_args", {}).get("max_len", 16)
     path = os.path.join(run, "diagnosis.json")
     row = json.load(open(path)) if kept(path, run) else {}
-    if row.get("asked") == count and length in (None, row.get("n")):
+    if row.get("asked") == count and row.get("n") == n:
         return row
-    row = dict(measure_run(run, texts, count, length), asked=count)
+    row = dict(measure_run(run, meta, texts, count, n), asked=count)
     json.dump(row, open(path, "w"), indent=1)
     return row
 
 
-def measure_run(run, texts, count, length=None):
-    meta = C.read_checkpoint_config(run)
+def measure_run(run, meta, texts, count, n):
     args = meta.get("train_args", {})
-    n = length or args.get("max_len", 16)
     out = {}
     for state in ("init", "trained"):
         torch.manual_seed(args.get("seed", 0))   # train.py seeds torch so before it builds the compressor

@@ -211,3 +211,6 @@ def test_diagnosis_says_when_no_held_out_text_is_long_enough(tmp_path):
         diagnosis.diagnose(str(tmp_path), texts, 8, length=64)
     row = diagnosis.diagnose(str(tmp_path), texts, 8, length=10)
     assert row["n"] == 10 and row["texts"] == 3
+    # the kept diagnosis.json answers only for its own length: the default (the run's --max-len, 16 here) measures
+    with pytest.raises(SystemExit, match=r"1 held-out text\(s\) of 16 tokens or more"):
+        diagnosis.diagnose(str(tmp_path), texts, 8)
