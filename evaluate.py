@@ -591,11 +591,13 @@ def load_examples(path, task, n=None):
     return out[:n] if n else out
 
 
-def protocol(comp, ckpt=None, max_len=None):
+def protocol(comp, ckpt=None, max_len=None, train_args=None):
     """How the checkpoint was trained, so the evaluation cuts texts the same way (train.py's args, saved with
-    it): head crop -> every text is its first n tokens, padded with EOS to n, and regenerated up to n tokens
-    (AOC code); pretrain -> AE reconstructs the first ⌊|X|/2⌋ tokens, what pretraining compressed (EPL code)."""
-    train_args = (C.read_checkpoint_config(ckpt).get("train_args") or {}) if ckpt else {}
+    it, or given as train_args by a run that scores itself): head crop -> every text is its first n tokens,
+    padded with EOS to n, and regenerated up to n tokens (AOC code); pretrain -> AE reconstructs the first
+    ⌊|X|/2⌋ tokens, what pretraining compressed (EPL code). max_len: cut every text to its first max_len tokens."""
+    if train_args is None:
+        train_args = (C.read_checkpoint_config(ckpt).get("train_args") or {}) if ckpt else {}
     crop = train_args.get("crop", "window")
     return dict(crop=crop, n=max_len or (train_args.get("max_len") if crop == "head" else None),
                 half=train_args.get("objective") == "pretrain")
@@ -611,9 +613,9 @@ def texts_as_trained(comp, texts, proto):
             ids = ids[:proto["n"]]
             out.append((ids + [pad] * (proto["n"] - len(ids)), ids))
             continue
-        if proto["half"]:             # EPL code: pretraining compressed x[:p], p = ⌊|X|/2⌋
+        ids = ids[:proto["n"]] if proto["n"] else ids   # a text of at most n tokens, as training cut it
+        if proto["half"]:             # EPL code: pretraining compressed x[:p], p = ⌊|X|/2⌋ of that text
             ids = ids[:max(1, len(ids) // 2)]
-        ids = ids[:proto["n"]] if proto["n"] else ids
         out.append((ids, ids))
     return out
 
@@ -775,15 +777,16 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
 
 
 @torch.no_grad()
-def run_lm(comp, examples, batch_size=8, ratio=None):
+def run_lm(comp, examples, batch_size=8, ratio=None, max_len=None):
     """Completion: cut each text at p = ⌊|X|/2⌋ (EPL §4.1), compress the first half and score the second half
     and EOS (the LM target of the EPL and PCC code) given that memory (PIC Eq. 7, EPL Table 4), the memory of
     another text's first half, the full first half, or nothing. Perplexity is exp(Σ NLL / Σ tokens) over the
-    whole set, never a mean of per-example perplexities."""
+    whole set, never a mean of per-example perplexities. max_len: each text cut to its first max_len tokens
+    first, as pretraining cut it."""
     tok, plain = comp.tok, PlainLLM(comp)
     cuts = []
     for ex in examples:
-        ids = tok.encode(ex["text"])
+        ids = tok.encode(ex["text"])[:max_len]
         if len(ids) < 4:
             raise ValueError(f"text too short for the LM task ({len(ids)} tokens): {ex['text']!r}")
         cuts.append((ids[:len(ids) // 2], ids[len(ids) // 2:] + [tok.eos_id]))
@@ -861,20 +864,26 @@ def concatenated(examples, k):
 
 
 @torch.no_grad()
-def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat=1, reuse=True):
+def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat=1, reuse=True, max_len=None,
+           generate=True):
     """Answer from memory + question (PIC/PCC SQuAD, EPL, CompLLM, GMSA KEFT), with the checkpoint's template
     (Compressor.qa_parts) in all three rows. The whole generation up to EOS is scored, as the papers' scripts
     do. concat > 1: CompLLM's long contexts. reuse: a chunk's memory is computed once and kept (CompLLM's
     reusability), so a context shared by several questions is compressed once; False compresses every time.
     Also the teacher-forced loss of the reference answer (the first, QA training's target, without its EOS)
     after the question's own memory, another document's memory, no context and the full context (ours: the
-    papers score generations only): own / other well below 1 means each memory carries its own context."""
+    papers score generations only): own / other well below 1 means each memory carries its own context.
+    max_len: contexts cut to their first max_len tokens, as QA training cuts them. generate=False: the losses
+    only ({"loss"}), as train.py's held-out check scores itself."""
     tok, plain = comp.tok, PlainLLM(comp)
     n_new = max_new_tokens or QA_BUDGET.get(comp.cfg.method, 64)
     examples = concatenated(examples, concat) if concat > 1 else examples
     # a chat template carries its own start; otherwise the plain LLM's prompt starts with BOS
     lead = [] if comp.template()[0] else [tok.start_id]
     parts = [comp.qa_parts(ex["context"], ex["question"]) for ex in examples]
+    if max_len:   # train.py draw_qa: contexts cut at --max-len
+        parts = [{**p, "enc_context": p["enc_context"][:max_len], "dec_context": p["dec_context"][:max_len]}
+                 for p in parts]
     answers = [tok.encode(_references(ex["answer"])[0]) for ex in examples]
     # the fixed derangement over documents: question i reads the memory of question i + concat's context (the
     # next document; the concat questions of one long context share it); None when there is one document
@@ -894,7 +903,7 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
             theirs = compress(comp, [parts[other[i]]["enc_context"] for i in idx], ratio, cache=cache)
             nll["other"] = list(zip(*comp.nll(theirs, "qa", follow, n_ans, prefix=prefix)))
         outs = {"compressed": comp.generate(memory, "qa", prompt=prompt, max_new_tokens=n_new, prefix=prefix),
-                "full": plain.generate(full, n_new), "none": plain.generate(none, n_new)}
+                "full": plain.generate(full, n_new), "none": plain.generate(none, n_new)} if generate else {}
         for j, i in enumerate(idx):
             ex = examples[i]
             row = {"context": ex["context"], "question": ex["question"], "answer": ex["answer"],
@@ -903,6 +912,8 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
                 text = tok.decode(gen[j])
                 row[mode] = {"text": text, "scores": qa_scores(text, ex["answer"])}
             rows.append(row)
+    if not generate:
+        return memory_losses(rows)
     return summarize(rows, {"max_new_tokens": n_new, "concat": concat, "reuse": reuse, **memory_losses(rows)})
 
 
@@ -1396,8 +1407,9 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, help="generation budget (default: ae n for a head-cropped "
                    "checkpoint, else reference + 8; qa the paper's: PCC 30, CompLLM 512, EPL 1024, else 64; "
                    "speed 16 timed decode steps)")
-    p.add_argument("--max-len", type=int, help="ae, interpolate: cut texts to their first N tokens (default: the "
-                   "checkpoint's n when it was trained with --crop head)")
+    p.add_argument("--max-len", type=int, help="ae, lm, interpolate: cut texts to their first N tokens; qa: cut "
+                   "contexts (default: the checkpoint's n when it was trained with --crop head; train.py's held-out "
+                   "check cuts at the run's --max-len, as training does)")
     p.add_argument("--ratio", type=int, help="group merging (GMSA): the compression rate to evaluate at "
                    "(default: the preset's first, 4)")
     p.add_argument("--concat", type=int, default=1, help="qa: join the contexts of K examples into one long "
@@ -1476,11 +1488,11 @@ class Task(NamedTuple):
 TASKS = {
     "ae": Task(True, lambda a, comp, ex, proto, out: run_ae(comp, ex, a.max_new_tokens, proto, batch_size=a.batch_size,
                                                             ratio=a.ratio), report_text),
-    "lm": Task(True, lambda a, comp, ex, proto, out: run_lm(comp, ex, batch_size=a.batch_size, ratio=a.ratio),
-               report_text),
+    "lm": Task(True, lambda a, comp, ex, proto, out: run_lm(comp, ex, batch_size=a.batch_size, ratio=a.ratio,
+                                                            max_len=a.max_len), report_text),
     "qa": Task(True, lambda a, comp, ex, proto, out: run_qa(comp, ex, a.max_new_tokens, batch_size=a.batch_size,
-                                                            ratio=a.ratio, concat=a.concat, reuse=not a.no_reuse),
-               report_text),
+                                                            ratio=a.ratio, concat=a.concat, reuse=not a.no_reuse,
+                                                            max_len=a.max_len), report_text),
     "speed": Task(False, lambda a, comp, ex, proto, out: run_speed(comp, a.lengths, a.max_new_tokens), report_speed),
     "interpolate": Task(False, lambda a, comp, ex, proto, out: run_interpolate(
         comp, a.text0 or DEFAULT_TEXT0, a.text1 or DEFAULT_TEXT1, a.weights, a.max_new_tokens, proto), report_interpolate),

@@ -58,7 +58,7 @@ from model import load_pretrained
 TINY = dict(length_scale=0.25, batch_size=4)
 # flags that may change when a run is continued with --resume; every other flag must match the checkpoint
 RUN_FLAGS = {"resume", "out", "steps", "stop_after", "save_every", "keep_every", "micro_batch", "compile",
-             "grad_ckpt", "device", "cache_dir"}
+             "grad_ckpt", "device", "cache_dir", "eval_data", "eval_every", "eval_n"}
 EXAMPLES = """examples:
   python train.py --method aoc --mem 16 --max-len 16 --lr 3e-3 --steps 2000 --model tiny --out runs/aoc   # quickstart
   python train.py --method aoc --mem 16 --model meta-llama/Llama-3.2-1B-Instruct --data corpus/ --steps 20000
@@ -157,6 +157,14 @@ def add_data_and_run_flags(p: argparse.ArgumentParser):
     g.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
     g.add_argument("--device", help="cuda or cpu (default: cuda when available)")
 
+    g = p.add_argument_group("held-out check: does the memory carry its own text? (ours)")
+    g.add_argument("--eval-data", help="held-out examples to score while training (.jsonl/.parquet/.txt, as "
+                   "evaluate.py --data reads them: texts for ae/pretrain, QA triples for qa/distill); default on "
+                   "--model tiny: evaluate.py's built-in held-out set; on a real model none (the run says so)")
+    g.add_argument("--eval-every", type=int, help="score the held-out examples every N steps, at step 0 and at "
+                   "the end (default: at every checkpoint, --save-every; 0 = never)")
+    g.add_argument("--eval-n", type=int, default=32, help="held-out examples scored (the first N; default 32)")
+
 
 def defaults_table() -> str:
     """The per-method defaults as the table --help prints."""
@@ -193,7 +201,9 @@ def parse_args(argv=None):
             if getattr(args, k) != saved.get(k):
                 fail(f"mismatched checkpoint: {args.resume} was trained with --{k.replace('_', '-')} {saved.get(k)}, "
                      f"not {getattr(args, k)} (drop the flag to continue that run)")
-        merged = {**saved, **{k: getattr(args, k) for k in RUN_FLAGS & given}}
+        # flags added after the checkpoint was written take their defaults (an old run resumes)
+        merged = {**{k: parser.get_default(k) for k in vars(args)}, **saved,
+                  **{k: getattr(args, k) for k in RUN_FLAGS & given}}
         merged.update(resume=args.resume, stop_after=args.stop_after, out=args.out or args.resume)
         return argparse.Namespace(**merged), state
     if args.method is None:
@@ -752,7 +762,7 @@ def train_step(args, run: Run, comp, step_fn, opt, params, data: Data, step: int
                 tokens=tokens, **parts, stop=stopping)
 
 
-def write_log(log, bar, row, steps):
+def write_log(log, bar, row, steps, own_other=None):
     """The step's row in log.jsonl and on the console."""
     parts = {k: v for k, v in row.items() if k not in ("step", "loss", "lr", "grad_norm", "dt", "tokens_per_s",
                                                        "tokens", "stop")}
@@ -762,7 +772,8 @@ def write_log(log, bar, row, steps):
     tqdm.write(f"step {row['step']:>{len(str(steps))}}/{steps} | loss {row['loss']:.4f} ({detail}) | "
                f"lr {row['lr']:.2e} | grad-norm {row['grad_norm']:.3f} | dt {row['dt'] * 1000:.0f}ms | "
                f"tok/s {row['tokens_per_s']:,.0f}")
-    bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+    held = {} if own_other is None else {"own_other": f"{own_other:.3f}"}   # the latest held-out check
+    bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}", **held)
     bar.update(1)
 
 
@@ -774,6 +785,103 @@ def save(args, run: Run, comp, opt, data: Data, done: int):
         if data.answers:
             torch.save(data.answers, data.answers_path + ".tmp")
             os.replace(data.answers_path + ".tmp", data.answers_path)
+
+
+# ---- held-out check (ours) ----
+# A falling training loss proves little: a learned constant prompt gets that too (README, "The ladder"). So the run
+# scores held-out examples at step 0, every --eval-every steps and at the end: teacher-forced, the loss of its
+# objective with each example's own memory, another example's memory (evaluate.derangement: example i reads the
+# memory of example i + 1) and none. own/other near 1 means the memory is a constant prompt; at most 0.5 that it
+# carries its own text. The numbers are evaluate.py's (evaluate.run_ae / run_lm / run_qa without generating, texts
+# cut as this run cuts its training texts: `evaluate.py --task ae --max-len <the run's --max-len>` on the same
+# checkpoint gives the same own/other).
+
+PROMPT_LIKE, PROMPT_EVALS = 0.95, 3   # warn when this many evaluations in a row past the warmup are all >= 0.95
+
+
+@dataclass
+class HeldOut:
+    examples: list      # the held-out examples (evaluate.load_examples), the same every time
+    task: str           # "ae" (ae, pretrain) or "qa" (qa, distill: the loss of the reference answer)
+    every: int          # steps between evaluations
+    rows: list          # this run's evaluations so far ({"step", "eval"}), kept across --resume
+    warned: bool = False
+
+    @property
+    def last(self):
+        """The latest held-out own/other (the progress bar shows it), or None."""
+        return self.rows[-1]["eval"]["own_other"] if self.rows else None
+
+
+def held_out(args, run: Run) -> HeldOut | None:
+    """The held-out examples of the check, or None (with one line saying why and how to turn it on)."""
+    import evaluate as E   # (evaluate imports train lazily, for the built-in texts)
+    every = args.eval_every if args.eval_every is not None else args.save_every
+    task = "qa" if args.objective in ("qa", "distill") else "ae"
+    tiny = args.model == "tiny" and args.decoder is None
+    if every <= 0 or (args.eval_data is None and not tiny):
+        if run.master and every > 0:
+            print(f"no held-out check runs: pass --eval-data FILE (held-out {'QA triples' if task == 'qa' else 'texts'}) "
+                  f"to see every {every} steps whether the memory carries its own text")
+        return None
+    try:
+        examples = E.load_examples(args.eval_data, task, args.eval_n)
+    except (OSError, ValueError) as e:
+        fail(f"--eval-data: {e}")
+    # a resumed run's log (trimmed to its checkpoint) holds its earlier evaluations
+    rows = read_log(args.out)[1] if run.start > 0 and os.path.exists(os.path.join(args.out, "log.jsonl")) else []
+    return HeldOut(examples, task, every, rows)
+
+
+@torch.no_grad()
+def held_out_losses(args, run: Run, comp, ho: HeldOut) -> dict:
+    """own, other, none, own_other and n on the held-out examples; for pretrain the LM loss beside them."""
+    import evaluate as E
+    modes = {m: m.training for m in comp.modules()}   # restored exactly afterwards: the check must not touch training
+    comp.eval()
+    # no RNG is drawn in eval mode; forked anyway, so that nothing the check does can move the training's streams
+    with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []), run.autocast:
+        if ho.task == "qa":
+            L = E.run_qa(comp, ho.examples, max_len=args.max_len, generate=False)["loss"]
+        else:
+            proto = E.protocol(comp, max_len=args.max_len, train_args=vars(args))
+            L = E.run_ae(comp, ho.examples, proto=proto, generate=False)["loss"]
+        lm = E.run_lm(comp, ho.examples, max_len=args.max_len)["loss"] if args.objective == "pretrain" else None
+    for m, training in modes.items():
+        m.train(training)
+    point = lambda L: dict(own=L["own"], other=L["other"], none=L["none"], own_other=L["own_other_ratio"])
+    return {**point(L), "n": len(ho.examples), **({"lm": point(lm)} if lm else {})}
+
+
+def check_held_out(args, run: Run, comp, ho: HeldOut, log, bar, step: int):
+    """Score the held-out examples at `step`, log the row, and warn once when the memory acts as a constant prompt."""
+    row = {"step": step, "eval": held_out_losses(args, run, comp, ho)}
+    ho.rows.append(row)
+    log.write(json.dumps(row) + "\n")
+    log.flush()
+    ratio = row["eval"]["own_other"]
+    if ratio is None:   # a single held-out example has no other
+        return
+    tqdm.write(f"step {step} | held-out own/other {ratio:.3f} (own {row['eval']['own']:.4f}, other "
+               f"{row['eval']['other']:.4f}, no memory {row['eval']['none']:.4f})")
+    recent = [r["eval"]["own_other"] for r in ho.rows if r["step"] > args.warmup][-PROMPT_EVALS:]
+    if not ho.warned and len(recent) == PROMPT_EVALS and all(x is not None and x >= PROMPT_LIKE for x in recent):
+        ho.warned = True
+        tqdm.write(f"warning: held-out own/other {ratio:.3f} at step {step} ({PROMPT_EVALS} evaluations in a row >= "
+                   f"{PROMPT_LIKE}): the memory acts as a constant prompt, the same for every text; see the README, "
+                   f"'The ladder' (what the decoder sees of each memory, recipes/diagnosis.py)")
+
+
+def first_carrying_step(ho: HeldOut, threshold=0.5) -> str:
+    """The closing line: the first step at which held-out own/other was <= threshold, or that it never was."""
+    hit = next((r["step"] for r in ho.rows if r["eval"]["own_other"] is not None
+                and r["eval"]["own_other"] <= threshold), None)
+    last = ho.rows[-1]
+    if hit is not None:
+        return f"held-out own/other first <= {threshold} at step {hit} ({last['eval']['own_other']:.3f} at step {last['step']})"
+    ratio = last["eval"]["own_other"]
+    return (f"held-out own/other never <= {threshold} within {last['step']} steps "
+            f"({'n/a' if ratio is None else f'{ratio:.3f}'} at step {last['step']}): the memory does not carry its text yet")
 
 
 def catch_signals(stop: dict) -> dict:
@@ -807,16 +915,21 @@ def main(argv=None):
               f"parameters, batch {args.batch_size} ({run.accum} x {run.micro} x {run.world}), |X| in "
               f"[{args.min_len}, {args.max_len}], lr {args.lr:g}, {args.schedule} after {args.warmup} warmup steps, "
               f"steps {run.start}->{args.steps} on {run.device}")
+    ho = held_out(args, run)
     stop = {"signal": None}
     old_handlers = catch_signals(stop)
     end = min(args.steps, args.stop_after or args.steps)      # --stop-after K: this job ends after step K
     bar = tqdm(total=args.steps, initial=run.start, disable=not run.master, desc=comp.cfg.method, dynamic_ncols=True)
     try:
+        if ho and run.master and run.start == 0:
+            check_held_out(args, run, comp, ho, log, bar, 0)   # at init: what an untrained memory carries
         for step in range(run.start, end):
             row = train_step(args, run, comp, step_fn, opt, params, data, step, stop)
             if run.master:
-                write_log(log, bar, row, args.steps)
+                write_log(log, bar, row, args.steps, ho and ho.last)
             done = step + 1
+            if ho and run.master and (done % ho.every == 0 or done == args.steps):
+                check_held_out(args, run, comp, ho, log, bar, done)
             # save on schedule, at the end of this job, or when asked to stop: never after a bad step (train_step)
             if row["stop"] or done == end or done % args.save_every == 0 or (args.keep_every and done % args.keep_every == 0):
                 save(args, run, comp, opt, data, done)
@@ -833,6 +946,8 @@ def main(argv=None):
             log.close()
         if run.world > 1:
             dist.destroy_process_group()
+    if run.master and ho and ho.rows:
+        print(first_carrying_step(ho))
     if run.master and end == args.steps:
         print(f"done: {args.steps} steps; the compressor is in {args.out} (compressors.load, evaluate.py --ckpt)")
     elif run.master and end == args.stop_after:
@@ -939,6 +1054,12 @@ def set_rng_state(state):
     np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def read_log(run_dir):
+    """A run's log.jsonl -> (training rows, held-out rows {"step", "eval"}), each in step order."""
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "log.jsonl")) if line.strip()]
+    return [r for r in rows if "eval" not in r], [r for r in rows if "eval" in r]
 
 
 def trim_log(path, step):

@@ -43,22 +43,20 @@ else
   SEED0=$(echo $SEEDS | cut -d' ' -f1)
   for seed in $SEEDS; do
     for n in 16 32; do
-      COMMON=(--mem 16 --max-len $n --batch-size 4 --steps $STEPS --save-every $EVERY --keep-every $EVERY --seed $seed
+      COMMON=(--mem 16 --max-len $n --batch-size 4 --steps $STEPS --save-every $EVERY --eval-every $EVERY --eval-n ${N:-48} "${HELD_EVAL[@]}" --seed $seed
               "${TRAIN_TEXT[@]}")
       train_arm aoc_n${n}_s$seed --method aoc "${COMMON[@]}"
       train_arm lora_n${n}_s$seed "${BASELINE[@]}" --chunk-len $n --lr 2e-4 "${COMMON[@]}"
       for arm in aoc_n${n}_s$seed lora_n${n}_s$seed; do
         eval_arm $arm ae "${HELD_TEXT[@]}" --n ${N:-48}
-        curve_arm $arm "${HELD_TEXT[@]}" --n ${N:-48}
         if [ $n = 16 ] && [ $seed = $SEED0 ]; then diagnose_arm $arm "${HELD_TEXT[@]}"; fi
       done
       ARMS="$ARMS aoc_n${n}_s$seed lora_n${n}_s$seed"
     done
   done
   train_arm aocmlp_n16 --method aoc --mlp swiglu --mem 16 --max-len 16 --batch-size 4 --steps ${CHECK_STEPS:-300} \
-    --save-every 50 --keep-every 50 "${TRAIN_TEXT[@]}"
+    --save-every 50 --eval-every 50 --eval-n ${N:-48} "${HELD_EVAL[@]}" "${TRAIN_TEXT[@]}"
   eval_arm aocmlp_n16 ae "${HELD_TEXT[@]}" --n ${N:-48}
-  curve_arm aocmlp_n16 "${HELD_TEXT[@]}" --n ${N:-48}
   diagnose_arm aocmlp_n16 "${HELD_TEXT[@]}"
   by_n() { for seed in $SEEDS; do echo "aoc_n$1_s$seed lora_n$1_s$seed"; done; }
   $PY recipes/curve.py --out "$OUT" "${HELD_TEXT[@]}" --n ${N:-48} --title "AOC vs LoRA" \

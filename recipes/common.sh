@@ -36,10 +36,12 @@ if [ "$SMOKE" != 1 ] && [ "$SCALE" != paper ] && [ -z "${HELD:-}" ] && [ ! -f "$
   $PY recipes/corpus.py --out "$CORPUS"
 fi
 if [ "$SMOKE" = 1 ]; then   # the built-in texts (train.py and evaluate.py hold different ones)
-  TRAIN_TEXT=() ; TRAIN_QA=() ; HELD_TEXT=() ; HELD_QA=()
+  TRAIN_TEXT=() ; TRAIN_QA=() ; HELD_TEXT=() ; HELD_QA=() ; HELD_EVAL=() ; HELD_EVAL_QA=()
 else
   TRAIN_TEXT=(--data "${TRAIN:-$CORPUS/train.jsonl}") ; TRAIN_QA=(--data "${TRAIN_QA:-$CORPUS/qa_train.jsonl}")
   HELD_TEXT=(--data "${HELD:-$CORPUS/heldout.jsonl}") ; HELD_QA=(--data recipes/qa_heldout.jsonl)
+  # the same held-out sets for train.py's check while an arm trains (--eval-data; on tiny its built-in set)
+  HELD_EVAL=(--eval-data "${HELD:-$CORPUS/heldout.jsonl}") ; HELD_EVAL_QA=(--eval-data recipes/qa_heldout.jsonl)
 fi
 
 # train_arm NAME TRAIN.PY-FLAGS...: train (or continue) the arm in $OUT/NAME
@@ -76,13 +78,6 @@ eval_arm() {
   fi
   echo "== $name: python evaluate.py --ckpt $OUT/$name --task $task $*"
   $PY evaluate.py --ckpt "$OUT/$name" --task "$task" "$@" --out "$OUT/$name/eval_$label.json" > "$OUT/$name/eval_$label.md"
-}
-
-# curve_arm NAME HELD-FLAGS...: score every kept checkpoint of a trained arm on held-out texts now, while its weights
-# are here (recipes/curve.py keeps each score beside the checkpoint, where the recipe's figure reads it later)
-curve_arm() {
-  local name=$1; shift
-  $PY recipes/curve.py --out "$OUT" --group "$name" "$name" --score-only "$@"
 }
 
 # diagnose_arm NAME HELD-FLAGS...: what the decoder sees of a trained arm's memory (recipes/diagnosis.py), measured

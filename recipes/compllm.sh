@@ -75,7 +75,8 @@ PY
     steps=$STAGE
     while :; do
       train_arm compllm_s$seed --method compllm "${TRAIN_QA[@]}" --max-len 256 --batch-size 4 --lr 1e-4 \
-        --answer-tokens ${ANSWER_TOKENS:-48} --steps $steps --save-every $STAGE --seed $seed --cache-dir "$OUT/cache"
+        --answer-tokens ${ANSWER_TOKENS:-48} --steps $steps --save-every $STAGE --seed $seed --cache-dir "$OUT/cache" \
+        "${HELD_EVAL_QA[@]}"
       eval_arm compllm_s$seed qa "${QA[@]}"
       g=$(gap compllm_s$seed)
       echo "== compllm_s$seed at $steps steps: answer found, CEs minus no context = $g"

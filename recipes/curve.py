@@ -1,13 +1,17 @@
-"""Does each memory carry its own text, step by step? Every kept checkpoint of each arm scored on held-out texts
-(own/other, the AE loss with a text's own memory over the loss with the next text's memory), the first step where
-it falls to a threshold, and one figure with every arm (used by recipes/ladder.sh and recipes/aoc.sh).
+"""Does each memory carry its own text, step by step? Each arm's held-out own/other (the AE loss with a text's own
+memory over the loss with the next text's memory) at every step it was checked, the first step where it falls to a
+threshold, and one figure with every arm (used by every recipe).
+
+The points are the held-out checks the arm logged while it trained (train.py --eval-data/--eval-every: rows
+{"step", "eval"} in its log.jsonl; nothing is reloaded or recomputed). An arm trained before train.py checked
+itself (older records in recipes/results) has no such rows: then every kept checkpoint is scored, as before.
 
     python recipes/curve.py --out runs/recipes/ladder --data runs/corpus/heldout.jsonl --n 32 \
         --group "1:1" icae_1x aoc_1x --group "4x" icae_4x aoc_4x [--threshold 0.5] [--title ...]
 
-Each checkpoint is scored once (its ckpt-*/eval_curve.json is kept; teacher-forced losses only: evaluate.run_ae
-with generate=False), on the first --n held-out texts cut as the arm was trained (evaluate.protocol: a window-cropped
-arm's texts are cut to its --max-len). Writes OUT/ARM/eval_curve.json (the points, the first step at or below the threshold, the median
+Without logged checks, each checkpoint is scored once (its ckpt-*/eval_curve.json is kept; teacher-forced losses
+only: evaluate.run_ae with generate=False), on the first --n held-out texts cut as the arm was trained
+(evaluate.protocol: a window-cropped arm's texts are cut to its --max-len), which is what train.py's check logs. Writes OUT/ARM/eval_curve.json (the points, the first step at or below the threshold, the median
 seconds per training step), OUT/curve.json, OUT/curve.md and OUT/curve.png (when matplotlib is installed).
 """
 
@@ -21,6 +25,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import compressors as C  # noqa: E402
 import evaluate as E  # noqa: E402
+import train  # noqa: E402
 
 
 def kept(result, run):
@@ -46,7 +51,7 @@ def score(ckpt, examples):
 
 def smoothed_losses(run, window=20):
     """(step, mean of the training loss over the last `window` logged steps) for every step of a run's log."""
-    rows = [json.loads(line) for line in open(os.path.join(run, "log.jsonl")) if line.strip()]
+    rows = train.read_log(run)[0]
     return [(r["step"], statistics.mean(x["loss"] for x in rows[max(0, i + 1 - window):i + 1]))
             for i, r in enumerate(rows)]
 
@@ -55,10 +60,16 @@ def arm_curve(run, examples, threshold, loss_at=None):
     """Every kept checkpoint of a run, scored: {points, first step <= threshold (None: never), s/step}; with loss_at,
     also the first step where the training loss (smoothed over 20 steps) is at or below it (EPL §4's "converges
     9.7 times faster": the steps each layout needs to reach the same training loss)."""
-    points = []
-    for ckpt in sorted(glob.glob(os.path.join(run, "ckpt-*"))):
-        points.append(dict(step=int(ckpt.rpartition("-")[2]), **score(ckpt, examples)))
-    dts = [json.loads(line)["dt"] for line in open(os.path.join(run, "log.jsonl")) if line.strip()]
+    steps, checks = train.read_log(run)
+    points = [dict(step=r["step"], own=r["eval"]["own"], other=r["eval"]["other"], none=r["eval"]["none"],
+                   ratio=r["eval"]["own_other"]) for r in checks]
+    if points and checks[-1]["eval"]["n"] != len(examples):
+        raise SystemExit(f"curve.py: {run} checked {checks[-1]['eval']['n']} held-out texts while it trained, not "
+                         f"--n {len(examples)}: pass the --n (and --data) it was trained with")
+    if not points:   # trained before train.py checked itself: score the kept checkpoints
+        for ckpt in sorted(glob.glob(os.path.join(run, "ckpt-*"))):
+            points.append(dict(step=int(ckpt.rpartition("-")[2]), **score(ckpt, examples)))
+    dts = [r["dt"] for r in steps]
     first = next((p["step"] for p in points if p["ratio"] is not None and p["ratio"] <= threshold), None)
     first_loss = None
     if loss_at is not None:

@@ -20,12 +20,21 @@ from its memory (the AE task, as trained) and we measure, per decoder layer:
                all but its first token, as GMSA's at 1:1, shows a high first and a low rest)
 
 Writes OUT.json and OUT.md (one row per run and state, layers in five groups).
+
+    python recipes/diagnosis.py --capacity 300 --runs runs/recipes/ladder/icae_1x ...
+
+--capacity STEPS asks what the carrier *could* hold, whatever the encoder learns (ours): each text's memory, as the
+run's compressor makes it, becomes a free tensor (the embeddings, or every layer's K/V) optimized alone with Adam
+for STEPS steps to regenerate its own text through the frozen decoder, exactly as the AE loss trains (same
+positions, special token and template). A carrier that reaches a low loss this way can hold the text, so an encoder
+that ends as a constant prompt failed to learn, not to fit; one that cannot tells that no encoder could.
 """
 
 import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -155,6 +164,43 @@ def measure_run(run, meta, texts, count, n):
                 step=meta.get("step"), texts=len(xs), n=n, **out)
 
 
+def capacity(run, texts, count, n, steps, lr=1e-2, every=50):
+    """Each held-out text's memory (as the trained compressor makes it) optimized directly for the AE loss, the
+    decoder frozen: the AE loss per token after 0, every, 2 every, ... steps (the mean over the texts), and the
+    own/other of the optimized memories at the end. Adam at lr, scaled by each tensor's RMS (the memory tensors of
+    ICAE sit at 20x the token embeddings' norm, K/V at the decoder's own scale)."""
+    comp = C.load(run).eval()
+    for p in comp.parameters():
+        p.requires_grad_(False)
+    xs = [ids[:n] for ids in (comp.tok.encode(t) for t in texts) if len(ids) >= n][:count]
+    with torch.no_grad():
+        memory = comp.compress([comp.encoder_ids(x) for x in xs])
+    leaves = [memory.embeds] if memory.kv is None else [t for kv in memory.kv for t in kv]
+    leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
+    scales = [t.detach().pow(2).mean().sqrt().item() for t in leaves]
+    opt = torch.optim.Adam([{"params": [t], "lr": lr * s} for t, s in zip(leaves, scales)])
+    free = lambda: (replace(memory, embeds=leaves[0]) if memory.kv is None else
+                    replace(memory, kv=[(leaves[2 * i], leaves[2 * i + 1]) for i in range(len(memory.kv))]))
+    targets = [comp.ae_target(x) for x in xs]
+    curve = []
+    for step in range(steps + 1):
+        loss, _ = comp.lm_loss(free(), "ae", targets)
+        if step % every == 0 or step == steps:
+            curve.append(dict(step=step, loss=loss.item()))
+        if step < steps:
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        own = comp.nll(free(), "ae", targets)
+        # text i reads the optimized memory of text i + 1 (evaluate.derangement)
+        other = comp.nll(replace(free(), **({"embeds": leaves[0].roll(-1, 0)} if memory.kv is None else
+                                          {"kv": [(k.roll(-1, 0), v.roll(-1, 0)) for k, v in free().kv]})),
+                         "ae", targets)
+    ratio = (sum(own[0]) / sum(own[1])) / (sum(other[0]) / sum(other[1]))
+    return dict(run=run, texts=len(xs), n=n, steps=steps, lr=lr, curve=curve, own_other=ratio)
+
+
 def groups_of(values, k=5):
     """Means of `values` over k consecutive groups of layers (fewer groups for a model of fewer layers)."""
     L = len(values)
@@ -192,8 +238,25 @@ def main(argv=None):
     p.add_argument("--texts", type=int, default=8, help="held-out texts to measure on (default 8)")
     p.add_argument("--len", type=int, help="measure on texts of this many tokens (default: each run's --max-len)")
     p.add_argument("--out", help="write OUT.json and OUT.md")
+    p.add_argument("--capacity", type=int, metavar="STEPS", help="instead: optimize each text's memory directly for "
+                   "STEPS steps (what the carrier could hold; see above) and print the AE loss along the way")
     a = p.parse_args(argv)
     texts = [ex["text"] for ex in E.load_examples(a.data, "ae")]
+    if a.capacity:
+        rows = []
+        for run in a.runs:
+            n = a.len or C.read_checkpoint_config(run).get("train_args", {}).get("max_len", 16)
+            rows.append(capacity(run, texts, a.texts, n, a.capacity))
+        steps = [c["step"] for c in rows[0]["curve"]]
+        md = "\n".join([f"| run (memory optimized per text, {a.texts} texts) | " + " | ".join(
+            f"AE loss at {s}" for s in steps) + " | own/other at the end |", "|---|" + "---|" * (len(steps) + 1)] + [
+            f"| {os.path.basename(os.path.normpath(r['run']))} | " + " | ".join(f"{c['loss']:.3f}" for c in r["curve"])
+            + f" | {r['own_other']:.3f} |" for r in rows])
+        print(md)
+        if a.out:
+            json.dump(rows, open(a.out + ".json", "w"), indent=1)
+            open(a.out + ".md", "w").write(md + "\n")
+        return
     rows = [diagnose(run, texts, a.texts, a.len) for run in a.runs]
     md = table(rows)
     print(md)

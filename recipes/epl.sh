@@ -56,18 +56,16 @@ else
       for layout in $LAYOUTS; do
         train_arm 500x_${layout}${tag}_s$seed --method 500x --objective ae --layout $layout "${CHUNK[@]}" \
           --min-len $MIN --max-len $MAX --crop window --batch-size 4 --steps $STEPS --save-every $EVERY \
-          --keep-every $EVERY --seed $seed "${TRAIN_TEXT[@]}"
+          --eval-every $EVERY --eval-n ${N:-32} "${HELD_EVAL[@]}" --seed $seed "${TRAIN_TEXT[@]}"
         eval_arm 500x_${layout}${tag}_s$seed ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len $MAX
-        curve_arm 500x_${layout}${tag}_s$seed "${HELD_TEXT[@]}" --n ${N:-32}
       done
     done
     GROUP=$(for layout in $LAYOUTS; do runs $layout; done)
     if [ "${ICAE:-0}" = 1 ]; then   # the original ICAE arms (EPL Table 6), one seed
       for layout in $LAYOUTS; do
         train_arm icae_${layout}$tag --method icae --layout $layout "${CHUNK[@]}" --min-len $MIN --max-len $MAX \
-          --batch-size 4 --steps $STEPS --save-every $EVERY --keep-every $EVERY "${TRAIN_TEXT[@]}"
+          --batch-size 4 --steps $STEPS --save-every $EVERY --eval-every $EVERY --eval-n ${N:-32} "${HELD_EVAL[@]}" "${TRAIN_TEXT[@]}"
         eval_arm icae_${layout}$tag ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len $MAX
-        curve_arm icae_${layout}$tag "${HELD_TEXT[@]}" --n ${N:-32}
         GROUP="$GROUP icae_${layout}$tag"
       done
     fi

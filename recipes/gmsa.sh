@@ -48,12 +48,11 @@ else
     rung $r
     for seed in $seeds; do
       COMMON=(--method gmsa --ratio $r --lora-r 16 --lora-alpha 32 --min-len $MIN --max-len $MAX --batch-size 4
-              --lr 5e-4 --warmup 30 --steps $STEPS --save-every $EVERY --keep-every $EVERY --seed $seed "${TRAIN_TEXT[@]}")
+              --lr 5e-4 --warmup 30 --steps $STEPS --save-every $EVERY --eval-every $EVERY --eval-n ${N:-48} "${HELD_EVAL[@]}" --seed $seed "${TRAIN_TEXT[@]}")
       train_arm gmsa${tag}_s$seed "${COMMON[@]}"
       train_arm tcp${tag}_s$seed "${COMMON[@]}" --source mem_tokens
       for arm in gmsa${tag}_s$seed tcp${tag}_s$seed; do
         eval_arm $arm ae "${HELD_TEXT[@]}" --n ${N:-48} --max-len $MAX --ratio $r
-        curve_arm $arm "${HELD_TEXT[@]}" --n ${N:-48}
         # what the decoder sees of the 1:1 memories (recipes/diagnosis.py), while the weights are here
         if [ $r = 1 ] && [ $seed = ${seeds%% *} ]; then diagnose_arm $arm "${HELD_TEXT[@]}"; fi
       done

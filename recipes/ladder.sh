@@ -45,12 +45,12 @@ for rung in ${RUNGS:-1x 4x}; do
   for arm in $ARMS $([ $rung = 1x ] && echo $DIAG_ARMS); do
     # shellcheck disable=SC2046
     train_arm ${arm}_$rung $(arm_flags $arm $n $r) --objective ae --crop window --min-len $n --max-len $n \
-      --batch-size 4 --steps $STEPS --save-every $EVERY --keep-every $EVERY \
+      --batch-size 4 --steps $STEPS --save-every $EVERY --eval-every $EVERY --eval-n ${N:-32} "${HELD_EVAL[@]}" \
       --seed ${SEED:-0} "${TRAIN_TEXT[@]}"
     eval_arm ${arm}_$rung ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len $n
-    # score every kept checkpoint now (and, at 1:1, what the decoder sees of the memory): the scores are kept in
-    # the arm's folder, so the summary below needs no weights (an arm trained on another machine, recipes/results)
-    curve_arm ${arm}_$rung "${HELD_TEXT[@]}" --n ${N:-32}
+    # the run logged its held-out own/other every $EVERY steps (train.py --eval-every); at 1:1, what the decoder sees
+    # of the memory is measured now, while the weights are here, and kept in the arm's folder, so the summary below
+    # needs no weights (an arm trained on another machine, recipes/results)
     if [ $rung = 1x ]; then diagnose_arm ${arm}_1x "${HELD_TEXT[@]}" --texts ${DIAG_TEXTS:-8}; fi
     names+=(${arm}_$rung)
   done

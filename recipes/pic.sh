@@ -46,9 +46,8 @@ else
   SEED0=$(echo $SEEDS | cut -d' ' -f1)
   pretrain() {   # pretrain ARM METHOD RATIO SEED
     train_arm $1 --method $2 --chunk-len 64 --mem $((64 / $3)) --min-len 128 --max-len 160 --batch-size 4 \
-      --lr 1e-4 --warmup 30 --steps $STEPS --save-every $EVERY --keep-every $EVERY --seed $4 "${TRAIN_TEXT[@]}"
+      --lr 1e-4 --warmup 30 --steps $STEPS --save-every $EVERY --eval-every $EVERY --eval-n ${N:-48} "${HELD_EVAL[@]}" --seed $4 "${TRAIN_TEXT[@]}"
     eval_arm $1 ae "${HELD_TEXT[@]}" --n ${N:-48} --max-len 160
-    curve_arm $1 "${HELD_TEXT[@]}" --n ${N:-48}
   }
   own_other() { $PY -c "import json; print(json.load(open('$OUT/$1/eval_ae.json'))['loss']['own_other_ratio'])"; }
   carries() { $PY -c "import sys; sys.exit(0 if $(own_other $1) <= 0.5 else 1)"; }

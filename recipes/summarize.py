@@ -17,6 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import evaluate as E  # noqa: E402
+import train  # noqa: E402
 
 
 def lookup(obj, path):
@@ -35,7 +36,7 @@ def read_metric(out, arm, spec):
     task, _, path = spec.partition(":")
     run = os.path.join(out, arm)
     if task == "log":
-        rows = [json.loads(line) for line in open(os.path.join(run, "log.jsonl")) if line.strip()]
+        rows = train.read_log(run)[0]   # the training rows (not the held-out checks)
         return lookup(rows[-1], path) if rows else None
     if task == "params":   # written by Compressor.save
         return json.load(open(os.path.join(run, "compressor.json"))).get("trained_parameters")

@@ -39,7 +39,7 @@ def run(variant, argv):
         if p.returncode != 0:
             return variant, None, None, p.stderr.strip().splitlines()[-1]
         peak = int(next(line.split()[1] for line in p.stdout.splitlines() if line.startswith("PEAK")))
-        rows = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+        rows = [r for r in map(json.loads, open(os.path.join(out, "log.jsonl"))) if "eval" not in r]
         dt = statistics.median(r["dt"] for r in rows[1:] or rows)
         return variant, peak, dt, ""
 

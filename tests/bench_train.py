@@ -43,7 +43,7 @@ def bench(method, device, steps, model):
                 "--save-every", str(10 * steps)]
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             train.main(argv)
-        rows = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))][2:]   # skip warm-up steps
+        rows = train.read_log(out)[0][2:]   # skip warm-up steps
         args = json.load(open(os.path.join(out, "args.json")))
     return args, statistics.median(r["dt"] for r in rows), statistics.median(r["tokens"] for r in rows)
 

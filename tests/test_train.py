@@ -63,7 +63,12 @@ def run_train(device):
 
 
 def log_rows(out):
-    return [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+    """The training rows of a run's log (train.read_log; the held-out checks are eval_rows)."""
+    return train.read_log(out)[0]
+
+
+def eval_rows(out):
+    return train.read_log(out)[1]
 
 
 def snapshot(folder):
@@ -241,6 +246,106 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
     assert torch.load(out / "ckpt-000004" / "train_state.pt", weights_only=True)["step"] == 4
 
 
+# ---- the held-out check: does the memory carry its own text while it trains? ----
+HELD_OUT = ["--model", "tiny", "--crop", "window", "--min-len", "8", "--max-len", "16", "--batch-size", "4",
+            "--lr", "3e-3", "--seed", "2"]
+X500 = ["--method", "500x", "--mem", "16", "--chunk-len", "16", *LORA, "--lora-dropout", "0.1"]
+
+
+@pytest.fixture(scope="module")
+def held_texts(tmp_path_factory):
+    """12 held-out texts in a file of their own (evaluate.py's built-in set, so nothing here trains on them)."""
+    path = tmp_path_factory.mktemp("held") / "held.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in E.builtin_held_out(12)))
+    return str(path)
+
+
+@pytest.mark.parametrize("objective", ["ae", "pretrain"])
+def test_held_out_check_logs_exactly_what_evaluate_prints(objective, held_texts, tmp_path, run_train, device):
+    """The logged own/other is evaluate.py's on the same checkpoint, texts and --n (within 1e-5): at step 0 and
+    every --eval-every steps; pretrain also logs the LM loss's own/other (evaluate.py --task lm)."""
+    out = str(tmp_path / objective)
+    run_train([*X500, "--objective", objective, *HELD_OUT, "--steps", "4", "--eval-data", held_texts,
+               "--eval-every", "2", "--eval-n", "10", "--out", out])
+    rows = eval_rows(out)
+    assert [r["step"] for r in rows] == [0, 2, 4] and all(r["eval"]["n"] == 10 for r in rows)
+    assert len({r["eval"]["own"] for r in rows}) == 3            # the memory changed between the checks
+    common = ["--ckpt", out, "--data", held_texts, "--n", "10", "--max-len", "16", "--device", str(device),
+              "--dtype", "float32", "--out", str(tmp_path / "eval.json")]
+    got = E.main(common + ["--task", "ae", "--max-new-tokens", "1"])["loss"]
+    last = rows[-1]["eval"]
+    for key, ours in (("own", "own"), ("other", "other"), ("none", "none"), ("own_other_ratio", "own_other")):
+        assert abs(got[key] - last[ours]) <= 1e-5, (key, got[key], last[ours])
+    if objective == "pretrain":   # evaluate.py --task lm on the same texts, cut at the run's --max-len
+        lm = E.main(common + ["--task", "lm"])["loss"]
+        assert abs(lm["own_other_ratio"] - last["lm"]["own_other"]) <= 1e-5
+    else:
+        assert "lm" not in last
+
+
+def test_held_out_check_of_qa_scores_the_reference_answer(files, tmp_path, run_train, device):
+    """qa: the loss of the reference answer after the question's own memory, as evaluate.py --task qa reports it."""
+    out = str(tmp_path / "qa")
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps(dict(context=c, question=q, answer=a)) + "\n" for c, q, a in train.BUILTIN_QA))
+    run_train([*X500, "--objective", "qa", "--model", "tiny", "--data", str(qa), "--max-len", "64", "--steps", "2",
+               "--eval-data", str(qa), "--eval-every", "2", "--out", out])
+    last = eval_rows(out)[-1]["eval"]
+    got = E.main(["--ckpt", out, "--task", "qa", "--data", str(qa), "--max-len", "64", "--max-new-tokens", "1",
+                  "--device", str(device), "--dtype", "float32", "--out", str(tmp_path / "eval.json")])["loss"]
+    assert last["n"] == len(train.BUILTIN_QA) and abs(got["own_other_ratio"] - last["own_other"]) <= 1e-5
+
+
+def test_held_out_check_does_not_touch_training(held_texts, tmp_path, run_train):
+    """Losses and weights are bit-identical with and without the check (LoRA dropout draws from the RNG it could
+    have moved), and a run stopped and resumed keeps its earlier checks and logs each step's once."""
+    base = [*X500, "--objective", "ae", *HELD_OUT, "--steps", "6", "--eval-data", held_texts, "--eval-n", "6"]
+    run_train(base + ["--eval-every", "0", "--out", str(tmp_path / "off")])
+    run_train(base + ["--eval-every", "2", "--out", str(tmp_path / "on")])
+    run_train(base + ["--eval-every", "2", "--stop-after", "3", "--out", str(tmp_path / "part")])
+    run_train(["--resume", str(tmp_path / "part")])
+    off, on, part = (log_rows(tmp_path / d) for d in ("off", "on", "part"))
+    assert eval_rows(tmp_path / "off") == []
+    for a, b, c in zip(off, on, part, strict=True):
+        assert a["loss"] == b["loss"] == c["loss"] and a["grad_norm"] == b["grad_norm"] == c["grad_norm"]
+    assert len({r["loss"] for r in off}) == 6
+    w_off, w_on = (load_file(str(tmp_path / d / "compressor.safetensors")) for d in ("off", "on"))
+    assert all(torch.equal(w_off[k], w_on[k]) for k in w_off)
+    # the interrupted run checked at 0 and 2 before its stop, then at 4 and 6: the same numbers as the whole run
+    assert eval_rows(tmp_path / "part") == eval_rows(tmp_path / "on")
+    assert [r["step"] for r in eval_rows(tmp_path / "on")] == [0, 2, 4, 6]
+
+
+def test_a_constant_memory_gets_the_prompt_warning_and_a_carrying_one_does_not(tmp_path, run_train, monkeypatch,
+                                                                              capsys):
+    """A memory that is the same for every text (every context replaced by one fixed text before compressing)
+    scores own/other 1.0 and the run warns once; AOC on tiny carries its text within 300 steps (the run of
+    test_every_method_learns_memories_that_carry_their_own_text: 0.70-0.88 over seeds and devices) and the run does
+    not warn. Both print where own/other first reached 0.5, or that it never did."""
+    base = ["--method", "aoc", "--mem", "16", "--model", "tiny", "--max-len", "16", "--warmup", "10"]
+    run_train(base + ["--lr", "1e-2", "--batch-size", "8", "--steps", "300", "--eval-every", "100",
+                      "--out", str(tmp_path / "carries")])
+    text = capsys.readouterr().out
+    ratios = [r["eval"]["own_other"] for r in eval_rows(tmp_path / "carries")]
+    assert ratios[-1] < 0.95 and "warning" not in text and "never <= 0.5 within 300 steps" in text
+    compress = C.Compressor.compress
+    monkeypatch.setattr(C.Compressor, "compress", lambda self, contexts, **kw: compress(
+        self, [[65] * 8] * len(contexts), **kw))   # one memory for every text: that of "AAAAAAAA"
+    run_train(base + ["--lr", "3e-3", "--steps", "60", "--eval-every", "10", "--out", str(tmp_path / "constant")])
+    text = capsys.readouterr().out
+    assert all(r["eval"]["own_other"] == 1.0 for r in eval_rows(tmp_path / "constant"))
+    # past the warmup (10 steps) the checks at 20, 30 and 40 are three in a row at 1.0: one warning, at 40
+    assert text.count("warning: held-out own/other 1.000 at step 40") == 1 and text.count("warning") == 1
+    assert "constant prompt" in text and "never <= 0.5 within 60 steps" in text
+
+
+def test_a_real_model_without_eval_data_says_no_check_runs(files, tmp_path, run_train, capsys):
+    run_train(["--method", "aoc", "--mem", "4", "--model", files["model"], "--data", files["doc"], "--steps", "1",
+               "--out", str(tmp_path / "real")])
+    assert "no held-out check runs: pass --eval-data FILE" in capsys.readouterr().out
+    assert eval_rows(tmp_path / "real") == []
+
+
 # ---- the loop's arithmetic ----
 
 
@@ -290,7 +395,7 @@ def test_two_processes_train_exactly_as_one(tmp_path, device):
     if device.type != "cpu":
         pytest.skip("two processes on one GPU is not a setup: this runs the gloo path on the CPU")
     flags = ["--method", "icae", "--model", "tiny", *ACCUMULATION["pretrain"][2:], "--batch-size", "4", "--lr",
-             "3e-3", "--warmup", "0", "--steps", "3", "--seed", "1", "--device", "cpu"]
+             "3e-3", "--warmup", "0", "--steps", "3", "--seed", "1", "--device", "cpu", "--eval-every", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     repo = Path(__file__).resolve().parents[1]
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -304,6 +409,13 @@ def test_two_processes_train_exactly_as_one(tmp_path, device):
         for key in ("loss", "grad_norm", "ae", "lm"):
             assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]), (a["step"], key, a[key], b[key])
         assert a["tokens"] == b["tokens"]   # the processes' token counts are summed
+    # the held-out check (rank 0 scores the model every rank holds) gives one process's numbers
+    checks = eval_rows(tmp_path / "one"), eval_rows(tmp_path / "ddp")
+    assert [r["step"] for r in checks[1]] == [0, 2, 3]
+    for a, b in zip(*checks, strict=True):
+        for key in ("own", "other", "none", "own_other"):
+            assert abs(a["eval"][key] - b["eval"][key]) <= 1e-5 * abs(a["eval"][key])
+        assert abs(a["eval"]["lm"]["own"] - b["eval"]["lm"]["own"]) <= 1e-5 * a["eval"]["lm"]["own"]
 
 
 def test_schedules():
