@@ -861,13 +861,15 @@ def concatenated(examples, k):
 
 
 @torch.no_grad()
-def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat=1, reuse=True):
+def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat=1, reuse=True, score=qa_scores,
+           losses=True):
     """Answer from memory + question (PIC/PCC SQuAD, EPL, CompLLM, GMSA KEFT), with the checkpoint's template
     (Compressor.qa_parts) in all three rows. The whole generation up to EOS is scored, as the papers' scripts
-    do. concat > 1: CompLLM's long contexts. reuse: a chunk's memory is computed once and kept (CompLLM's
+    do, by score(generation, answer) -> {name: value} (default qa_scores; the needle task scores the passkey).
+    concat > 1: CompLLM's long contexts. reuse: a chunk's memory is computed once and kept (CompLLM's
     reusability), so a context shared by several questions is compressed once; False compresses every time.
-    Also the teacher-forced loss of the reference answer (the first, QA training's target, without its EOS)
-    after the question's own memory, another document's memory, no context and the full context (ours: the
+    losses: also the teacher-forced loss of the reference answer (the first, QA training's target, without its
+    EOS) after the question's own memory, another document's memory, no context and the full context (ours: the
     papers score generations only): own / other well below 1 means each memory carries its own context."""
     tok, plain = comp.tok, PlainLLM(comp)
     n_new = max_new_tokens or QA_BUDGET.get(comp.cfg.method, 64)
@@ -888,22 +890,27 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
         full = [lead + p["prefix"] + p["dec_context"] + p["prompt"] for p in ps]    # the plain LLM's prompts
         none = [lead + p["prefix"] + p["prompt"] for p in ps]
         follow, n_ans = [q + a for q, a in zip(prompt, ans)], [len(a) for a in ans]
-        nll = {"own": list(zip(*comp.nll(memory, "qa", follow, n_ans, prefix=prefix))),
-               "other": [None] * len(idx), "none": plain.nll(none, ans), "full": plain.nll(full, ans)}
-        if other:
-            theirs = compress(comp, [parts[other[i]]["enc_context"] for i in idx], ratio, cache=cache)
-            nll["other"] = list(zip(*comp.nll(theirs, "qa", follow, n_ans, prefix=prefix)))
+        nll = {}
+        if losses:
+            nll = {"own": list(zip(*comp.nll(memory, "qa", follow, n_ans, prefix=prefix))),
+                   "other": [None] * len(idx), "none": plain.nll(none, ans), "full": plain.nll(full, ans)}
+            if other:
+                theirs = compress(comp, [parts[other[i]]["enc_context"] for i in idx], ratio, cache=cache)
+                nll["other"] = list(zip(*comp.nll(theirs, "qa", follow, n_ans, prefix=prefix)))
         outs = {"compressed": comp.generate(memory, "qa", prompt=prompt, max_new_tokens=n_new, prefix=prefix),
                 "full": plain.generate(full, n_new), "none": plain.generate(none, n_new)}
         for j, i in enumerate(idx):
             ex = examples[i]
             row = {"context": ex["context"], "question": ex["question"], "answer": ex["answer"],
-                   "memory_slots": sum(memory.mem_counts[j]), "loss": {k: v[j] for k, v in nll.items()}}
+                   "memory_slots": sum(memory.mem_counts[j])}
+            if losses:
+                row["loss"] = {k: v[j] for k, v in nll.items()}
             for mode, gen in outs.items():
                 text = tok.decode(gen[j])
-                row[mode] = {"text": text, "scores": qa_scores(text, ex["answer"])}
+                row[mode] = {"text": text, "scores": score(text, ex["answer"])}
             rows.append(row)
-    return summarize(rows, {"max_new_tokens": n_new, "concat": concat, "reuse": reuse, **memory_losses(rows)})
+    return summarize(rows, {"max_new_tokens": n_new, "concat": concat, "reuse": reuse,
+                            **(memory_losses(rows) if losses else {})})
 
 
 def report_text(result):
