@@ -1687,12 +1687,12 @@ def main(argv=None):
             args.task != "heatmap" or args.text0 is None) else None
         comp = load_compressor(args) if task.model else None
         proto = protocol(comp, args.ckpt, args.max_len) if comp else None
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)   # before the task: figures go next to it
         result = task.run(args, comp, examples, proto, os.path.splitext(out)[0])
     except (FileNotFoundError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
     result = {"task": args.task, "checkpoint": args.ckpt, "config": comp and asdict(comp.cfg),
               "ratio": args.ratio, "device": args.device, "dtype": args.dtype, **result}
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(task.report(result))

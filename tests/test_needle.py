@@ -49,9 +49,9 @@ def reader(self, prompts, n):
 def test_cli_grid_and_where_each_needle_landed(run, tmp_path, capsys, device):
     lengths, n = [256, 512], 2
     result = evaluate(["--ckpt", run, "--task", "needle", "--lengths", ",".join(map(str, lengths)), "--n", n,
-                       "--out", tmp_path / "needle.json"], device)
+                       "--out", tmp_path / "new" / "needle.json"], device)   # a folder --out makes, PNG included
     out = capsys.readouterr().out
-    assert json.loads((tmp_path / "needle.json").read_text())["grid"] == result["grid"]
+    assert json.loads((tmp_path / "new" / "needle.json").read_text())["grid"] == result["grid"]
     # the grid: one row per depth, one column per length, for each of the three rows, in the JSON and on stdout
     assert result["depths"] == [0.0, 0.25, 0.5, 0.75, 1.0] and result["lengths"] == lengths
     for mode in ("compressed", "full", "none"):
@@ -60,7 +60,7 @@ def test_cli_grid_and_where_each_needle_landed(run, tmp_path, capsys, device):
         assert all(0 <= v <= 1 for row in grid for v in row)
         assert f"{mode}: fraction of the {n} samples" in out
     assert out.count("| depth \\ length | 256 | 512 |") == 3 and out.count("| 100% |") == 3
-    assert (tmp_path / "needle.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "new" / "needle.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # n samples per cell, each with its own passkey, and no teacher-forced losses (they need a shared answer)
     examples = result["examples"]
     cells = [(ex["depth"], ex["length"]) for ex in examples]
