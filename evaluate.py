@@ -5,10 +5,10 @@
 
 Tasks (`--help` explains each): ae reconstruction, lm completion perplexity, qa, needle (passkey
 retrieval at each depth x length, Mohtashami & Jaggi 2023), each next to the plain LLM with the full
-context and with none; speed (CompLLM's complexity claims: compression
-linear, prefill quadratic, TTFT speedup -> C²); interpolate (AOC Eq. 5); heatmap (PIC Figures 3
-and 7: memory-token cosine and attention maps, written as PNG with matplotlib); curves (loss curves
-of several runs on one figure, and the step, tokens and time each takes to reach a loss).
+context and with none; speed (CompLLM's complexity claims: compression linear, prefill quadratic,
+TTFT speedup -> C²); interpolate (AOC Eq. 5); heatmap (PIC Figures 3 and 7: memory-token cosine and
+attention maps, written as PNG with matplotlib); curves (loss curves of several runs on one figure,
+and the step, tokens and time each takes to reach a loss).
 
 Metrics (the first section) are written from scratch — stdlib only — and tested against the
 reference packages the papers used (nltk's sentence_bleu, Google's rouge-score, the `rouge` 1.0.1
@@ -1556,7 +1556,7 @@ def parse_args(argv=None):
     p.add_argument("--data", help="examples (.jsonl, .parquet or .txt); default: the built-in sets")
     p.add_argument("--n", type=int, help=f"use the first N examples (default: all); needle: samples per depth and "
                    f"length (default {NEEDLE_N})")
-    p.add_argument("--batch-size", type=int, default=8, help="ae, lm, qa: examples per batch (default 8)")
+    p.add_argument("--batch-size", type=int, default=8, help="ae, lm, qa, needle: examples per batch (default 8)")
     p.add_argument("--max-new-tokens", type=int, help="generation budget (default: ae n for a head-cropped "
                    "checkpoint, else reference + 8; qa the paper's: PCC 30, CompLLM 512, EPL 1024, else 64; "
                    f"needle {NEEDLE_BUDGET}; speed 16 timed decode steps)")
