@@ -1,13 +1,14 @@
 """Evaluation: the metrics the five papers report, then the evaluation tasks and the command line.
 
-    python evaluate.py --ckpt DIR --task {ae,lm,qa,speed,interpolate,heatmap} [--data PATH] [--n N]
+    python evaluate.py --ckpt DIR --task {ae,lm,qa,needle,speed,interpolate,heatmap} [--data PATH] [--n N]
     python evaluate.py --method compllm --model tiny --task speed --lengths 512,1024,2048,4096,8192
 
-Tasks (`--help` explains each): ae reconstruction, lm completion perplexity, qa, each next to the
-plain LLM with the full context and with none; speed (CompLLM's complexity claims: compression
-linear, prefill quadratic, TTFT speedup -> C²); interpolate (AOC Eq. 5); heatmap (PIC Figures 3
-and 7: memory-token cosine and attention maps, written as PNG with matplotlib); curves (loss curves
-of several runs on one figure, and the step, tokens and time each takes to reach a loss).
+Tasks (`--help` explains each): ae reconstruction, lm completion perplexity, qa, needle (passkey
+retrieval at each depth x length, Mohtashami & Jaggi 2023), each next to the plain LLM with the full
+context and with none; speed (CompLLM's complexity claims: compression linear, prefill quadratic,
+TTFT speedup -> C²); interpolate (AOC Eq. 5); heatmap (PIC Figures 3 and 7: memory-token cosine and
+attention maps, written as PNG with matplotlib); curves (loss curves of several runs on one figure,
+and the step, tokens and time each takes to reach a loss).
 
 Metrics (the first section) are written from scratch — stdlib only — and tested against the
 reference packages the papers used (nltk's sentence_bleu, Google's rouge-score, the `rouge` 1.0.1
@@ -47,6 +48,7 @@ import argparse
 import json
 import math
 import os
+import random
 import re
 import statistics
 import string
@@ -865,13 +867,14 @@ def concatenated(examples, k):
 
 @torch.no_grad()
 def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat=1, reuse=True, max_len=None,
-           generate=True):
+           generate=True, score=qa_scores, losses=True):
     """Answer from memory + question (PIC/PCC SQuAD, EPL, CompLLM, GMSA KEFT), with the checkpoint's template
     (Compressor.qa_parts) in all three rows. The whole generation up to EOS is scored, as the papers' scripts
-    do. concat > 1: CompLLM's long contexts. reuse: a chunk's memory is computed once and kept (CompLLM's
+    do, by score(generation, answer) -> {name: value} (default qa_scores; the needle task scores the passkey).
+    concat > 1: CompLLM's long contexts. reuse: a chunk's memory is computed once and kept (CompLLM's
     reusability), so a context shared by several questions is compressed once; False compresses every time.
-    Also the teacher-forced loss of the reference answer (the first, QA training's target, without its EOS)
-    after the question's own memory, another document's memory, no context and the full context (ours: the
+    losses: also the teacher-forced loss of the reference answer (the first, QA training's target, without its
+    EOS) after the question's own memory, another document's memory, no context and the full context (ours: the
     papers score generations only): own / other well below 1 means each memory carries its own context.
     max_len: contexts cut to their first max_len tokens, as QA training cuts them. generate=False: the losses
     only ({"loss"}), as train.py's held-out check scores itself."""
@@ -897,24 +900,29 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
         full = [lead + p["prefix"] + p["dec_context"] + p["prompt"] for p in ps]    # the plain LLM's prompts
         none = [lead + p["prefix"] + p["prompt"] for p in ps]
         follow, n_ans = [q + a for q, a in zip(prompt, ans)], [len(a) for a in ans]
-        nll = {"own": list(zip(*comp.nll(memory, "qa", follow, n_ans, prefix=prefix))),
-               "other": [None] * len(idx), "none": plain.nll(none, ans), "full": plain.nll(full, ans)}
-        if other:
-            theirs = compress(comp, [parts[other[i]]["enc_context"] for i in idx], ratio, cache=cache)
-            nll["other"] = list(zip(*comp.nll(theirs, "qa", follow, n_ans, prefix=prefix)))
+        nll = {}
+        if losses:
+            nll = {"own": list(zip(*comp.nll(memory, "qa", follow, n_ans, prefix=prefix))),
+                   "other": [None] * len(idx), "none": plain.nll(none, ans), "full": plain.nll(full, ans)}
+            if other:
+                theirs = compress(comp, [parts[other[i]]["enc_context"] for i in idx], ratio, cache=cache)
+                nll["other"] = list(zip(*comp.nll(theirs, "qa", follow, n_ans, prefix=prefix)))
         outs = {"compressed": comp.generate(memory, "qa", prompt=prompt, max_new_tokens=n_new, prefix=prefix),
                 "full": plain.generate(full, n_new), "none": plain.generate(none, n_new)} if generate else {}
         for j, i in enumerate(idx):
             ex = examples[i]
             row = {"context": ex["context"], "question": ex["question"], "answer": ex["answer"],
-                   "memory_slots": sum(memory.mem_counts[j]), "loss": {k: v[j] for k, v in nll.items()}}
+                   "memory_slots": sum(memory.mem_counts[j])}
+            if losses:
+                row["loss"] = {k: v[j] for k, v in nll.items()}
             for mode, gen in outs.items():
                 text = tok.decode(gen[j])
-                row[mode] = {"text": text, "scores": qa_scores(text, ex["answer"])}
+                row[mode] = {"text": text, "scores": score(text, ex["answer"])}
             rows.append(row)
     if not generate:
         return memory_losses(rows)
-    return summarize(rows, {"max_new_tokens": n_new, "concat": concat, "reuse": reuse, **memory_losses(rows)})
+    return summarize(rows, {"max_new_tokens": n_new, "concat": concat, "reuse": reuse,
+                            **(memory_losses(rows) if losses else {})})
 
 
 def report_text(result):
@@ -952,6 +960,7 @@ def report_text(result):
 # online speedup = ttft_full / (compress + ttft_comp) (compressed on the fly).
 
 SPEED_QUESTION = " Question: What is this text about? Answer:"
+SPEED_LENGTHS = (512, 1024, 2048, 4096, 8192)   # default --lengths
 
 
 def _sync(device):
@@ -1345,6 +1354,152 @@ def report_curves(result):
 
 
 # -----------------------------------------------------------------------------
+# ---- needle (passkey retrieval, Mohtashami & Jaggi 2023) ----
+# "Landmark Attention" (Mohtashami & Jaggi 2023, arXiv:2305.16300) tests long contexts by passkey retrieval: one
+# sentence with a random number is hidden in a long text, and the model is asked for the number. Their haystack
+# repeats a filler ("The grass is green. The sky is blue. ..."); ours is held-out text (--data, default the
+# built-in held-out texts), its documents in an order drawn from --seed, drawn again whenever they run out. The
+# haystack takes whole sentences up to the length, and the needle goes in at the sentence boundary nearest the
+# requested depth, so neither the needle nor a sentence is ever cut (a compressor's fixed chunks may still split
+# it between two memories: that is part of what is measured). Where it landed is measured, not assumed:
+# the needle's tokens are located in the context's token ids. The long-context papers draw the result as a depth
+# x length grid (Kamradt's "needle in a haystack" figure); we print one grid per row (compressed, full, none).
+# The question goes through run_qa, so the three rows read the preset's QA template (Compressor.qa_parts).
+
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."   # their prompt's information line
+NEEDLE_QUESTION = "What is the pass key?"   # theirs, without the primer "The pass key is": the template asks
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)        # where the needle goes: the fraction of the haystack before it
+NEEDLE_LENGTHS = (256, 512, 1024, 2048, 4096)   # default --lengths: those that fit the model's positions
+NEEDLE_N = 5                                # default samples per (depth, length) cell
+NEEDLE_BUDGET = 16                          # new tokens: "The pass key is 71432." is 10 of SmolLM2's
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+")   # a haystack is cut only after . ! or ? and a space
+
+
+def passkey_score(generation, passkey):
+    """Exact match of the number: 1.0 when the passkey is one of the numbers in the generation, 0.0 when it is
+    not (another number, no number, or the passkey inside a longer number)."""
+    return {"passkey": float(passkey in re.findall(r"\d+", generation))}
+
+
+def find(ids, part):
+    """Where the token list `part` first occurs in `ids`, or -1."""
+    return next((i for i in range(len(ids) - len(part) + 1) if ids[i:i + len(part)] == part), -1)
+
+
+def haystack(tok, documents, length, depth, key, rng):
+    """One needle sample: at most `length` tokens of whole sentences from `documents` (lists of sentences, taken in
+    an order drawn from rng), the needle of `key` at the sentence boundary nearest `depth`. Returns the context,
+    its length in tokens, the token index at which the needle starts, and the depth it landed at."""
+    needle = NEEDLE.format(key=key)
+    room = length - len(tok.encode(" " + needle))
+    if room < 0:
+        raise ValueError(f"--lengths {length} is shorter than the needle ({length - room} tokens)")
+
+    def sentences():   # the documents' sentences, the documents in a drawn order, drawn again when they run out
+        while True:
+            for doc in rng.sample(documents, len(documents)):
+                yield from doc
+    hay, sizes = [], []   # the haystack's sentences and their tokens (each with the space before it)
+    for s in sentences():
+        size = len(tok.encode(" " + s))
+        if sum(sizes) + size > room:
+            if not hay:
+                raise ValueError(f"--lengths {length} leaves {room} tokens beside the needle, too few for a sentence "
+                                 f"of the haystack ({size} tokens): use a longer length")
+            break
+        hay.append(s)
+        sizes.append(size)
+    while True:
+        # the boundary before sentence i sits after sum(sizes[:i]) tokens: take the one nearest the depth
+        offsets = np.cumsum([0] + sizes)
+        i = int(np.argmin(np.abs(offsets - depth * offsets[-1])))
+        context = " ".join(hay[:i] + [needle] + hay[i:])
+        ids = tok.encode(context)
+        if len(ids) <= length:   # the sum of the sizes can be off by a token where a BPE merge differs: check
+            break
+        hay, sizes = hay[:-1], sizes[:-1]
+    part = tok.encode(needle if i == 0 else " " + needle)   # the needle's tokens as they sit in the context
+    at = find(ids, part)
+    if at < 0:
+        raise ValueError("the needle's tokens are not in the context's: the tokenizer merges them with a neighbour")
+    return dict(context=context, context_tokens=len(ids), needle_at=at, landed_depth=at / (len(ids) - len(part)))
+
+
+def needle_examples(tok, texts, lengths, n, seed):
+    """n samples per (length, depth), length by length (so a batch holds contexts of one length), each with its own
+    passkey (5 digits) and haystack order, all drawn from one generator seeded by `seed`: deterministic."""
+    documents = [d for d in ([s for s in SENTENCE_END.split(t.strip()) if s] for t in texts) if d]
+    if not documents:
+        raise ValueError("the needle task has no texts to build haystacks from (--data)")
+    rng, out = random.Random(seed), []
+    for length in lengths:
+        for depth in DEPTHS:
+            for _ in range(n):
+                key = str(rng.randint(10000, 99999))
+                out.append(dict(question=NEEDLE_QUESTION, answer=key, length=length, depth=depth,
+                                **haystack(tok, documents, length, depth, key, rng)))
+    return out
+
+
+def needle_grid(rows, lengths):
+    """mode -> [depth][length] fraction of the samples that gave their passkey."""
+    cell = lambda mode, d, L: statistics.mean(r[mode]["scores"]["passkey"] for r in rows
+                                              if r["depth"] == d and r["length"] == L)
+    return {mode: [[cell(mode, d, L) for L in lengths] for d in DEPTHS] for mode in MODES}
+
+
+@torch.no_grad()
+def run_needle(comp, examples, lengths=None, n=None, seed=0, max_new_tokens=None, batch_size=8, ratio=None,
+               png=None):
+    """Passkey retrieval at each depth x length, scored in the three rows of run_qa (without its losses, which
+    need a reference answer shared by the rows). Lengths count the context's tokens, needle included; the plain
+    LLM's prompt adds the template, the question and the answer, and must fit the model's positions."""
+    n_new = max_new_tokens or NEEDLE_BUDGET
+    parts = comp.qa_parts("", NEEDLE_QUESTION)   # the template around an empty context
+    extra = 1 + len(parts["prefix"]) + len(parts["dec_context"]) + len(parts["prompt"]) + n_new   # + BOS, answer
+    max_pos = comp.decoder.config.max_position_embeddings
+    lengths = lengths or [L for L in NEEDLE_LENGTHS if L + extra <= max_pos] or [max_pos - extra]
+    if max(lengths) + extra > max_pos:
+        raise ValueError(f"--lengths {max(lengths)} is beyond the model's {max_pos} positions (with the template, "
+                         f"question and answer, {extra} tokens): use lengths up to {max_pos - extra}")
+    samples = needle_examples(comp.tok, [ex["text"] for ex in examples], lengths, n or NEEDLE_N, seed)
+    result = run_qa(comp, samples, n_new, batch_size, ratio, reuse=False, score=passkey_score, losses=False)
+    for row, sample in zip(result["examples"], samples):   # run_qa keeps the order: add where each needle landed
+        row.update((k, sample[k]) for k in ("length", "depth", "context_tokens", "needle_at", "landed_depth"))
+    result.update(seed=seed, n=n or NEEDLE_N, depths=list(DEPTHS), lengths=lengths,
+                  grid=needle_grid(result["examples"], lengths))
+    result["png"] = needle_png(png, result, comp.cfg.method) if png else None
+    return result
+
+
+def needle_png(path, result, name):
+    """The three grids side by side, depth on y and length on x, red (0) to green (1) as the long-context papers
+    draw them; returns the path, or None when matplotlib is missing."""
+    plt = pyplot(path)
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(1, len(MODES), figsize=(4 * len(MODES), 3.6), sharey=True, layout="constrained")
+    for ax, mode in zip(axes, MODES):
+        im = ax.imshow(np.asarray(result["grid"][mode]), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set(title=mode, xlabel="context length (tokens)", xticks=range(len(result["lengths"])),
+               xticklabels=result["lengths"], yticks=range(len(result["depths"])),
+               yticklabels=[f"{d:.0%}" for d in result["depths"]])
+    axes[0].set_ylabel("needle depth")
+    fig.colorbar(im, ax=axes, label="passkey retrieved (fraction)")
+    fig.suptitle(f"{name}: passkey retrieval, {result['n']} samples per cell")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def report_needle(result):
+    header = ["depth \\ length"] + [str(L) for L in result["lengths"]]
+    tables = [f"{mode}: fraction of the {result['n']} samples per cell that gave the passkey\n\n" + markdown_table(
+        header, [[f"{d:.0%}"] + row for d, row in zip(result["depths"], result["grid"][mode])]) for mode in MODES]
+    return "\n\n".join(tables) + (f"\n\nfigure: {result['png']}" if result["png"] else "")
+
+
+# -----------------------------------------------------------------------------
 # ---- command line ----
 
 TASKS_HELP = """\
@@ -1358,8 +1513,15 @@ tasks:
   qa           question answering from memory + question (built-in: 5 triples). Scores: squad_f1,
                squad_em (PCC/PIC, GMSA), exact_match, token_f1 (500x/AOC), substring_acc (GMSA Acc),
                rouge1 (EPL's F1).
-               ae, lm and qa also score two references with the plain LLM: "full" (the whole context
-               in its prompt: upper bound) and "none" (no context: lower bound).
+  needle       passkey retrieval (Mohtashami & Jaggi 2023): "The pass key is 71432. Remember it.
+               71432 is the pass key." hidden at depths 0/25/50/75/100% of haystacks of held-out
+               texts (--data) at each --lengths (context tokens; default 256..4096, those the model's
+               positions allow), at the sentence boundary nearest the depth; asked "What is the pass
+               key?" with the QA template. Score: the passkey among the numbers generated. A depth x
+               length grid per row, --n samples per cell (default 5), --seed draws passkeys and
+               haystacks; a PNG next to --out.
+               ae, lm, qa and needle also score two references with the plain LLM: "full" (the whole
+               context in its prompt: upper bound) and "none" (no context: lower bound).
   speed        at each --lengths context length: compression time, time to first token with and
                without compression (offline: memory cached; online: compression included), decode
                time per token, KV-cache bytes; fits time ~ length^k (CompLLM: compression linear,
@@ -1402,11 +1564,12 @@ def parse_args(argv=None):
     p.add_argument("--shape", choices=tuple(SHAPES), help="speed without --ckpt: a random model of this paper "
                    "model's shape instead of --model (no download; times depend on the shape alone)")
     p.add_argument("--data", help="examples (.jsonl, .parquet or .txt); default: the built-in sets")
-    p.add_argument("--n", type=int, help="use the first N examples (default: all)")
-    p.add_argument("--batch-size", type=int, default=8, help="ae, lm, qa: examples per batch (default 8)")
+    p.add_argument("--n", type=int, help=f"use the first N examples (default: all); needle: samples per depth and "
+                   f"length (default {NEEDLE_N})")
+    p.add_argument("--batch-size", type=int, default=8, help="ae, lm, qa, needle: examples per batch (default 8)")
     p.add_argument("--max-new-tokens", type=int, help="generation budget (default: ae n for a head-cropped "
                    "checkpoint, else reference + 8; qa the paper's: PCC 30, CompLLM 512, EPL 1024, else 64; "
-                   "speed 16 timed decode steps)")
+                   f"needle {NEEDLE_BUDGET}; speed 16 timed decode steps)")
     p.add_argument("--max-len", type=int, help="ae, lm, interpolate: cut texts to their first N tokens; qa: cut "
                    "contexts (default: the checkpoint's n when it was trained with --crop head; train.py's held-out "
                    "check cuts at the run's --max-len, as training does)")
@@ -1416,7 +1579,10 @@ def parse_args(argv=None):
                    "context and ask each question against it (CompLLM §4); default 1")
     p.add_argument("--no-reuse", action="store_true", help="qa: compress every context anew (default: a chunk's "
                    "memory is kept and reused, CompLLM's reusability)")
-    p.add_argument("--lengths", default="512,1024,2048,4096,8192", help="speed: context lengths in tokens")
+    p.add_argument("--lengths", help="speed, needle: context lengths in tokens, comma-separated (default: speed "
+                   f"{','.join(map(str, SPEED_LENGTHS))}; needle those of {','.join(map(str, NEEDLE_LENGTHS))} the "
+                   "model's positions allow)")
+    p.add_argument("--seed", type=int, default=0, help="needle: seeds the passkeys and the haystacks (default 0)")
     p.add_argument("--weights", default=DEFAULT_WEIGHTS, help=f"interpolate: values of w (default {DEFAULT_WEIGHTS})")
     p.add_argument("--runs", nargs="+", help="curves: run directories (train.py --out)")
     p.add_argument("--key", default="loss", help="curves: the logged value to plot (loss, ae, lm, qa, distill)")
@@ -1493,7 +1659,10 @@ TASKS = {
     "qa": Task(True, lambda a, comp, ex, proto, out: run_qa(comp, ex, a.max_new_tokens, batch_size=a.batch_size,
                                                             ratio=a.ratio, concat=a.concat, reuse=not a.no_reuse,
                                                             max_len=a.max_len), report_text),
-    "speed": Task(False, lambda a, comp, ex, proto, out: run_speed(comp, a.lengths, a.max_new_tokens), report_speed),
+    "needle": Task(True, lambda a, comp, ex, proto, out: run_needle(
+        comp, ex, a.lengths, a.n, a.seed, a.max_new_tokens, a.batch_size, a.ratio, png=out + ".png"), report_needle),
+    "speed": Task(False, lambda a, comp, ex, proto, out: run_speed(comp, a.lengths or SPEED_LENGTHS, a.max_new_tokens),
+                  report_speed),
     "interpolate": Task(False, lambda a, comp, ex, proto, out: run_interpolate(
         comp, a.text0 or DEFAULT_TEXT0, a.text1 or DEFAULT_TEXT1, a.weights, a.max_new_tokens, proto), report_interpolate),
     "heatmap": Task(True, lambda a, comp, ex, proto, out: run_heatmap(comp, a.text0 or ex[0]["text"], out),
@@ -1519,20 +1688,22 @@ def main(argv=None):
                        else f"eval_{args.task}_{args.method or 'runs'}.json")
     comp = None
     try:
-        args.lengths, args.weights = numbers(args.lengths, int, "lengths"), numbers(args.weights, float, "weights")
-        if min(args.lengths) < 1:
+        args.lengths = args.lengths and numbers(args.lengths, int, "lengths")
+        args.weights = numbers(args.weights, float, "weights")
+        if args.lengths and min(args.lengths) < 1:
             raise ValueError(f"--lengths must be positive, got {args.lengths}")
         task = TASKS[args.task]
-        examples = load_examples(args.data, args.task, args.n) if task.examples and (
+        n = None if args.task == "needle" else args.n   # needle: --n counts samples per cell, not texts
+        examples = load_examples(args.data, args.task, n) if task.examples and (
             args.task != "heatmap" or args.text0 is None) else None
         comp = load_compressor(args) if task.model else None
         proto = protocol(comp, args.ckpt, args.max_len) if comp else None
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)   # before the task: figures go next to it
         result = task.run(args, comp, examples, proto, os.path.splitext(out)[0])
     except (FileNotFoundError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
     result = {"task": args.task, "checkpoint": args.ckpt, "config": comp and asdict(comp.cfg),
               "ratio": args.ratio, "device": args.device, "dtype": args.dtype, **result}
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(task.report(result))
