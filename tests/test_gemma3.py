@@ -43,6 +43,16 @@ HUB_GEMMA_3_4B = {
                     "sliding_window": 1024},
     "torch_dtype": "bfloat16"}
 
+HUB_GEMMA_3_1B = {
+    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+    "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+    "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+    "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+    "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 262144}
+
 
 def gemma_tokenizer() -> HFTokenizer:
     """The byte-level test tokenizer plus Gemma's <bos> and chat markers, so the chat template (which spells out
@@ -184,7 +194,10 @@ def test_multimodal_checkpoint_loads_its_text_tower(tmp_path, device):
     hf = randomize_(transformers.Gemma3ForConditionalGeneration(cfg), seed=3).eval()
     hf.set_attn_implementation("eager")  # the same reference as the other parity tests
     hf.save_pretrained(tmp_path)
-    write_gemma_folder_extras(tmp_path)
+    gemma_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    # without generation_config.json the special ids come from text_config (the top level has none), as HF's
+    # GenerationConfig.from_model_config reads them
+    (tmp_path / "generation_config.json").unlink()
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         names = list(f.keys())
     assert "language_model.model.layers.0.self_attn.q_proj.weight" in names        # the hub's layout
@@ -194,7 +207,7 @@ def test_multimodal_checkpoint_loads_its_text_tower(tmp_path, device):
     ids = ids_(device)
     with torch.no_grad():
         close(ours(ids).logits, hf.to(device)(input_ids=ids).logits)
-    assert ours.config.layer_types[2] == "full_attention" and tok.bos_id == BOS
+    assert ours.config.layer_types[2] == "full_attention" and (tok.bos_id, tok.eos_id) == (BOS, EOS)
 
 
 # bf16 logits against transformers' SDPA path: measured on the CPU, 4 weight seeds x 4 inputs, bit for bit equal
@@ -244,6 +257,12 @@ def test_config_layouts_and_defaults_agree():
     assert hub.layer_types.count("full_attention") == 5 and hub.layer_types[5] == "full_attention"  # 5:1, 34 layers
     assert (hub.sliding_window, hub.rope_theta, hub.rope_local_theta, hub.query_pre_attn_scalar) == \
         (1024, 1e6, 1e4, 256)
+    # gemma-3-1b-it's config.json (a gemma3_text model, transformers 4.50's v4 layout): read as transformers does
+    one_b = ModelConfig.from_hf(HUB_GEMMA_3_1B)
+    assert one_b == ModelConfig.from_hf(transformers.AutoConfig.for_model(**json.loads(json.dumps(HUB_GEMMA_3_1B)))
+                                        .to_dict())
+    assert (one_b.num_key_value_heads, one_b.sliding_window, one_b.rope_scaling, one_b.eos_token_id) == \
+        (1, 512, None, 1)
 
 
 def test_gemma_3_4b_shape_has_the_reports_parameter_count():
