@@ -14,6 +14,7 @@ What is here, and where it comes from:
     segments(lens, mems)          block-diagonal mask: each segment and its memory tokens form one
                                   causal block (CompLLM §3; multi-chunk ICAE / EPL §3.1.1).
     with_prefix / with_padding    glue for a KV prefix and for padded batches.
+    sliding_window(T, S, W)       Gemma 3's local-attention band: each query sees the last W slots only.
     render(mask)                  a ■ / · text grid;  `python masks.py pic 8 2` draws Figure 4(c).
 
 PIC, Eq. (4): the compressor input is Z = [c_1, …, c_N, m_1, …, m_N] = [X, M̃], the context X
@@ -183,6 +184,22 @@ def stack_padded(row_masks, size):
         pad = torch.arange(n, size)
         out[b, pad, pad] = True  # padding attends to itself only
     return out
+
+
+def sliding_window(num_queries, num_keys, window):
+    """Gemma 3's local attention band [T, S]: key j is within W slots of query i, j > q − W, where the queries are
+    the last T of the S key slots (query i is slot q = S−T+i, as in with_padding). The query itself and the W−1
+    slots before it pass (HF masking_utils.sliding_window_overlay: kv_idx > q_idx − sliding_window).
+
+    Slots, not position ids: a KV prefix's P slots count like any tokens before the queries, so a prefix forward
+    sees exactly what one pass over the same sequence would. Not causal by itself: AND it with the layer's mask.
+    """
+    _check_int("num_queries", num_queries, 0)
+    _check_int("num_keys", num_keys, num_queries)
+    _check_int("window", window, 1)
+    q = torch.arange(num_keys - num_queries, num_keys)[:, None]   # [T, 1] the queries' slots
+    k = torch.arange(num_keys)[None, :]                            # [1, S]
+    return k > q - window
 
 
 # ---- text rendering ----

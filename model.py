@@ -1,13 +1,29 @@
 """The decoder-only transformer every method compresses with and decodes with, written from scratch.
 
-One `Transformer` covers the four Hugging Face families the papers use (Llama, Qwen2, Qwen3, Mistral).
-Module names are HF's (`model.layers.3.self_attn.q_proj`, ...), so a checkpoint loads by identity.
+One `Transformer` covers the five Hugging Face families the papers use (Llama, Qwen2, Qwen3, Mistral, and
+Gemma 3's text model). Module names are HF's (`model.layers.3.self_attn.q_proj`, ...), so a checkpoint loads by
+identity.
 
     h_0 = embed(x)                                   (or inputs_embeds: ICAE/GMSA soft tokens)
-    h   = h + Attn(RMSNorm(h))                       RoPE on q, k (plain, llama3 or YaRN); causal or a given mask
+    h   = h + Attn(RMSNorm(h))                       RoPE on q, k (plain, linear, llama3, YaRN); causal or a given mask
     h   = h + SwiGLU(RMSNorm(h))                     SwiGLU(x) = down(silu(gate(x)) * up(x))
     logits = lm_head(RMSNorm(h_L))
     RMSNorm(x) = w * x / sqrt(mean(x^2) + eps)       computed in fp32, like HF
+
+Gemma 3 (Gemma 3 technical report §2; HF modeling_gemma3), switched on by model_type "gemma3_text" (gemma-3-1b)
+or "gemma3" (the text tower of the multimodal gemma-3-4b/12b/27b; the vision tower is not loaded):
+
+    h_0 = embed(x) * sqrt(d)                         the scale rounded to the embedding dtype, as HF
+    h   = h + RMSNorm(Attn(RMSNorm(h)))              norms before *and* after each sub-block ("sandwich")
+    h   = h + RMSNorm(GeGLU(RMSNorm(h)))             GeGLU(x) = down(gelu_tanh(gate(x)) * up(x))
+    RMSNorm(x) = (1 + w) * x / sqrt(mean(x^2) + eps) all in fp32, cast back last
+    Attn: q, k RMS-normed per head; scores q·k / sqrt(query_pre_attn_scalar); 5 local layers per global one:
+          a local layer sees the last `sliding_window` slots only, with RoPE base rope_local_base_freq (10k);
+          a global one sees everything, RoPE base rope_theta (1M, linearly scaled x8 on the 4B and larger)
+
+tests/test_gemma3.py checks it against transformers' Gemma3ForCausalLM on random checkpoints, past the window and
+with a KV prefix: max |Δlogit| 1.3e-5 in fp32, 2.2e-5 for a multimodal checkpoint's text tower against
+Gemma3ForConditionalGeneration (greedy generations token for token equal).
 
 Three switches serve the compression methods:
 - `mlp="aoc"`: AOC Eq. (3), the MLP becomes the identity, so  h = LN_post(h) + h  (LN_post is kept,
@@ -45,9 +61,21 @@ from tokenizers import decoders, models, pre_tokenizers
 
 import masks
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma3")
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "mistral": "MistralForCausalLM"}
+              "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+# the MLP's gate activation, by its HF name: SwiGLU for Llama/Qwen/Mistral, GeGLU with tanh-approximated GELU for
+# Gemma (HF ACT2FN["gelu_pytorch_tanh"] is F.gelu(x, approximate="tanh"))
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+# HF Gemma3TextConfig's defaults (tests/test_gemma3.py checks them against the installed transformers): the hub's
+# gemma-3-4b-it config.json names only a few keys of its text_config (hidden_size, intermediate_size,
+# num_hidden_layers, rope_scaling, sliding_window) and leaves every other one to these
+GEMMA3_DEFAULTS = dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
+    rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+    attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6,
+    rope_theta=1000000.0, rope_local_base_freq=10000.0)
 
 
 # ---------------------------------------------------------------------------- config
@@ -55,29 +83,42 @@ HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3":
 
 @dataclass
 class ModelConfig:
-    arch: str                     # HF model_type: "llama" | "qwen2" | "qwen3" | "mistral"
+    arch: str                     # HF model_type: "llama" | "qwen2" | "qwen3" | "mistral" | "gemma3_text"
     vocab_size: int               # rows of embed_tokens and lm_head (may exceed the tokenizer's vocabulary)
     hidden_size: int              # d, width of the residual stream
-    intermediate_size: int        # width of the SwiGLU MLP
+    intermediate_size: int        # width of the gated MLP
     num_hidden_layers: int        # L, number of blocks
     num_attention_heads: int      # H, query heads
     num_key_value_heads: int      # Hkv, key/value heads (GQA: H is a multiple of Hkv)
     head_dim: int                 # D, explicit: Qwen3 has D != d / H, so never derive it when it is given
     rms_norm_eps: float           # eps inside every RMSNorm
-    rope_theta: float             # RoPE base
-    rope_scaling: dict | None     # None, or {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
-                                  #           original_max_position_embeddings}
+    rope_theta: float             # RoPE base (Gemma 3: of the global layers)
+    rope_scaling: dict | None     # None, or {"rope_type": "linear", factor} (Gemma 3 4B+: global layers only)
+                                  # or {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
+                                  #     original_max_position_embeddings}
                                   # or {"rope_type": "yarn", factor, original_max_position_embeddings, and any
                                   #     of attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate}
     max_position_embeddings: int  # context the checkpoint was trained for (informative: positions are not capped)
     tie_word_embeddings: bool     # lm_head.weight is the same Parameter as embed_tokens.weight
     attention_bias: bool          # q/k/v projections carry a bias (Qwen2 always; others when set, o_proj too)
-    qk_norm: bool                 # Qwen3: RMSNorm over D on every query and key head, before RoPE
+    qk_norm: bool                 # Qwen3, Gemma 3: RMSNorm over D on every query and key head, before RoPE
     bos_token_id: int | None      # from config.json (the tokenizer resolves its own, see Tokenizer)
     eos_token_id: int | None      # first one if config.json lists several
     pad_token_id: int | None      # padding id, if the checkpoint declares one
-    mlp: str = "swiglu"           # "swiglu" | "aoc" (AOC Eq. 3: MLP = identity, LN_post kept)
+    hidden_act: str = "silu"      # the MLP's gate activation (ACTIVATIONS): "silu" or Gemma's "gelu_pytorch_tanh"
+    # --- Gemma 3 only (None elsewhere) ---
+    layer_types: tuple | None = None         # per layer "sliding_attention" (local) or "full_attention" (global)
+    sliding_window: int | None = None        # W: a local layer's query sees only itself and the W-1 slots before it
+    rope_local_theta: float | None = None    # RoPE base of the local layers (rope_local_base_freq), never rescaled
+    query_pre_attn_scalar: float | None = None  # scores are q·k / sqrt(this) instead of q·k / sqrt(D)
+    mlp: str = "swiglu"           # "swiglu": the checkpoint's gated MLP (SwiGLU, or GeGLU for Gemma)
+                                  # | "aoc" (AOC Eq. 3: MLP = identity, its norms kept)
                                   # | "none" (the whole second sub-block removed: the ablation)
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma 3's (1 + w) norms, four norms per block and sqrt(d)-scaled embeddings (HF modeling_gemma3)."""
+        return self.arch == "gemma3_text"
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
@@ -86,25 +127,61 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHS:
             raise ValueError(f"unsupported architecture {arch!r} ({', '.join(hf.get('architectures') or [])}); "
                              f"supported model_type: {', '.join(SUPPORTED_ARCHS)}")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}: only SwiGLU (silu) MLPs are implemented")
-        # Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not implemented: it equals
+        if arch == "gemma3":
+            # HF Gemma3Config: a multimodal checkpoint nests its text model's config under text_config; the special
+            # ids may sit at the top level (gemma-3-4b-it: eos_token_id [1, 106]), text_config's win when both exist
+            specials = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
+            hf = {**specials, **hf["text_config"], "model_type": "gemma3_text"}
+            arch = "gemma3_text"
+        gemma = arch == "gemma3_text"
+        if gemma:
+            hf = {**GEMMA3_DEFAULTS, **hf}
+            for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2 had them, Gemma 3 sets None
+                if hf.get(key) is not None:
+                    raise ValueError(f"unsupported {key}={hf[key]}: Gemma 3 checkpoints set it to null, and logit "
+                                     f"soft-capping is not implemented")
+            if hf.get("use_bidirectional_attention"):
+                raise ValueError("unsupported use_bidirectional_attention=true: only causal (decoder) Gemma 3 is "
+                                 "implemented")
+        # Gemma names its activation hidden_activation (HF Gemma3TextConfig), the others hidden_act
+        act = hf.get("hidden_activation" if gemma else "hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden activation {act!r}: only {', '.join(ACTIVATIONS)} gated MLPs "
+                             f"are implemented")
+        # Sliding-window attention of Mistral v0.1 and Qwen2 (use_sliding_window) is not implemented: it equals
         # full attention as long as a sequence fits in the window (4096+), which every setup here does.
         # transformers v5 keeps theta and scaling together in rope_parameters; v4 has rope_theta + rope_scaling.
         rope = hf.get("rope_parameters")
+        local_theta = None
+        if rope is not None and "full_attention" in rope:
+            # transformers v5 Gemma 3: one RoPE per layer type; HF's Gemma3TextConfig puts rope_scaling on the
+            # global layers only, so a rescaled local RoPE is no Gemma 3 checkpoint
+            rope, local = rope["full_attention"], rope["sliding_attention"]
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"unsupported RoPE scaling on the sliding layers: {local}")
+            local_theta = float(local["rope_theta"])
+        elif gemma:
+            local_theta = float(hf["rope_local_base_freq"])  # v4 layout (HF Gemma3TextConfig)
         if rope is not None:
             theta = rope.get("rope_theta", 10000.0)
             scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         else:
             theta, scaling = hf.get("rope_theta", 10000.0), hf.get("rope_scaling")
-        heads = hf["num_attention_heads"]
+        heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+        layer_types = None
+        if gemma:
+            # HF Gemma3TextConfig: without an explicit layer_types, layer i is global when (i + 1) is a multiple of
+            # sliding_window_pattern (6: five local layers, then one global: Gemma 3 report §2, "5:1 interleaving")
+            pattern = hf["sliding_window_pattern"]
+            layer_types = tuple(hf.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else
+                                                           "sliding_attention" for i in range(layers)])
         eos = hf.get("eos_token_id")
         return cls(
             arch=arch,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=hf.get("num_key_value_heads") or heads,  # absent = plain multi-head attention
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
@@ -115,22 +192,33 @@ class ModelConfig:
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             # Qwen2's q/k/v biases are hard-wired in HF (no config field); the others read attention_bias.
             attention_bias=hf.get("attention_bias", arch == "qwen2"),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3_text"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
             pad_token_id=hf.get("pad_token_id"),
+            hidden_act=act,
+            layer_types=layer_types,
+            sliding_window=hf["sliding_window"] if gemma else None,
+            rope_local_theta=local_theta,
+            query_pre_attn_scalar=hf["query_pre_attn_scalar"] if gemma else None,
             mlp=hf.get("mlp", "swiglu"),  # not an HF field: written by to_hf() for AOC encoders
         )
 
     def to_hf(self) -> dict:
         """An HF config.json dict (v4 layout, which transformers v5 reads too)."""
-        hf = dict(architectures=[HF_CLASSES[self.arch]], model_type=self.arch, hidden_act="silu",
+        hf = dict(architectures=[HF_CLASSES[self.arch]], model_type=self.arch,
                   vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
                   num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
                   num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
                   rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
                   max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=self.tie_word_embeddings,
                   bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
+        if self.gemma:
+            hf.update(hidden_activation=self.hidden_act, layer_types=list(self.layer_types),
+                      sliding_window=self.sliding_window, rope_local_base_freq=self.rope_local_theta,
+                      query_pre_attn_scalar=self.query_pre_attn_scalar)
+        else:
+            hf["hidden_act"] = self.hidden_act
         if self.arch != "qwen2":  # Qwen2 has no such field (see from_hf)
             hf["attention_bias"] = self.attention_bias
         if self.mlp != "swiglu":
@@ -139,10 +227,13 @@ class ModelConfig:
 
 
 def _rope_scaling(scaling: dict | None, max_position_embeddings: int) -> dict | None:
-    """Normalise an HF rope_scaling dict: None for plain RoPE, the llama3 or yarn parameters, or a clear error."""
+    """Normalise an HF rope_scaling dict: None for plain RoPE, the linear, llama3 or yarn parameters, or a clear
+    error."""
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))  # v4 configs may say "type"
     if rope_type == "default":
         return None
+    if rope_type == "linear":  # Gemma 3 4B/12B/27B's global layers: factor 8 (report §2, positional interpolation)
+        return {"rope_type": "linear", "factor": scaling["factor"]}
     if rope_type == "llama3":
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         return {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
@@ -154,20 +245,28 @@ def _rope_scaling(scaling: dict | None, max_position_embeddings: int) -> dict | 
         optional = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
         return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": old_len,
                 **{k: scaling[k] for k in optional if scaling.get(k) is not None}}
-    raise ValueError(f"unsupported rope_type {rope_type!r}: only 'default', 'llama3' and 'yarn' RoPE are implemented")
+    raise ValueError(f"unsupported rope_type {rope_type!r}: only 'default', 'linear', 'llama3' and 'yarn' RoPE are "
+                     f"implemented")
 
 
 # ---------------------------------------------------------------------------- RoPE
 
 
-def rope_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
-    """inv_freq[i] = theta^(-2i/D), i < D/2, in fp32 (rescaled for llama3 / yarn); same op order as HF, bit for bit."""
+def rope_frequencies(config: ModelConfig, device=None, local: bool = False) -> torch.Tensor:
+    """inv_freq[i] = theta^(-2i/D), i < D/2, in fp32 (rescaled for linear / llama3 / yarn); same op order as HF,
+    bit for bit. local=True: Gemma 3's sliding layers, base rope_local_theta and never rescaled (HF Gemma3TextConfig
+    applies rope_scaling to the full_attention layers only)."""
     D = config.head_dim
-    pos_freqs = config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32, device=device) / D)  # theta^(2i/D)
+    theta = config.rope_local_theta if local else config.rope_theta
+    pos_freqs = theta ** (torch.arange(0, D, 2, dtype=torch.float32, device=device) / D)  # theta^(2i/D)
     inv_freq = 1.0 / pos_freqs
-    s = config.rope_scaling
+    s = None if local else config.rope_scaling
     if s is None:
         return inv_freq
+    if s["rope_type"] == "linear":
+        # positional interpolation (Chen et al. 2023): positions divided by `factor`, which is every frequency
+        # divided by it (HF _compute_linear_scaling_rope_parameters: inv_freq /= factor)
+        return inv_freq / s["factor"]
     if s["rope_type"] == "yarn":
         return _yarn_frequencies(config, pos_freqs)
     factor, old_len = s["factor"], s["original_max_position_embeddings"]
@@ -252,6 +351,40 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class GemmaRMSNorm(nn.Module):
+    """HF modeling_gemma3 Gemma3RMSNorm: x / rms(x) * (1 + w). The weight is stored as an offset from 1 (so it starts
+    at 0), and unlike Llama's RMSNorm the multiply happens in fp32 too, before the one cast back (HF PR #29402)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def rms_norm(config: ModelConfig, dim: int) -> nn.Module:
+    """The checkpoint family's RMSNorm over `dim`, with its eps."""
+    return (GemmaRMSNorm if config.gemma else RMSNorm)(dim, config.rms_norm_eps)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """HF modeling_gemma3 Gemma3TextScaledWordEmbedding: the embedding times sqrt(d). The scale is rounded to the
+    weight's dtype first, as HF does: in bf16 sqrt(2560) = 50.596 becomes 50.5. It lives in the module, so every
+    caller of embed_tokens(ids) (the compressors too) gets scaled rows; inputs_embeds handed to forward() are used
+    as they are, as in HF."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__(num_embeddings, embedding_dim)
+        self.scale = embedding_dim ** 0.5
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.weight.new_tensor(self.scale)  # a 0-dim tensor in the weight's dtype
+
+
 class KVCache:
     """One layer's preallocated K/V cache for generate() (as gpt-fast): two (B, Hkv, S_max, D) buffers allocated
     once, then filled slot by slot, so each decoding step writes one slot instead of copying the whole cache
@@ -297,15 +430,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * D, d, bias=bias and config.arch != "qwen2")
         self.qk_norm = config.qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(D, config.rms_norm_eps)
-            self.k_norm = RMSNorm(D, config.rms_norm_eps)
+            self.q_norm = rms_norm(config, D)
+            self.k_norm = rms_norm(config, D)
+        # softmax(q·k * scale): None is SDPA's default 1/sqrt(D); Gemma scales by query_pre_attn_scalar^-1/2
+        # (HF modeling_gemma3: self.scaling = config.query_pre_attn_scalar**-0.5; 27B: 168 with D = 128)
+        self.scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5
 
     def forward(self, x, cos, sin, mask, past=None, cache=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)      # (B, T, H, D)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)   # (B, T, Hkv, D)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)   # (B, T, Hkv, D)
-        if self.qk_norm:  # Qwen3: normalise each head over D, before RoPE
+        # Qwen3; Gemma 3 (report §2: QK-norm replaces Gemma 2's soft-capping): each head over D, before RoPE
+        if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
@@ -320,7 +457,7 @@ class Attention(nn.Module):
         # forward() only passes with no prefix, or for a single new token (it may see every key: no mask at all).
         # enable_gqa lets each K/V head serve its H/Hkv query heads without copying it.
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-                                           enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, D)
+                                           scale=self.scale, enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, H*D)
         return self.o_proj(y), (k, v)
 
@@ -331,24 +468,44 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU (silu) or GeGLU (Gemma)
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """Pre-norm (Llama, Qwen, Mistral): h = h + Attn(LN_in(h)); h = h + MLP(LN_post_attn(h)).
+    Gemma 3 "sandwich" (report §2: "post-norm and pre-norm with RMSNorm"; HF Gemma3DecoderLayer), four norms:
+        h = h + LN_post_attn(Attn(LN_in(h)));  h = h + LN_post_ff(MLP(LN_pre_ff(h)))
+    Beware the name clash: Llama's post_attention_layernorm is the norm *before* the MLP, Gemma's the one on the
+    attention output. sliding: a Gemma 3 local layer (Transformer.forward hands it the windowed mask and local RoPE)."""
+
+    def __init__(self, config: ModelConfig, sliding: bool = False):
         super().__init__()
-        self.mlp_kind = config.mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp_kind, self.sandwich, self.sliding = config.mlp, config.gemma, sliding
+        d = config.hidden_size
+        self.input_layernorm = rms_norm(config, d)
         self.self_attn = Attention(config)
-        if config.mlp != "none":
-            self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if self.sandwich:
+            self.post_attention_layernorm = rms_norm(config, d)       # part of the attention sub-block
+            if config.mlp != "none":
+                self.pre_feedforward_layernorm = rms_norm(config, d)
+                self.post_feedforward_layernorm = rms_norm(config, d)
+        elif config.mlp != "none":
+            self.post_attention_layernorm = rms_norm(config, d)
         if config.mlp == "swiglu":
             self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, mask, past=None, cache=None):
         a, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, cache)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(a)
+            if self.mlp_kind == "swiglu":
+                x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            elif self.mlp_kind == "aoc":  # AOC Eq. (3), as HF's Gemma3DecoderLayer with mlp = nn.Identity() computes
+                x = x + self.post_feedforward_layernorm(self.pre_feedforward_layernorm(x))
+            return x, kv
         x = x + a
         if self.mlp_kind == "swiglu":
             x = x + self.mlp(self.post_attention_layernorm(x))
@@ -376,7 +533,7 @@ class Transformer(nn.Module):
     |------------------------------|-------------------------------------------|
     | Linear and Embedding weights | normal(0, 0.02), HF's initializer_range   |
     | Linear biases                | 0                                         |
-    | RMSNorm weights              | 1                                         |
+    | RMSNorm weights              | 1 (Gemma: 0, as it multiplies by 1 + w)   |
     | tied lm_head                 | the embedding itself (one Parameter)      |
     """
 
@@ -384,18 +541,28 @@ class Transformer(nn.Module):
         super().__init__()
         if config.mlp not in ("swiglu", "aoc", "none"):
             raise ValueError(f"mlp must be 'swiglu', 'aoc' or 'none', got {config.mlp!r}")
+        types = config.layer_types
+        if types is not None and (len(types) != config.num_hidden_layers
+                                  or not set(types) <= {"sliding_attention", "full_attention"}):
+            raise ValueError(f"layer_types must name 'sliding_attention' or 'full_attention' for each of the "
+                             f"{config.num_hidden_layers} layers, got {types}")
+        if types is not None and "sliding_attention" in types and not config.sliding_window:
+            raise ValueError("sliding_attention layers need a sliding_window (config.json has none)")
         self.config = config
         # the `model.` level exists only so parameter names equal HF's (model.layers.0...., lm_head.weight)
         self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),
-            layers=nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers)),
-            norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
+            embed_tokens=(ScaledEmbedding if config.gemma else nn.Embedding)(config.vocab_size, config.hidden_size),
+            layers=nn.ModuleList(Block(config, sliding=types is not None and types[i] == "sliding_attention")
+                                 for i in range(config.num_hidden_layers)),
+            norm=rms_norm(config, config.hidden_size),
         ))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # one Parameter, two names
         # non-persistent: not in the state dict, re-derived from the config (HF checkpoints do not store it)
         self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
+        if types is not None:  # Gemma 3's local layers turn at their own base (HF: sliding_attention_inv_freq)
+            self.register_buffer("inv_freq_local", rope_frequencies(config, local=True), persistent=False)
         # activation checkpointing: set True to keep only each block's input for backward and recompute the
         # block there (about one more forward of compute for far less activation memory on long sequences)
         self.grad_ckpt = False
@@ -412,17 +579,24 @@ class Transformer(nn.Module):
         # `model.to(torch.bfloat16)` casts every floating buffer; a bf16 inv_freq is off by ~0.4%, which at
         # position 1000 turns into whole radians of RoPE angle. So re-derive it in fp32 after any cast or move.
         super()._apply(fn, recurse)
-        self.inv_freq = rope_frequencies(self.config, self.inv_freq.device)
+        self.reset_rope(self.inv_freq.device)
         return self
 
-    def rope(self, pos: torch.Tensor, dtype) -> tuple:
+    def reset_rope(self, device):
+        """(Re)derive the fp32 RoPE frequencies on `device`: after a cast or move, or a build on the meta device."""
+        self.inv_freq = rope_frequencies(self.config, device)
+        if self.config.layer_types is not None:
+            self.inv_freq_local = rope_frequencies(self.config, device, local=True)
+
+    def rope(self, pos: torch.Tensor, dtype, local: bool = False) -> tuple:
         """RoPE angles for exactly these positions (B or 1, T), not a table lookup (EPL positions can be anything):
-        cos and sin, each (B or 1, 1, T, D), broadcast over heads."""
-        freqs = pos[..., None].float() * self.inv_freq           # (B or 1, T, D/2), fp32
+        cos and sin, each (B or 1, 1, T, D), broadcast over heads. local: Gemma 3's sliding layers' frequencies."""
+        freqs = pos[..., None].float() * (self.inv_freq_local if local else self.inv_freq)  # (B or 1, T, D/2), fp32
         emb = torch.cat((freqs, freqs), dim=-1)                  # (B or 1, T, D): dims i and i + D/2 share an angle
         # YaRN (Peng et al. 2023), as transformers' _compute_yarn_parameters: cos and sin are scaled by the
-        # attention factor, which sharpens the softmax at long range (1.0 for plain and llama3 RoPE)
-        scale = rope_attention_factor(self.config)
+        # attention factor, which sharpens the softmax at long range (1.0 for plain, linear and llama3 RoPE, and
+        # for Gemma's unscaled local RoPE)
+        scale = 1.0 if local else rope_attention_factor(self.config)
         return (emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None]
 
     def forward(self, input_ids=None, *, inputs_embeds=None, position_ids=None, attn_mask=None, past_kv=None,
@@ -461,6 +635,19 @@ class Transformer(nn.Module):
             mask = masks.with_prefix(masks.causal(T), P).to(h.device)  # (T, S)
         else:
             mask = None  # plain causal (P == 0), or one new token that sees the whole cache
+        full_attn, local_attn = (cos, sin, mask), None  # what a global / a local (Block.sliding) layer attends with
+        if self.config.layer_types is not None:
+            # Gemma 3's local layers: their own RoPE, and the window ANDed onto whatever the mask says. The window
+            # counts key *slots* back from each query's slot over the whole sequence, a KV prefix's P slots (memory
+            # from a compressor) included, exactly as HF's masking_utils counts cache positions: so a KV-prefix or
+            # an embedding-prefix forward sees what HF's Gemma 3 sees for the same vectors placed before the tokens
+            # in one pass (memory further than W slots back is out of a local layer's reach; the global layers see
+            # it all). Slots, not position_ids: EPL's moved positions do not move the window, as in HF.
+            local_mask = mask
+            if P + T > self.config.sliding_window:  # else the band hides nothing: keep the fast causal kernel
+                base = mask if mask is not None else masks.with_prefix(masks.causal(T), P).to(h.device)
+                local_mask = base & masks.sliding_window(T, P + T, self.config.sliding_window).to(h.device)
+            local_attn = (*self.rope(position_ids.reshape(-1, T), h.dtype, local=True), local_mask)
 
         hidden_states = [h] if output_hidden_states else None
         kv = [] if return_kv else None
@@ -468,6 +655,7 @@ class Transformer(nn.Module):
         ckpt = self.grad_ckpt and torch.is_grad_enabled() and cache is None
         for i, layer in enumerate(layers):
             past = None if past_kv is None else past_kv[i]
+            cos, sin, mask = local_attn if layer.sliding else full_attn
             if ckpt:
                 # non-reentrant: gradients still reach a past_kv prefix and inputs that need no grad work
                 h, layer_kv = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, past, use_reentrant=False)
@@ -497,6 +685,8 @@ class Transformer(nn.Module):
         P = 0 if past_kv is None else past_kv[0][0].shape[2]
         # the last generated token is returned, never fed back: P + T + max_new_tokens - 1 slots suffice
         S_max = P + T + max_new_tokens - 1
+        # Gemma 3's local layers get full-length caches too (HF keeps only their last W slots): the window is in
+        # the mask forward() builds, so the outputs are the same, for some memory the local layers never read
         cache = [KVCache(S_max) for _ in self.model.layers]
         if past_kv is not None:
             for c, (k, v) in zip(cache, past_kv):
@@ -656,13 +846,16 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, folder: str | Path) -> "Tokenizer":
-        """Special ids as HF resolves them: generation_config.json, then config.json, then tokenizer_config.json."""
+        """Special ids as HF resolves them: generation_config.json, then config.json (a multimodal config's
+        text_config after its top level, as HF's generation config reads the text model's), then
+        tokenizer_config.json."""
         folder = Path(folder)
         if not (folder / "tokenizer.json").exists():
             raise FileNotFoundError(f"no tokenizer.json in {folder} (only fast tokenizers load; write one with "
                                     f"transformers' AutoTokenizer.from_pretrained(...).save_pretrained)")
         tk = HFTokenizer.from_file(str(folder / "tokenizer.json"))
-        configs = [_read_json(folder / "generation_config.json"), _read_json(folder / "config.json")]
+        config = _read_json(folder / "config.json")
+        configs = [_read_json(folder / "generation_config.json"), config, config.get("text_config") or {}]
         tok_cfg = _read_json(folder / "tokenizer_config.json")
 
         def special(kind):  # -> list of ids (eos may be a list), [] if none is declared
@@ -727,7 +920,16 @@ QWEN3_4B_CONFIG = dict(  # Qwen/Qwen3-4B config.json (CompLLM's model): shapes w
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
     max_position_embeddings=40960, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
 
-SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B_CONFIG, "qwen3-4b": QWEN3_4B_CONFIG}
+GEMMA_3_4B_CONFIG = dict(  # google/gemma-3-4b-it's text_config (CompLLM's other model), with HF Gemma3TextConfig's
+    # defaults written out (the hub file names only hidden/intermediate size, layers, rope_scaling and sliding_window):
+    # 5 local layers (window 1024, RoPE base 10k) per global one (RoPE base 1M, linear x8)
+    model_type="gemma3_text", vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+    rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=dict(rope_type="linear", factor=8.0),
+    rope_local_base_freq=10000.0, sliding_window=1024, sliding_window_pattern=6, query_pre_attn_scalar=256,
+    max_position_embeddings=131072, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+
+SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B_CONFIG, "qwen3-4b": QWEN3_4B_CONFIG, "gemma-3-4b": GEMMA_3_4B_CONFIG}
 
 
 def build_shape(shape: str, device="cpu", dtype=torch.float32) -> tuple[Transformer, "Tokenizer"]:
@@ -746,6 +948,8 @@ def copy_model(src: Transformer, share: tuple = (), **changes) -> Transformer:
     share: submodules the copy takes from `src` itself instead of copying, e.g. ("model.embed_tokens",
     "lm_head"): an encoder that embeds with the frozen LLM's own table (AOC code), no second vocabulary."""
     cfg = replace(src.config, **changes)
+    if cfg.layer_types is not None and len(cfg.layer_types) > cfg.num_hidden_layers:
+        cfg = replace(cfg, layer_types=cfg.layer_types[:cfg.num_hidden_layers])  # the first k layers keep their types
     weight = src.model.embed_tokens.weight
     with torch.device("meta"):
         dst = Transformer(cfg)
@@ -758,7 +962,7 @@ def copy_model(src: Transformer, share: tuple = (), **changes) -> Transformer:
             if p is not None and id(p) not in shared:
                 module._parameters[key] = nn.Parameter(torch.empty_like(p, device=weight.device, dtype=weight.dtype),
                                                        requires_grad=p.requires_grad)
-    dst.inv_freq = rope_frequencies(cfg, weight.device)
+    dst.reset_rope(weight.device)
     if cfg.tie_word_embeddings and "lm_head" not in share:   # each parameter got its own storage: tie them again
         dst.lm_head.weight = dst.model.embed_tokens.weight
     src_state = src.state_dict()
@@ -800,13 +1004,17 @@ def load_pretrained(name_or_path: str, dtype=torch.float32, device="cpu",
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"no config.json in {folder} (pass a Hugging Face model folder, "
                                 f"as written by save_pretrained)")
-    config = replace(ModelConfig.from_hf(_read_json(folder / "config.json")), mlp=mlp)
+    hf = _read_json(folder / "config.json")
+    config = replace(ModelConfig.from_hf(hf), mlp=mlp)
     with torch.device("meta"):  # no memory, no init: every tensor comes from the checkpoint
         model = Transformer(config)
-    _load_weights(model, folder, dtype, device)
+    # a multimodal Gemma 3 (model_type "gemma3": gemma-3-4b-it) names its text tower language_model.model.* and
+    # language_model.lm_head.*, on the hub and as transformers (v4 and v5 alike) saves Gemma3ForConditionalGeneration;
+    # without the prefix those are our names
+    _load_weights(model, folder, dtype, device, prefix="language_model." if hf.get("model_type") == "gemma3" else "")
     if config.tie_word_embeddings:  # assign=True replaced embed_tokens.weight; re-point lm_head at it
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_frequencies(config, device)  # the buffer is still on meta
+    model.reset_rope(device)  # the buffers are still on meta
     model.name_or_path = name_or_path  # what a checkpoint records to rebuild this base model
     return model.eval(), Tokenizer.from_dir(folder)
 
@@ -839,9 +1047,10 @@ def _resolve(name_or_path: str) -> Path:
     return Path(local)
 
 
-def _load_weights(model: Transformer, folder: Path, dtype, device):
+def _load_weights(model: Transformer, folder: Path, dtype, device, prefix: str = ""):
     """Strict: check every name and shape in the file headers first (nothing loaded yet), then load shard by
-    shard with assign=True, so each tensor exists once, already in `dtype` on `device`."""
+    shard with assign=True, so each tensor exists once, already in `dtype` on `device`. prefix: stripped from the
+    file's names (a multimodal Gemma 3's "language_model.")."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
         files = sorted({folder / f for f in _read_json(index)["weight_map"].values()})
@@ -855,16 +1064,22 @@ def _load_weights(model: Transformer, folder: Path, dtype, device):
     if cfg.tie_word_embeddings:
         del expected["lm_head.weight"]  # tied: the embedding serves as lm_head
 
+    # the norms of the second sub-block, dropped with it (mlp="none"); Gemma's post_attention_layernorm belongs to
+    # the attention sub-block (see Block)
+    mlp_norms = (".pre_feedforward_layernorm.", ".post_feedforward_layernorm.") if cfg.gemma else \
+        (".post_attention_layernorm.",)
+
     def ignorable(name):  # in the file, deliberately not loaded
         return ("rotary_emb.inv_freq" in name                                # old Llama files saved the RoPE buffer
                 or name == "lm_head.weight"                                  # a tied copy some checkpoints store
                 or (cfg.mlp != "swiglu" and ".mlp." in name)                 # AOC: the MLPs are dropped
-                or (cfg.mlp == "none" and ".post_attention_layernorm." in name))
+                or (cfg.mlp == "none" and any(n in name for n in mlp_norms))
+                or (prefix and name.startswith(("vision_tower.", "multi_modal_projector."))))  # Gemma 3's vision
 
     found = {}
     for f in files:
         with safe_open(f, framework="pt") as sf:
-            found |= {k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()}
+            found |= {k.removeprefix(prefix): tuple(sf.get_slice(k).get_shape()) for k in sf.keys()}
     missing = sorted(expected.keys() - found.keys())
     unexpected = sorted(k for k in found.keys() - expected.keys() if not ignorable(k))
     wrong = [f"{k} {found[k]} (model wants {expected[k]})" for k in sorted(expected.keys() & found.keys())
@@ -877,5 +1092,6 @@ def _load_weights(model: Transformer, folder: Path, dtype, device):
                          + "; ".join(problems) + " (check config.json matches the weights)")
     for f in files:
         with safe_open(f, framework="pt", device=str(device)) as sf:
-            shard = {k: sf.get_tensor(k).to(dtype) for k in sf.keys() if k in expected}
+            shard = {k.removeprefix(prefix): sf.get_tensor(k).to(dtype) for k in sf.keys()
+                     if k.removeprefix(prefix) in expected}
         model.load_state_dict(shard, strict=False, assign=True)  # strict was checked above, across all shards
