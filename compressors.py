@@ -412,12 +412,18 @@ SPECIALS = ("ae_embed", "lm_embed", "mem_open", "mem_close")
 SHARED = ("model.embed_tokens", "lm_head")
 
 
+def embed_scale(model: Transformer) -> float:
+    """What the model multiplies its embedding rows by before block 0: sqrt(d) for Gemma 3 (model.ScaledEmbedding),
+    else 1. Vectors handed to the decoder as inputs (memory, special tokens) live at the scaled size."""
+    return getattr(model.model.embed_tokens, "scale", 1.0)
+
+
 def draw(mem_init: str, n: int, model: Transformer) -> torch.Tensor:
     """n vectors of `model`'s width, drawn as mem_init says, on its device and in its dtype."""
     w = model.model.embed_tokens.weight
     x = torch.randn(n, w.shape[1], device=w.device)
-    if mem_init == "embed":    # EPL code: normal_(mean=embed.mean(), std=embed.std()), scalars
-        x = x * w.float().std() + w.float().mean()
+    if mem_init == "embed":    # EPL code: normal_(mean=embed.mean(), std=embed.std()), scalars (of the rows as read)
+        x = x * (w.float().std() * embed_scale(model)) + w.float().mean() * embed_scale(model)
     elif mem_init == "hf":     # PCC code: resize_token_embeddings' init, N(0, initializer_range)
         x = x * 0.02
     return x.to(w.dtype)       # "normal": AOC/500x torch.randn, ICAE nn.Embedding default N(0, 1)
@@ -501,9 +507,10 @@ def build_bridge(comp, cfg: CompressorConfig, decoder: Transformer, d_enc: int):
     return lsa
 
 
-def rescaled(to_decoder, table: torch.Tensor):
-    """to_decoder, then each memory vector scaled to the mean L2 norm of the (frozen) token embedding table."""
-    target = table.detach().float().norm(dim=-1).mean().item()
+def rescaled(to_decoder, decoder: Transformer):
+    """to_decoder, then each memory vector scaled to the mean L2 norm of the (frozen) token embeddings, as the
+    decoder reads them (embed_scale)."""
+    target = decoder.model.embed_tokens.weight.detach().float().norm(dim=-1).mean().item() * embed_scale(decoder)
 
     def to_decoder_rescaled(h, valid):
         m = to_decoder(h, valid)
@@ -522,11 +529,12 @@ def special_token(cfg: CompressorConfig, task: str) -> str:
 def special_vector(comp, task: str):
     """What stands after the memory for `task`, as a function (sample b, last_tokens) -> (d,), or None for nothing:
     a learned [AE] / [LM] (ICAE, EPL), [BOS]'s embedding (500x, AOC), or x_k's, the context's last token (PIC Eq. 7)."""
-    table = comp.decoder.model.embed_tokens.weight
+    # a token's row as the decoder reads it: through its embedding module (Gemma 3 scales it by sqrt(d))
+    row = lambda i: comp.decoder.model.embed_tokens(torch.tensor(i, device=comp.device))
     return {"none": None,
             "learned": lambda b, last: comp.ae_embed if task == "ae" else comp.lm_embed,
-            "bos": lambda b, last: table[comp.tok.start_id],
-            "last": lambda b, last: table[last[b]]}[special_token(comp.cfg, task)]
+            "bos": lambda b, last: row(comp.tok.start_id),
+            "last": lambda b, last: row(last[b])}[special_token(comp.cfg, task)]
 
 
 def sentence_segments(ids: list, S: int, ends_sentence) -> list:
@@ -588,7 +596,7 @@ class Compressor(nn.Module):
         self.slot_id = self.enc_tok.eos_id if cfg.source == "eos" else pad
         self.to_decoder = build_bridge(self, cfg, decoder, self.encoder.config.hidden_size)
         if cfg.mem_norm:   # ours (diagnostic): the memory at the scale of the decoder's own token embeddings
-            self.to_decoder = rescaled(self.to_decoder, decoder.model.embed_tokens.weight)
+            self.to_decoder = rescaled(self.to_decoder, decoder)
         self.carrier = CARRIERS[cfg.carrier]
         # decoder-side special tokens, drawn like the memory tokens (draw, --mem-init); PCC code keeps them frozen
         for name, wanted in zip(SPECIALS, (cfg.ae_token == "learned", cfg.lm_token == "learned", cfg.delimiters,

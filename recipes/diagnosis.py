@@ -118,7 +118,7 @@ def measure(comp, xs):
                            spread=(km.std(0).mean() / km.abs().mean()).item()))
     embed_norm = None
     if memory.embeds is not None:
-        table = comp.decoder.model.embed_tokens.weight.float()
+        table = comp.decoder.model.embed_tokens.weight.float() * C.embed_scale(comp.decoder)   # as the decoder reads it
         text_norm = torch.cat([table[torch.tensor(t)].norm(dim=-1) for t in xs]).mean()
         embed_norm = (memory.embeds[memory.valid].float().norm(dim=-1).mean() / text_norm).item()
     n_text = [len(t) + 1 for t in xs]                  # the text and its EOS (as evaluate.py counts the AE loss)

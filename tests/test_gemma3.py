@@ -337,3 +337,24 @@ def test_train_compllm_two_steps_on_a_gemma_folder(gemma, tmp_path, device):
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in rows)
     comp = C.load(str(out), device=device)
     assert comp.decoder.config.gemma and comp.template() == C.TEMPLATES["gemma"]
+
+
+def test_vectors_handed_to_the_decoder_sit_at_the_scale_gemma_reads(gemma, device):
+    """Gemma 3 multiplies its embedding rows by sqrt(d) before block 0, so every vector the compressors place among
+    the decoder's inputs must be at that scale: AOC's [BOS] after the memory is embed_tokens(bos) (the table row
+    times sqrt(d)), EPL's drawn memory tokens take the scaled table's statistics, and --mem-norm rescales to the
+    scaled rows' norm (on Gemma the raw table is sqrt(d) times too small: 8x here, 50x on gemma-3-4b)."""
+    folder, _, ours = gemma
+    tok = Tokenizer.from_dir(folder)
+    scale = ours.config.hidden_size ** 0.5
+    table = ours.model.embed_tokens.weight.detach()
+    comp = C.build("aoc", copy_model(ours), tok)                 # AOC code: the regeneration token is [BOS]
+    torch.testing.assert_close(C.special_vector(comp, "ae")(0, None).detach(), table[tok.start_id] * scale)
+    torch.manual_seed(0)
+    drawn = C.draw("embed", 20000, ours).float()                 # EPL code: N(mean, std) of the embedding
+    assert abs(drawn.std().item() / (table.float().std().item() * scale) - 1) < 0.02
+    comp = C.build("icae", copy_model(ours), tok, mem_norm=True)
+    memory = comp.compress([tok.encode("some text to compress")])
+    target = table.float().norm(dim=-1).mean().item() * scale
+    norms = memory.embeds[memory.valid].float().norm(dim=-1)
+    assert torch.allclose(norms, torch.full_like(norms, target), rtol=1e-4)

@@ -340,8 +340,8 @@ def test_a_constant_memory_gets_the_prompt_warning_and_a_carrying_one_does_not(t
 
 
 def test_a_real_model_without_eval_data_says_no_check_runs(files, tmp_path, run_train, capsys):
-    run_train(["--method", "aoc", "--mem", "4", "--model", files["model"], "--data", files["doc"], "--steps", "1",
-               "--out", str(tmp_path / "real")])
+    run_train(["--method", "aoc", "--mem", "4", "--model", files["model"], "--data", files["doc"], "--crop", "window",
+               "--max-len", "16", "--batch-size", "2", "--steps", "1", "--out", str(tmp_path / "real")])
     assert "no held-out check runs: pass --eval-data FILE" in capsys.readouterr().out
     assert eval_rows(tmp_path / "real") == []
 
