@@ -855,7 +855,9 @@ def held_out_losses(args, run: Run, comp, ho: HeldOut) -> dict:
 
 def check_held_out(args, run: Run, comp, ho: HeldOut, log, bar, step: int):
     """Score the held-out examples at `step`, log the row, and warn once when the memory acts as a constant prompt."""
+    t0 = time.time()
     row = {"step": step, "eval": held_out_losses(args, run, comp, ho)}
+    row["eval"]["seconds"] = time.time() - t0   # what the check cost (the training steps' dt leaves it out)
     ho.rows.append(row)
     log.write(json.dumps(row) + "\n")
     log.flush()

@@ -24,7 +24,7 @@ Writes OUT.json and OUT.md (one row per run and state, layers in five groups).
     python recipes/diagnosis.py --capacity 300 --runs runs/recipes/ladder/icae_1x ...
 
 --capacity STEPS asks what the carrier *could* hold, whatever the encoder learns (ours): each text's memory, as the
-run's compressor makes it, becomes a free tensor (the embeddings, or every layer's K/V) optimized alone with Adam
+run's compressor makes it at init, becomes a free tensor (the embeddings, or every layer's K/V) optimized alone with Adam
 for STEPS steps to regenerate its own text through the frozen decoder, exactly as the AE loss trains (same
 positions, special token and template). A carrier that reaches a low loss this way can hold the text, so an encoder
 that ends as a constant prompt failed to learn, not to fit; one that cannot tells that no encoder could.
@@ -165,11 +165,13 @@ def measure_run(run, meta, texts, count, n):
 
 
 def capacity(run, texts, count, n, steps, lr=1e-2, every=50):
-    """Each held-out text's memory (as the trained compressor makes it) optimized directly for the AE loss, the
-    decoder frozen: the AE loss per token after 0, every, 2 every, ... steps (the mean over the texts), and the
-    own/other of the optimized memories at the end. Adam at lr, scaled by each tensor's RMS (the memory tensors of
-    ICAE sit at 20x the token embeddings' norm, K/V at the decoder's own scale)."""
-    comp = C.load(run).eval()
+    """Each held-out text's memory (as the run's compressor makes it at init: its config and seed, no weights
+    needed, so a kept record will do) optimized directly for the AE loss, the decoder frozen: the AE loss per token
+    after 0, every, 2 every, ... steps (the mean over the texts), and the own/other of the optimized memories at the
+    end. Adam at lr, scaled by each tensor's RMS (ICAE's memory sits at 20x the token embeddings' norm, K/V at the
+    decoder's own scale)."""
+    torch.manual_seed(C.read_checkpoint_config(run).get("train_args", {}).get("seed", 0))   # the run's init
+    comp = C.load(run, trained=False).eval()
     for p in comp.parameters():
         p.requires_grad_(False)
     xs = [ids[:n] for ids in (comp.tok.encode(t) for t in texts) if len(ids) >= n][:count]

@@ -2,6 +2,7 @@
 
     python tests/bench_train.py [--steps 12] [--methods aoc icae ...]            # train.py on `tiny`, CPU (and CUDA)
     python tests/bench_train.py --shape llama-3.2-1b --device cuda [--peak-tflops 989]
+    python tests/bench_train.py --steps 8 --profile --method 500x --objective ae --model DIR ...   # where the time goes
 
 Default: each method runs its default objective and recipe on `tiny` through train.py (as the quickstart does: the
 paper's lengths and batch scaled for the tiny model); the median over the steps after the first two is reported.
@@ -48,6 +49,59 @@ def bench(method, device, steps, model):
     return args, statistics.median(r["dt"] for r in rows), statistics.median(r["tokens"] for r in rows)
 
 
+# what each aten op is, for the profile's summary (an op's name without its leading underscores starts with one of
+# the words; the first kind that matches wins; the rest is "other")
+CATEGORIES = (("matmul", ("mm", "addmm", "bmm", "matmul", "linear")),
+              ("cross-entropy", ("log_softmax", "nll_loss", "cross_entropy")),
+              ("attention", ("scaled_dot_product", "flash", "efficient_attention", "softmax")),
+              ("optimizer", ("foreach", "adam", "fused_adam", "lerp", "addcdiv", "addcmul")),
+              ("elementwise (norms, RoPE, activations)", ("mul", "add", "sub", "div", "rsqrt", "sqrt", "pow", "mean",
+                                                         "silu", "gelu", "neg", "linalg_vector_norm", "sum", "where",
+                                                         "masked_fill", "exp", "fill")),
+              ("views, copies, allocation", ("copy", "to_copy", "to", "clone", "contiguous", "slice", "transpose",
+                                             "view", "reshape", "select", "empty", "zeros", "ones", "cat", "stack",
+                                             "index", "embedding", "expand", "unsqueeze", "as_strided", "split",
+                                             "permute", "t", "narrow", "detach", "resize")))
+
+
+def profile(argv, steps=6, skip=2, top=12):
+    """Where a training step's time goes: train.py with these flags under torch.profiler for `steps` steps (the first
+    `skip` left out as warm-up, by taking the profile's share only of the steps after them), as two tables: the
+    ops that take the most self CPU time, and the time by kind of op."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
+    with tempfile.TemporaryDirectory() as out:
+        sched = schedule(wait=0, warmup=skip, active=steps - skip, repeat=1)
+        step_fn = train.train_step
+        with torch_profile(activities=[ProfilerActivity.CPU], schedule=sched) as prof:
+            def stepped(*a, **kw):   # one profiler step per optimizer step
+                row = step_fn(*a, **kw)
+                prof.step()
+                return row
+            train.train_step = stepped
+            try:
+                with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                    train.main([*argv, "--steps", str(steps), "--out", out, "--save-every", str(10 * steps),
+                                "--eval-every", "0"])
+            finally:
+                train.train_step = step_fn
+            dts = [r["dt"] for r in train.read_log(out)[0][skip:]]
+    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    total = sum(e.self_cpu_time_total for e in events)
+    per_step = statistics.mean(dts)
+    print(f"\n{' '.join(argv)}: {per_step * 1000:.0f} ms/step over {len(dts)} steps, {torch.get_num_threads()} threads\n")
+    print("| op | share of self CPU time | calls per step |\n|---|---|---|")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
+        print(f"| {e.key} | {100 * e.self_cpu_time_total / total:.1f}% | {e.count / len(dts):.0f} |")
+    share = {}
+    for e in events:
+        name = e.key[len("aten::"):].lstrip("_")
+        kind = next((k for k, words in CATEGORIES if any(name.startswith(w) for w in words)), "other")
+        share[kind] = share.get(kind, 0) + e.self_cpu_time_total
+    print("\n| kind | share |\n|---|---|")
+    for kind, t in sorted(share.items(), key=lambda kv: -kv[1]):
+        print(f"| {kind} | {100 * t / total:.1f}% |")
+
+
 def bench_shape(shape, method, device, steps, batch=4):
     """AdamW steps of one preset around a random decoder of a paper model's shape in bf16 autocast:
     (seconds per step, tokens per step, model FLOPs per step)."""
@@ -91,7 +145,12 @@ def main():
     p.add_argument("--shape", choices=tuple(SHAPES), help="a random model of this shape instead of train.py")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the accelerator's dense bf16 peak (H100: 989)")
+    p.add_argument("--profile", nargs=argparse.REMAINDER, metavar="TRAIN.PY-FLAGS", help="instead: where one "
+                   "training step's time goes, train.py with these flags under torch.profiler (give it last)")
     a = p.parse_args()
+    if a.profile:
+        profile(a.profile, steps=a.steps)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
           + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
     if a.shape:

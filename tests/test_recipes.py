@@ -214,3 +214,40 @@ def test_diagnosis_says_when_no_held_out_text_is_long_enough(tmp_path):
     # the kept diagnosis.json answers only for its own length: the default (the run's --max-len, 16 here) measures
     with pytest.raises(SystemExit, match=r"1 held-out text\(s\) of 16 tokens or more"):
         diagnosis.diagnose(str(tmp_path), texts, 8)
+
+
+def test_curve_reads_the_checks_the_arm_logged_while_it_trained(tmp_path, monkeypatch):
+    """recipes/curve.py draws the held-out checks of the arm's log.jsonl (train.py --eval-every) and reloads nothing;
+    an --n other than the one the arm was checked on stops with one line."""
+    import sys
+    import train
+    sys.path.insert(0, str(REPO / "recipes"))
+    import curve
+    out = tmp_path / "arm"
+    train.main(["--method", "aoc", "--model", "tiny", "--mem", "4", "--max-len", "8", "--batch-size", "2",
+                "--steps", "4", "--eval-every", "2", "--eval-n", "6", "--out", str(out)])
+    monkeypatch.setattr(curve, "score", lambda *a: pytest.fail("a logged arm was scored again"))
+    c = curve.arm_curve(str(out), [{"text": "x"}] * 6, threshold=0.5)
+    logged = train.read_log(str(out))[1]
+    assert [p["step"] for p in c["points"]] == [0, 2, 4]
+    assert [p["ratio"] for p in c["points"]] == [r["eval"]["own_other"] for r in logged]
+    with pytest.raises(SystemExit, match="checked 6 held-out texts while it trained, not --n 5"):
+        curve.arm_curve(str(out), [{"text": "x"}] * 5, threshold=0.5)
+
+
+def test_capacity_optimizes_each_texts_own_memory(tmp_path):
+    """diagnosis.py --capacity: each text's memory, a free tensor, learns to regenerate its own text through the
+    frozen decoder (the loss falls, and the optimized memories are no longer interchangeable: own/other < 1), for
+    both carriers; memories left as the encoder made them would keep the loss where it starts."""
+    import sys
+    import compressors as C
+    sys.path.insert(0, str(REPO / "recipes"))
+    import diagnosis
+    from model import build_tiny
+    texts = [t for t in __import__("evaluate").builtin_held_out(6)]
+    for method in ("500x", "icae"):
+        run = tmp_path / method
+        C.build(method, *build_tiny(), mem=16, chunk_len=17, lora_r=2, lora_alpha=4).save(str(run))
+        r = diagnosis.capacity(str(run), texts, 4, 16, steps=60, every=30)
+        assert [c["step"] for c in r["curve"]] == [0, 30, 60] and r["texts"] == 4
+        assert r["curve"][-1]["loss"] < 0.8 * r["curve"][0]["loss"] and r["own_other"] < 0.9, (method, r)
