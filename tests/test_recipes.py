@@ -87,7 +87,8 @@ def test_a_recipe_continues_from_a_record_without_weights(tmp_path):
     assert "aoc_1x: trained to step 2 (its record is kept" in again.stdout and "python train.py" not in again.stdout
     assert (tmp_path / "results.md").read_text() == results and (tmp_path / "aoc_1x" / "log.jsonl").read_text() == log
     rows = log.splitlines()
-    (tmp_path / "aoc_1x" / "log.jsonl").write_text(rows[0] + "\n")   # as if the machine had stopped after step 1
+    kept = [r for r in rows if json.loads(r)["step"] <= 1]   # as if the machine had stopped after step 1
+    (tmp_path / "aoc_1x" / "log.jsonl").write_text("\n".join(kept) + "\n")
     p = run_recipe("ladder", tmp_path, hide_matplotlib=True, expect_ok=False, ARMS="aoc")
     assert p.returncode == 1 and "stopped at step 1 of 2, without its weights: remove the folder" in p.stderr
 
