@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 import compressors as C
@@ -131,6 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_data_and_run_flags(p: argparse.ArgumentParser):
+    g = p.add_argument_group("levers: ours, for a memory that carries nothing at this scale (README, 'The ladder')")
+    g.add_argument("--mem-lr", type=float, help="peak learning rate of the learned memory tokens alone (the same "
+                   "schedule; default: --lr)")
+    g.add_argument("--len-curriculum", type=int, nargs=2, metavar=("N", "K"), help="texts start at N tokens and "
+                   "grow linearly to --min-len..--max-len over the first K steps (a curriculum from short texts)")
+    g.add_argument("--warm-start", metavar="RUN", help="start from the trained tensors of another run's compressor "
+                   "(its --out; the same tensor names and shapes), keeping this run's settings: e.g. a 4x arm from "
+                   "the 1:1 arm that carries its text")
+
     g = p.add_argument_group("data")
     g.add_argument("--min-len", type=int, help="shortest text |X| in tokens (default: the paper's, scaled "
                    "down with a shorter --chunk-len and for --model tiny)")
@@ -190,7 +200,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     given = {k for k, v in vars(args).items() if v != parser.get_default(k)}   # typed on the command line
     # local paths become absolute, so --resume and compressors.load(--out) work from any directory
-    for k in ("model", "decoder", "data", "init"):
+    for k in ("model", "decoder", "data", "init", "warm_start"):
         v = getattr(args, k)
         if v and os.path.exists(v):
             setattr(args, k, os.path.abspath(v))
@@ -255,6 +265,16 @@ def resolve_defaults(args):
         args.min_len = args.min_len or min(args.max_len, max(2, round(lo * scale)))
     if not 2 <= args.min_len <= args.max_len:
         fail(f"need 2 <= --min-len <= --max-len, got {args.min_len} and {args.max_len}")
+    if args.len_curriculum:
+        start, k = args.len_curriculum
+        if args.crop == "head" or args.objective not in ("ae", "pretrain"):
+            fail("--len-curriculum grows the windows of --crop window texts (ae or pretrain): drop it, or use "
+                 "--crop window")
+        if not (1 <= start <= args.min_len and k >= 1):
+            fail(f"--len-curriculum N K needs 1 <= N <= --min-len ({args.min_len}) and K >= 1, got {start} {k}")
+    if args.warm_start and (args.init or not os.path.isfile(os.path.join(args.warm_start, "compressor.safetensors"))):
+        fail(f"--warm-start {args.warm_start}: " + ("--init already starts from a run: use one of them" if args.init
+             else "no compressor.safetensors there (pass a train.py --out folder)"))
     args.out = args.out or os.path.join("runs", args.method)
     return args
 
@@ -297,6 +317,12 @@ def build_compressor(args, device, ckpt_dir=None):
                             compressor_model=args.model if args.decoder else None,
                             **{k: getattr(args, k) for k in COMPRESSOR_FLAGS})
         comp = C.Compressor(cfg, decoder, tok, encoder, enc_tok)
+        if args.warm_start:   # ours: another run's trained tensors, this run's settings (load_trained checks them)
+            try:
+                comp.load_trained(load_file(os.path.join(args.warm_start, "compressor.safetensors"), device=str(device)))
+            except ValueError as e:
+                raise ValueError(f"--warm-start {args.warm_start}: {e} (it must be the same preset with the same "
+                                 f"--mem, LoRA and model)") from None
     if args.stage == "keft" and comp.cfg.decoder_train != "keft":
         if comp.shares_decoder:   # the LoRA encoder IS the decoder: training its q/k/v would move the encoder too
             fail(f"--stage keft trains the decoder's q/k/v, which {comp.cfg.method}'s LoRA encoder shares")
@@ -442,10 +468,11 @@ def tokenize_corpus(texts, qa, identity, comp, cache_dir):
     return data, key
 
 
-def sample_example(data, objective, rng, args, comp):
-    """One training example, drawn with `rng`. Context ids are the compressor's, everything else the decoder's."""
+def sample_example(data, objective, rng, args, comp, step):
+    """One training example of step `step`, drawn with `rng`. Context ids are the compressor's, everything else
+    the decoder's."""
     ex = draw_qa(data, objective, rng, args, comp) if objective in ("qa", "distill") else \
-        draw_text(data, objective, rng, args, comp)
+        draw_text(data, objective, rng, args, comp, step)
     # GMSA §4.1: the compression rate is sampled per example; drawn with the example, so that it too depends on
     # nothing but the step and the example's index
     ex["rate"] = [comp.cfg.ratios[rng.integers(len(comp.cfg.ratios))]] if comp.cfg.source == "group_mean" else []
@@ -463,7 +490,17 @@ def draw_qa(data, objective, rng, args, comp):
                 n_answer=len(ex["answer"]) + 1)
 
 
-def draw_text(data, objective, rng, args, comp):
+def text_lengths(args, step):
+    """The range [lo, hi + 1) a text's length is drawn from at `step`: --min-len..--max-len, or, under
+    --len-curriculum N K (ours), a range that starts at N tokens and grows linearly to it over the first K steps."""
+    if not args.len_curriculum:
+        return args.min_len, args.max_len + 1
+    start, k = args.len_curriculum
+    f = min(1.0, step / k)
+    return round(start + (args.min_len - start) * f), round(start + (args.max_len - start) * f) + 1
+
+
+def draw_text(data, objective, rng, args, comp, step):
     eos, offsets = comp.tok.eos_id, data["offsets"]
     if args.crop == "head":
         # AOC code: each text is the first n tokens of a document (tokenizer truncation), a shorter one right-padded
@@ -477,7 +514,7 @@ def draw_text(data, objective, rng, args, comp):
         # of |X| tokens at a random offset inside it: a text never straddles two documents
         d = int(torch.searchsorted(offsets, int(rng.integers(offsets[-1])), right=True)) - 1
         lo, hi = int(offsets[d]), int(offsets[d + 1])
-        n = min(int(rng.integers(args.min_len, args.max_len + 1)), hi - lo)   # a short document gives a short text
+        n = min(int(rng.integers(*text_lengths(args, step))), hi - lo)   # a short document gives a short text
         start = lo + int(rng.integers(0, hi - lo - n + 1))
         x = data["tokens"][start:start + n].tolist()
     if objective == "ae":   # ICAE AE / AOC Eq. (4): regenerate all of X, then EOS
@@ -491,7 +528,7 @@ def step_examples(data, objective, args, comp, step):
     """Every example of step `step`: example i comes from a generator seeded with (seed, step, i), so a step
     depends on nothing but its number (exact resume) and is made of the same examples whatever the
     micro-batching or the number of processes (each process draws them all and takes its share)."""
-    return [sample_example(data, objective, np.random.default_rng([args.seed, step, i]), args, comp)
+    return [sample_example(data, objective, np.random.default_rng([args.seed, step, i]), args, comp, step)
             for i in range(args.batch_size)]
 
 
@@ -543,8 +580,16 @@ def make_optimizer(comp, args, device):
     """AdamW over the trainable tensors. Weight decay on matrices only (nanoGPT): decaying norms, biases or
     the [AE]/[LM] embeddings towards 0 would only fight the model. CompLLM's Adam is weight_decay = 0."""
     params = comp.trainable_parameters()
-    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=args.weight_decay),
-              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+    # --mem-lr (ours): the memory tokens in a group of their own, at mem_lr / lr times every step's lr
+    own = [comp.mem_tokens] if args.mem_lr is not None and comp.mem_tokens is not None else []
+    if args.mem_lr is not None and not own:
+        fail(f"--mem-lr sets the learning rate of learned memory tokens, and {comp.cfg.method} has none "
+             f"(source={comp.cfg.source})")
+    rest = [p for p in params if all(p is not q for q in own)]
+    groups = [dict(params=[p for p in rest if p.dim() >= 2], weight_decay=args.weight_decay),
+              dict(params=[p for p in rest if p.dim() < 2], weight_decay=0.0)]
+    if own:
+        groups.append(dict(params=own, weight_decay=args.weight_decay, lr_scale=args.mem_lr / args.lr))
     return torch.optim.AdamW(groups, lr=args.lr, betas=tuple(args.betas), fused=device.type == "cuda")
 
 
@@ -738,7 +783,7 @@ def train_step(args, run: Run, comp, step_fn, opt, params, data: Data, step: int
     t0 = time.time()
     lr = lr_at(step, args)       # set by hand each step: the schedule is a plain function of the step
     for group in opt.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)   # --mem-lr's group runs at its own peak
     total, parts, tokens = accumulate(args, run, comp, step_fn, data, step)
     # clip_grad_norm_ returns the norm before clipping; clip 0 = measure only
     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else float("inf")).item()

@@ -347,6 +347,58 @@ def test_a_real_model_without_eval_data_says_no_check_runs(files, tmp_path, run_
     assert eval_rows(tmp_path / "real") == []
 
 
+# ---- levers (ours): for a memory that carries nothing at this scale ----
+
+
+def test_mem_lr_trains_the_memory_tokens_at_their_own_rate(tmp_path, run_train, device, capsys):
+    """--mem-lr 0 keeps the learned memory tokens where they were drawn while the LoRA trains at --lr; a preset
+    without memory tokens refuses the flag with one line."""
+    out = str(tmp_path / "run")
+    run_train([*X500, "--objective", "ae", *HELD_OUT, "--steps", "2", "--mem-lr", "0", "--eval-every", "0", "--out", out])
+    torch.manual_seed(2)                                    # the run's --seed: its init
+    init = C.load(out, trained=False, device=device)
+    trained = C.load(out, device=device)
+    assert torch.equal(init.mem_tokens, trained.mem_tokens)
+    lora = [n for n, _ in trained.named_parameters() if "lora_B" in n]
+    assert lora and any(not torch.equal(dict(init.named_parameters())[n], dict(trained.named_parameters())[n])
+                        for n in lora)
+    with pytest.raises(SystemExit, match="--mem-lr sets the learning rate of learned memory tokens, and gmsa has none"):
+        run_train(["--method", "gmsa", "--model", "tiny", *LORA, "--steps", "1", "--mem-lr", "1e-3",
+                   "--out", str(tmp_path / "gmsa")])
+
+
+def test_len_curriculum_grows_the_texts_from_n_tokens():
+    """--len-curriculum 4 10 with --min-len 12 --max-len 16: texts of 4 tokens at step 0, 8-10 at step 5, and the
+    run's own 12-16 from step 10 on."""
+    args = train.argparse.Namespace(crop="window", min_len=12, max_len=16, len_curriculum=[4, 10])
+    assert [train.text_lengths(args, s) for s in (0, 5, 10, 50)] == [(4, 5), (8, 11), (12, 17), (12, 17)]
+    comp = C.build("aoc", *build_tiny(), mem=4)
+    data, _ = train.tokenize_corpus(train.generated_texts(50, 0), [], "curriculum-test", comp,
+                                    cache_dir=str(Path("/tmp") / "cache-curriculum"))
+    args.seed, args.batch_size = 0, 8
+    lengths = lambda step: {len(ex["context"]) for ex in train.step_examples(data, "ae", args, comp, step)}
+    assert lengths(0) == {4} and lengths(20) <= set(range(12, 17)) and len(lengths(20)) > 1
+    with pytest.raises(SystemExit, match="--len-curriculum N K needs 1 <= N <= --min-len"):
+        train.parse_args(["--method", "aoc", "--crop", "window", "--min-len", "8", "--len-curriculum", "9", "10"])
+
+
+def test_warm_start_begins_where_the_other_run_ended(tmp_path, run_train, device, capsys):
+    """--warm-start RUN: this run's compressor starts from RUN's trained tensors (here with another --chunk-len, a
+    4x arm from a 1:1 arm); a compressor of another shape is one line, not a traceback."""
+    first = str(tmp_path / "first")
+    run_train([*X500, "--objective", "ae", *HELD_OUT, "--steps", "2", "--eval-every", "0", "--out", first])
+    warm = str(tmp_path / "warm")
+    run_train(["--method", "500x", "--mem", "16", "--chunk-len", "64", *LORA, "--objective", "ae", "--model", "tiny",
+               "--crop", "window", "--min-len", "32", "--max-len", "64", "--batch-size", "4", "--lr", "0",
+               "--steps", "1", "--eval-every", "0", "--warm-start", first, "--out", warm])
+    a, b = (load_file(os.path.join(d, "compressor.safetensors")) for d in (first, warm))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert C.load(warm).cfg.chunk_len == 64
+    with pytest.raises(SystemExit, match=r"--warm-start .*first: checkpoint does not match the compressor"):
+        run_train(["--method", "500x", "--mem", "8", *LORA, "--model", "tiny", "--steps", "1", "--warm-start", first,
+                   "--out", str(tmp_path / "bad")])
+
+
 # ---- the loop's arithmetic ----
 
 
@@ -481,7 +533,7 @@ def test_head_crop_takes_the_first_n_tokens_of_a_document_and_pads_with_eos():
     args = train.argparse.Namespace(crop="head", min_len=16, max_len=16)
     seen = set()
     for i in range(40):
-        ex = train.sample_example(data, "ae", np.random.default_rng(i), args, comp)
+        ex = train.sample_example(data, "ae", np.random.default_rng(i), args, comp, step=i)
         seen.add(tuple(ex["context"]))
         assert ex["ae"] == ex["context"] + [comp.tok.eos_id]
     tok = comp.tok
