@@ -12,6 +12,14 @@
 #   SMOKE=1 bash recipes/ladder.sh      # tiny model, 2 steps per arm (CI)
 #   RUNGS=1x bash recipes/ladder.sh     # one rung only; ARMS="icae aoc" for some presets only
 #   SEED=1 OUT=runs/recipes/ladder_s1 bash recipes/ladder.sh   # another seed (data order and init)
+#   LEVERS="icae:epl aoc:long 500x:warm=500x_1x" RUNGS=4x bash recipes/ladder.sh   # the lever phase (ours, below)
+#
+# The lever phase (issue 29; ours): for a preset whose memory carries nothing, the same protocol with one lever on top
+# of the preset's own flags, as an arm PRESET_LEVER_RUNG in the rung's panel. Levers (lever_flags): epl (EPL's
+# positions), lora (the LoRA baseline's r 64 on q,k,v,o at lr 2e-4), long (LONG_STEPS, default 1500), batch16,
+# curriculum (texts from 4 tokens up over the first third of the run), memlr (the memory tokens at MEM_LR, 1e-3),
+# pretrain (AE + LM on texts of twice the rung's length: the rung's length is what is compressed), warm=ARM (start
+# from ARM's trained tensors, e.g. the 4x arm from the 1:1 arm that carries).
 PAPER=ladder
 source "$(dirname "$0")/common.sh"
 [ "$SCALE" = paper ] && { echo "the ladder is ours (no paper ran it): it has no SCALE=paper setup"; exit 2; }
@@ -38,6 +46,23 @@ arm_flags() {
   esac
 }
 
+# a lever's flags, given the rung's text length n (they come after the arm's own: the last of a flag wins)
+lever_flags() {
+  local lever=${1%%=*} value=${1#*=} n=$2
+  case $lever in
+    epl)        echo --layout epl ;;
+    lora)       echo --lora-r 64 --lora-alpha 32 --lora-dropout 0.05 --lora-targets q_proj k_proj v_proj o_proj --lr 2e-4 ;;
+    long)       echo --steps ${LONG_STEPS:-1500} ;;
+    batch16)    echo --batch-size 16 ;;
+    curriculum) echo --len-curriculum 4 $(( (STEPS + 2) / 3 )) ;;
+    memlr)      echo --mem-lr ${MEM_LR:-1e-3} ;;
+    pretrain)   echo --objective pretrain --min-len $((2 * n)) --max-len $((2 * n)) ;;
+    warm)       echo --warm-start "$OUT/$value" ;;
+    *)          echo "unknown lever $1 (epl lora long batch16 curriculum memlr pretrain warm=ARM)" >&2; exit 2 ;;
+  esac
+}
+[ "$SMOKE" = 1 ] && LEVERS=${LEVERS:-"icae:epl aoc:memlr 500x:pretrain"}
+
 GROUPS_ARGS=()
 for rung in ${RUNGS:-1x 4x}; do
   case $rung in 1x) n=16 r=1 ;; 4x) n=64 r=4 ;; *) echo "unknown rung $rung (1x or 4x)"; exit 2 ;; esac
@@ -54,6 +79,19 @@ for rung in ${RUNGS:-1x 4x}; do
     if [ $rung = 1x ]; then diagnose_arm ${arm}_1x "${HELD_TEXT[@]}" --texts ${DIAG_TEXTS:-8}; fi
     names+=(${arm}_$rung)
   done
+  for pair in ${LEVERS:-}; do   # the lever phase: PRESET:LEVER
+    preset=${pair%%:*} lever=${pair#*:}
+    name=${preset}_${lever%%=*}_$rung
+    flags=$(lever_flags $lever $n) || exit 2
+    len=$n; [ "${lever%%=*}" = pretrain ] && len=$((2 * n))   # the text whose first half is compressed
+    # shellcheck disable=SC2046,SC2086
+    train_arm $name $(arm_flags $preset $n $r) --objective ae --crop window --min-len $n --max-len $n \
+      --batch-size 4 --steps $STEPS --save-every $EVERY --eval-every $EVERY --eval-n ${N:-32} "${HELD_EVAL[@]}" \
+      --seed ${SEED:-0} "${TRAIN_TEXT[@]}" $flags
+    eval_arm $name ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len $len
+    names+=($name)
+    LEVER_ARMS="${LEVER_ARMS:-} $name"
+  done
   GROUPS_ARGS+=(--group "$rung ($n tokens)" "${names[@]}")
 done
 $PY recipes/curve.py --out "$OUT" "${HELD_TEXT[@]}" --n ${N:-32} "${GROUPS_ARGS[@]}" --title "held-out own/other"
@@ -61,7 +99,7 @@ if [[ " ${RUNGS:-1x 4x} " == *" 1x "* ]]; then
   $PY recipes/diagnosis.py --runs $(for arm in $ARMS $DIAG_ARMS; do echo "$OUT/${arm}_1x"; done) "${HELD_TEXT[@]}" \
     --texts ${DIAG_TEXTS:-8} --out "$OUT/diagnosis"
 fi
-ALL=$(for rung in ${RUNGS:-1x 4x}; do for arm in $ARMS $([ $rung = 1x ] && echo $DIAG_ARMS); do echo ${arm}_$rung; done; done)
+ALL="$(for rung in ${RUNGS:-1x 4x}; do for arm in $ARMS $([ $rung = 1x ] && echo $DIAG_ARMS); do echo ${arm}_$rung; done; done) ${LEVER_ARMS:-}"
 $PY recipes/summarize.py --out "$OUT" --arms $ALL --curves \
   --title "The ladder: every preset, one protocol (AE on held-out texts, batch 4, $STEPS steps)" \
   --metric "first step at own/other 0.5=curve:first_at_threshold" --metric "own/other=ae:loss.own_other_ratio" \
