@@ -246,9 +246,14 @@ def main(argv=None):
     texts = [ex["text"] for ex in E.load_examples(a.data, "ae")]
     if a.capacity:
         rows = []
-        for run in a.runs:
+        for run in a.runs:   # each run's probe is kept in its folder (capacity.json) and read again when asked alike
             n = a.len or C.read_checkpoint_config(run).get("train_args", {}).get("max_len", 16)
-            rows.append(capacity(run, texts, a.texts, n, a.capacity))
+            path = os.path.join(run, "capacity.json")
+            row = json.load(open(path)) if os.path.isfile(path) else {}
+            if (row.get("texts"), row.get("n"), row.get("steps")) != (a.texts, n, a.capacity):
+                row = capacity(run, texts, a.texts, n, a.capacity)
+                json.dump(row, open(path, "w"), indent=1)
+            rows.append(row)
         steps = [c["step"] for c in rows[0]["curve"]]
         md = "\n".join([f"| run (memory optimized per text, {a.texts} texts) | " + " | ".join(
             f"AE loss at {s}" for s in steps) + " | own/other at the end |", "|---|" + "---|" * (len(steps) + 1)] + [
