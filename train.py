@@ -65,9 +65,9 @@ from model import load_pretrained
 # together on 2 CPU cores and print held-out own/other <= 0.5 (the README's Quickstart, with each preset's measured
 # number and wall time). Every method trains AE (what evaluate.py --task ae scores) on the first n bytes of each
 # document (a head crop: evaluate.py cuts its held-out texts the same way), batch 4, lr 3e-3 decaying linearly to 0
-# (TINY_ALL), with the text length n, steps and memory size of its row (TINY): one memory slot per byte (m = n;
-# ICAE two), n = 16 for AOC and 8 for the others (which do not carry 16 bytes within two minutes). These fill only the
-# flags not given, in place of the paper's recipe; any other model keeps the paper's.
+# (TINY_ALL), with the text length n, steps and memory size m of its row (TINY): m = n (ICAE 2n, GMSA n/2 in
+# groups of 2), n = 16 for AOC and 8 for the others (which do not carry 16 bytes within two minutes). These fill
+# only the flags not given, in place of the paper's recipe; any other model keeps the paper's.
 TINY_ALL = dict(objective="ae", crop="head", batch_size=4, lr=3e-3, schedule="linear")
 TINY = {   # ours: measured on this repository's 2-core CPU, README "tiny demo, each preset"
     "icae": dict(lengths=(8, 8), mem=16, steps=3000),   # (at m = 8: own/other 0.514 at step 3000)
@@ -103,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", choices=C.METHODS, help="the compressor preset (compressors.PRESETS); "
                    "optional with --resume")
     g.add_argument("--model", default="tiny", help="the LLM: a Hugging Face id, a local folder with config.json "
-                   "+ *.safetensors, or 'tiny' (a random 4-layer model, the default: a CPU demo with defaults of its own, listed "
-                   "below the per-method table). It decodes, and "
+                   "+ *.safetensors, or 'tiny' (a random 4-layer model, the default: a CPU demo with defaults of its "
+                   "own, listed below the per-method table). It decodes, and "
                    "it is the compressor for pcc/pic when --decoder names another LLM")
     g.add_argument("--decoder", help="a different frozen decoder LLM (pcc/pic: PIC §4.1.2 compresses with "
                    "Qwen2.5-0.5B and decodes with Llama-3-8B); default: --model itself")
@@ -202,7 +202,8 @@ def defaults_table() -> str:
                        for k, v in TINY_ALL.items())
     rows += ["", "--model tiny (the default): a CPU demo that compresses (ours; README, Quickstart). In place of the "
              "rows above,", f"every method trains with {common}, on the first n bytes of each document",
-             "(n also caps QA contexts), and:", f"  {'method':8} {'n':>3} {'steps':>6}  other (the rest: its row above)"]
+             "(n also caps QA contexts), and:",
+             f"  {'method':8} {'n':>3} {'steps':>6}  other (the rest: its row above)"]
     for m, d in TINY.items():
         rows.append(f"  {m:8} {d['lengths'][1]:3} {d['steps']:6}  " + " ".join(
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else f'{v:g}'}"
@@ -282,7 +283,8 @@ def resolve_defaults(args):
                 fail(f"--init {args.init} was trained with {k}={cfg[k]}: drop --{k.replace('_', '-')}")
     for k in RECIPE_FLAGS:
         if getattr(args, k) is None:
-            setattr(args, k, list(paper[k]) if isinstance(paper[k], tuple) else paper[k])   # a list, as argparse gives --betas
+            v = paper[k]
+            setattr(args, k, list(v) if isinstance(v, tuple) else v)   # a list, as argparse gives --betas
     if args.warmup is None:   # a short run still reaches its peak lr (ours: warmup is at most 10% of the run)
         args.warmup = min(paper["warmup"], args.steps // 10)
     # lengths: the paper's, shrunk with the chunk so a context still spans the same number of chunks
@@ -954,12 +956,12 @@ def main(argv=None):
         log = open(os.path.join(args.out, "log.jsonl"), "a")
         read = f"{data.documents:,} documents" + (f", {data.questions:,} QA examples" if data.questions else "")
         demo, paper = tiny_demo(args.method, args.model, args.decoder), C.PRESETS[args.method].recipe["objective"]
-        note = f" (--model tiny's demo; the paper's: {paper})" if demo and args.objective == demo["objective"] != paper \
-            else ""
-        print(f"{comp.cfg.method}: {args.objective} objective{note} on {read}, {sum(p.numel() for p in params):,} trained "
-              f"parameters, batch {args.batch_size} ({run.accum} x {run.micro} x {run.world}), |X| in "
-              f"[{args.min_len}, {args.max_len}], lr {args.lr:g}, {args.schedule} after {args.warmup} warmup steps, "
-              f"steps {run.start}->{args.steps} on {run.device}")
+        note = (f" (--model tiny's demo; the paper's: {paper})" if demo and args.objective == demo["objective"] != paper
+                else "")
+        print(f"{comp.cfg.method}: {args.objective} objective{note} on {read}, "
+              f"{sum(p.numel() for p in params):,} trained parameters, batch {args.batch_size} "
+              f"({run.accum} x {run.micro} x {run.world}), |X| in [{args.min_len}, {args.max_len}], lr {args.lr:g}, "
+              f"{args.schedule} after {args.warmup} warmup steps, steps {run.start}->{args.steps} on {run.device}")
     ho = held_out(args, run)
     stop = {"signal": None}
     old_handlers = catch_signals(stop)

@@ -223,8 +223,8 @@ def test_the_log_and_help_say_where_tiny_changes_the_papers_objective(tmp_path, 
 
 @pytest.mark.parametrize("method,flags", [
     # random text lengths and offsets (the data position) ...
-    ("icae", ["--mem", "4", "--chunk-len", "16", *LORA, "--objective", "pretrain", "--crop", "window", "--min-len", "16",
-              "--max-len", "64"]),
+    ("icae", ["--mem", "4", "--chunk-len", "16", *LORA, "--objective", "pretrain", "--crop", "window",
+              "--min-len", "16", "--max-len", "64"]),
     # ... and GMSA's rates, drawn from torch's RNG inside compress() (the RNG state in the checkpoint)
     ("gmsa", [*LORA, "--crop", "window", "--min-len", "16", "--max-len", "64"]),
 ])
@@ -362,7 +362,8 @@ def test_a_constant_memory_gets_the_prompt_warning_and_a_carrying_one_does_not(t
     scores own/other 1.0 and the run warns once; AOC on tiny carries its text within 300 steps (the run of
     test_every_method_learns_memories_that_carry_their_own_text: 0.70-0.88 over seeds and devices) and the run does
     not warn. Both print where own/other first reached 0.5, or that it never did."""
-    base = ["--method", "aoc", "--mem", "16", "--model", "tiny", "--max-len", "16", "--warmup", "10", *paper_schedule("aoc")]
+    base = ["--method", "aoc", "--mem", "16", "--model", "tiny", "--max-len", "16", "--warmup", "10",
+            *paper_schedule("aoc")]
     run_train(base + ["--lr", "1e-2", "--batch-size", "8", "--steps", "300", "--eval-every", "100",
                       "--out", str(tmp_path / "carries")])
     text = capsys.readouterr().out
