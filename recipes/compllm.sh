@@ -74,7 +74,8 @@ PY
   for seed in $SEEDS; do
     steps=$STAGE
     while :; do
-      train_arm compllm_s$seed --method compllm "${TRAIN_QA[@]}" --max-len 256 --batch-size 4 --lr 1e-4 \
+      train_arm compllm_s$seed --method compllm --objective distill "${TRAIN_QA[@]}" --max-len 256 --batch-size 4 \
+        --lr 1e-4 \
         --answer-tokens ${ANSWER_TOKENS:-48} --steps $steps --save-every $STAGE --seed $seed --cache-dir "$OUT/cache" \
         "${HELD_EVAL_QA[@]}"
       eval_arm compllm_s$seed qa "${QA[@]}"

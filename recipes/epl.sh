@@ -63,7 +63,8 @@ else
     GROUP=$(for layout in $LAYOUTS; do runs $layout; done)
     if [ "${ICAE:-0}" = 1 ]; then   # the original ICAE arms (EPL Table 6), one seed
       for layout in $LAYOUTS; do
-        train_arm icae_${layout}$tag --method icae --layout $layout "${CHUNK[@]}" --min-len $MIN --max-len $MAX \
+        train_arm icae_${layout}$tag --method icae --layout $layout "${CHUNK[@]}" --objective pretrain --crop window \
+          --min-len $MIN --max-len $MAX \
           --batch-size 4 --steps $STEPS --save-every $EVERY --eval-every $EVERY --eval-n ${N:-32} "${HELD_EVAL[@]}" "${TRAIN_TEXT[@]}"
         eval_arm icae_${layout}$tag ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len $MAX
         GROUP="$GROUP icae_${layout}$tag"

@@ -47,7 +47,8 @@ else
   for r in $RUNGS; do
     rung $r
     for seed in $seeds; do
-      COMMON=(--method gmsa --ratio $r --lora-r 16 --lora-alpha 32 --min-len $MIN --max-len $MAX --batch-size 4
+      COMMON=(--method gmsa --ratio $r --lora-r 16 --lora-alpha 32 --crop window --min-len $MIN --max-len $MAX
+              --batch-size 4
               --lr 5e-4 --warmup 30 --steps $STEPS --save-every $EVERY --eval-every $EVERY --eval-n ${N:-48} "${HELD_EVAL[@]}" --seed $seed "${TRAIN_TEXT[@]}")
       train_arm gmsa${tag}_s$seed "${COMMON[@]}"
       train_arm tcp${tag}_s$seed "${COMMON[@]}" --source mem_tokens

@@ -45,7 +45,8 @@ else
   [ "$SMOKE" = 1 ] && EVERY=1
   SEED0=$(echo $SEEDS | cut -d' ' -f1)
   pretrain() {   # pretrain ARM METHOD RATIO SEED
-    train_arm $1 --method $2 --chunk-len 64 --mem $((64 / $3)) --min-len 128 --max-len 160 --batch-size 4 \
+    train_arm $1 --method $2 --objective pretrain --crop window --chunk-len 64 --mem $((64 / $3)) --min-len 128 \
+      --max-len 160 --batch-size 4 \
       --lr 1e-4 --warmup 30 --steps $STEPS --save-every $EVERY --eval-every $EVERY --eval-n ${N:-48} "${HELD_EVAL[@]}" --seed $4 "${TRAIN_TEXT[@]}"
     eval_arm $1 ae "${HELD_TEXT[@]}" --n ${N:-48} --max-len 160
   }

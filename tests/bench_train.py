@@ -4,8 +4,9 @@
     python tests/bench_train.py --shape llama-3.2-1b --device cuda [--peak-tflops 989]
     python tests/bench_train.py --steps 8 --profile --method 500x --objective ae --model DIR ...   # where the time goes
 
-Default: each method runs its default objective and recipe on `tiny` through train.py (as the quickstart does: the
-paper's lengths and batch scaled for the tiny model); the median over the steps after the first two is reported.
+Default: each method runs its defaults on `tiny` through train.py, as the quickstart does (there: the tiny demo's
+settings, train.py's TINY: AE on 16-byte texts, batch 4; on another --model, the paper's recipe); the median over
+the steps after the first two is reported.
 tok/s counts every token a step reads: the compressed contexts plus every decoder sequence (train.py's log).
 
 --shape llama-3.2-1b|qwen3-4b: a randomly initialised model of that paper model's shape (no download), bf16 autocast on CUDA,

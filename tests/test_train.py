@@ -96,16 +96,21 @@ RUNS = {
     "pcc": (["--mem", "16", "--chunk-len", "16", "--lr", "1e-3"], 0.975),
     "pic": (["--mem", "8", "--chunk-len", "16", "--lr", "1e-3"], 0.985),
     "gmsa": (["--ratios", "2", "--lora-r", "8", "--lora-alpha", "16", "--lr", "1e-2"], 0.97),
-    "compllm": (["--lora-r", "8", "--lora-alpha", "16", "--lr", "1e-2"], 0.975),
+    "compllm": (["--ratio", "2", "--lora-r", "8", "--lora-alpha", "16", "--lr", "1e-2"], 0.975),
     "aoc": (["--mem", "16", "--lr", "1e-2"], 0.95),
 }
+
+
+def paper_schedule(method):
+    """The method's own lr schedule (the tiny demo decays linearly): these runs were measured with it."""
+    return ["--schedule", C.PRESETS[method].recipe["schedule"]]
 
 
 @pytest.mark.parametrize("method", C.METHODS)
 def test_every_method_learns_memories_that_carry_their_own_text(method, tmp_path, run_train, device):
     flags, max_ratio = RUNS[method]
     out = str(tmp_path / method)
-    run_train(["--method", method, "--model", "tiny", "--out", out, *WINDOWS, *flags])
+    run_train(["--method", method, "--model", "tiny", "--out", out, *WINDOWS, *flags, *paper_schedule(method)])
     losses = [r["loss"] for r in log_rows(out)]
     assert len(losses) == 300 and sum(losses[-10:]) / 10 < 0.9 * losses[0]
     comp = C.load(out, device=device).eval()
@@ -141,7 +146,7 @@ def test_bf16_autocast_training_on_cuda(tmp_path, run_train, device, monkeypatch
     monkeypatch.setattr(train, "loss_ae", recording)
     flags, max_ratio = RUNS["aoc"]
     out = str(tmp_path / "aoc")
-    run_train(["--method", "aoc", "--model", "tiny", "--out", out, *WINDOWS, *flags])
+    run_train(["--method", "aoc", "--model", "tiny", "--out", out, *WINDOWS, *flags, *paper_schedule("aoc")])
     assert seen == {(True, torch.bfloat16)}
     losses = [r["loss"] for r in log_rows(out)]
     assert all(math.isfinite(x) for x in losses) and sum(losses[-10:]) / 10 < 0.9 * losses[0]
@@ -158,25 +163,59 @@ def test_pcc_and_pic_train_and_evaluate_under_epl_positions(method, tmp_path, ru
     """The first combination a reader of PIC and EPL tries (it used to stop with 'cannot take PCC's delimiters')."""
     out = str(tmp_path / method)
     run_train(["--method", method, "--mem", "4", "--layout", "epl", "--model", "tiny", "--steps", "6", "--chunk-len", "16",
-               "--min-len", "24", "--max-len", "40", "--out", out])
+               "--objective", "pretrain", "--crop", "window", "--min-len", "24", "--max-len", "40", "--out", out])
     assert len(log_rows(out)) == 6 and os.path.isfile(os.path.join(out, "ckpt-000006", "compressor.safetensors"))
     result = E.main(["--ckpt", out, "--task", "ae", "--n", "2", "--max-new-tokens", "4", "--device", str(device),
                      "--dtype", "float32"])
     assert C.load(out).cfg.layout == "epl" and math.isfinite(result["loss"]["own"])
 
 
-def test_quickstart_on_the_real_tiny_model_runs_and_logs(tmp_path, run_train):
-    """The README command, shortened: default (paper) recipe scaled for tiny; every log field is there."""
+def test_quickstart_on_the_real_tiny_model_runs_and_logs(tmp_path, run_train, capsys):
+    """The README command, shortened: --model tiny's demo settings (TINY) fill the flags; every log field is there."""
     out = str(tmp_path / "aoc")
-    run_train(["--method", "aoc", "--mem", "16", "--model", "tiny", "--steps", "3", "--out", out])
+    run_train(["--method", "aoc", "--mem", "16", "--steps", "3", "--out", out])
     rows = log_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert {"step", "loss", "lr", "grad_norm", "dt", "tokens_per_s", "ae"} <= rows[0].keys()
     args = json.load(open(os.path.join(out, "args.json")))
-    # AOC §2 and code: lr 2e-4, AdamW wd 0 and clip 1.0 (HF Trainer defaults), head crop to n = 96 (a quarter on tiny)
-    assert (args["lr"], args["weight_decay"], args["clip"], args["batch_size"], args["crop"], args["min_len"],
-            args["max_len"]) == (2e-4, 0.0, 1.0, 4, "head", 24, 24)
+    # the demo: AE on the first 16 bytes (head crop), batch 4, lr 3e-3; AOC's own wd 0 and clip 1.0 (HF Trainer's)
+    assert (args["model"], args["objective"], args["lr"], args["weight_decay"], args["clip"], args["batch_size"],
+            args["crop"], args["min_len"], args["max_len"]) == ("tiny", "ae", 3e-3, 0.0, 1.0, 4, "head", 16, 16)
     assert C.load(out).cfg.mem == 16
+    assert "aoc: ae objective on 3,013 documents" in capsys.readouterr().out   # AOC's own objective: no note
+
+
+@pytest.mark.parametrize("method", C.METHODS)
+def test_tiny_takes_the_demo_settings_and_a_real_model_the_papers(method, files):
+    """--model tiny (the default): every flag left unset comes from TINY_ALL + TINY[method], the paper's recipe
+    fills the rest; a flag wins; a real model (a local folder) keeps the paper's recipe."""
+    demo = {**train.TINY_ALL, **train.TINY[method]}
+    args, _ = train.parse_args(["--method", method])
+    assert (args.model, args.objective, args.crop, args.batch_size, args.lr, args.steps) == \
+        ("tiny", demo["objective"], demo["crop"], demo["batch_size"], demo["lr"], demo["steps"])
+    assert [args.min_len, args.max_len] == list(demo["lengths"])
+    assert args.warmup == min(C.PRESETS[method].recipe["warmup"], demo["steps"] // 10)
+    for k, v in demo.items():   # anything else a row sets (a compressor setting) lands in its flag
+        if k in vars(args):
+            assert getattr(args, k) == (list(v) if isinstance(v, tuple) else v), k
+    args, _ = train.parse_args(["--method", method, "--lr", "1e-3", "--max-len", "24", "--objective", "pretrain"])
+    assert (args.lr, args.max_len, args.objective, args.steps) == (1e-3, 24, "pretrain", demo["steps"])
+    paper = C.PRESETS[method].recipe
+    args, _ = train.parse_args(["--method", method, "--model", files["model"]])
+    assert (args.objective, args.crop, args.batch_size, args.lr, args.steps) == \
+        (paper["objective"], paper["crop"], paper["batch_size"], paper["lr"], paper["steps"])
+    assert (args.min_len, args.max_len) == paper["lengths"]
+
+
+def test_the_log_and_help_say_where_tiny_changes_the_papers_objective(tmp_path, run_train, capsys):
+    run_train(["--method", "icae", "--steps", "1", "--eval-every", "0", "--out", str(tmp_path / "icae")])
+    assert "icae: ae objective (--model tiny's demo; the paper's: pretrain) on" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    text = capsys.readouterr().out
+    assert "--model tiny (the default): a CPU demo" in text and "objective ae, crop head" in text
+    for method, row in train.TINY.items():
+        assert f"\n  {method:8} {row['lengths'][1]:3} {row['steps']:6}" in text
 
 
 # ---- stop, resume, interrupt, non-finite loss ----
@@ -184,9 +223,10 @@ def test_quickstart_on_the_real_tiny_model_runs_and_logs(tmp_path, run_train):
 
 @pytest.mark.parametrize("method,flags", [
     # random text lengths and offsets (the data position) ...
-    ("icae", ["--mem", "4", "--chunk-len", "16", *LORA, "--min-len", "16", "--max-len", "64"]),
+    ("icae", ["--mem", "4", "--chunk-len", "16", *LORA, "--objective", "pretrain", "--crop", "window",
+              "--min-len", "16", "--max-len", "64"]),
     # ... and GMSA's rates, drawn from torch's RNG inside compress() (the RNG state in the checkpoint)
-    ("gmsa", [*LORA, "--min-len", "16", "--max-len", "64"]),
+    ("gmsa", [*LORA, "--crop", "window", "--min-len", "16", "--max-len", "64"]),
 ])
 def test_stop_after_then_resume_equals_an_uninterrupted_run(method, flags, tmp_path, run_train):
     base = ["--method", method, "--model", "tiny", "--batch-size", "2", "--lr", "3e-3", "--steps", "8", *flags]
@@ -323,7 +363,8 @@ def test_a_constant_memory_gets_the_prompt_warning_and_a_carrying_one_does_not(t
     scores own/other 1.0 and the run warns once; AOC on tiny carries its text within 300 steps (the run of
     test_every_method_learns_memories_that_carry_their_own_text: 0.70-0.88 over seeds and devices) and the run does
     not warn. Both print where own/other first reached 0.5, or that it never did."""
-    base = ["--method", "aoc", "--mem", "16", "--model", "tiny", "--max-len", "16", "--warmup", "10"]
+    base = ["--method", "aoc", "--mem", "16", "--model", "tiny", "--max-len", "16", "--warmup", "10",
+            *paper_schedule("aoc")]
     run_train(base + ["--lr", "1e-2", "--batch-size", "8", "--steps", "300", "--eval-every", "100",
                       "--out", str(tmp_path / "carries")])
     text = capsys.readouterr().out
@@ -406,10 +447,11 @@ def test_warm_start_begins_where_the_other_run_ended(tmp_path, run_train, device
 # supervised tokens: averaging each micro-batch's own mean would differ from the step's mean (issue 18: 6.0001 vs
 # 6.0277 for icae pretrain at --micro-batch 2 before the fix)
 ACCUMULATION = {
-    "pretrain": ["--method", "icae", "--mem", "4", "--chunk-len", "16", *LORA, "--min-len", "8", "--max-len", "40"],
+    "pretrain": ["--method", "icae", "--objective", "pretrain", "--mem", "4", "--chunk-len", "16", *LORA, "--crop",
+                 "window", "--min-len", "8", "--max-len", "40"],
     "ae": ["--method", "aoc", "--mem", "4", "--crop", "window", "--min-len", "6", "--max-len", "32"],
     "qa": ["--method", "500x", "--objective", "qa", "--mem", "4", "--chunk-len", "32", *LORA, "--max-len", "64"],
-    "distill": ["--method", "compllm", *LORA, "--answer-tokens", "6", "--max-len", "48"],
+    "distill": ["--method", "compllm", "--objective", "distill", *LORA, "--answer-tokens", "6", "--max-len", "48"],
 }
 
 
