@@ -254,9 +254,14 @@ def parse_args(argv=None):
     return resolve_defaults(args), None
 
 
+def on_tiny(model, decoder=None) -> bool:
+    """Does the run train the built-in tiny model (its demo settings, its built-in held-out check)?"""
+    return model == "tiny" and decoder is None
+
+
 def tiny_demo(method, model, decoder=None) -> dict:
     """The demo settings (TINY_ALL + TINY[method]) that replace the paper's recipe on --model tiny, else {}."""
-    return {**TINY_ALL, **TINY[method]} if model == "tiny" and decoder is None else {}
+    return {**TINY_ALL, **TINY[method]} if on_tiny(model, decoder) else {}
 
 
 def resolve_defaults(args):
@@ -910,8 +915,7 @@ def held_out(args, run: Run) -> HeldOut | None:
     import evaluate as E   # (evaluate imports train lazily, for the built-in texts)
     every = args.eval_every if args.eval_every is not None else args.save_every
     task = "qa" if args.objective in ("qa", "distill") else "ae"
-    tiny = args.model == "tiny" and args.decoder is None
-    if every <= 0 or (args.eval_data is None and not tiny):
+    if every <= 0 or (args.eval_data is None and not on_tiny(args.model, args.decoder)):
         if run.master and every > 0:
             print(f"no held-out check runs: pass --eval-data FILE (held-out {'QA triples' if task == 'qa' else 'texts'}) "
                   f"to see every {every} steps whether the memory carries its own text")

@@ -29,13 +29,7 @@ from model import TINY_CONFIG, ModelConfig, Transformer, build_tiny
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny models on a shared CPU: one intra-op thread is ~30x faster than two fighting over two busy cores
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: tiny models run on one thread
 
 
 @pytest.fixture(scope="module")

@@ -11,20 +11,13 @@ import json
 import re
 
 import pytest
-import torch
 
 import compressors as C
 import evaluate as E
 import train
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny models on a shared CPU: one intra-op thread is far faster than two fighting over two busy cores
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: tiny models run on one thread
 
 
 @pytest.fixture(scope="module")
