@@ -12,7 +12,7 @@
 #   SMOKE=1 bash recipes/ladder.sh      # tiny model, 2 steps per arm (CI)
 #   RUNGS=1x bash recipes/ladder.sh     # one rung only; ARMS="icae aoc" for some presets only
 #   SEED=1 OUT=runs/recipes/ladder_s1 bash recipes/ladder.sh   # another seed (data order and init)
-#   LEVERS="icae:epl aoc:long 500x:warm=500x_1x" RUNGS=4x bash recipes/ladder.sh   # the lever phase (ours, below)
+#   LEVERS="icae:epl aoc:long@1x 500x:warm=500x_1x@4x" bash recipes/ladder.sh   # the lever phase (ours, below)
 #
 # The lever phase (issue 29; ours): for a preset whose memory carries nothing, the same protocol with one lever on top
 # of the preset's own flags, as an arm PRESET_LEVER_RUNG in the rung's panel. Levers (lever_flags): epl (EPL's
@@ -79,7 +79,9 @@ for rung in ${RUNGS:-1x 4x}; do
     if [ $rung = 1x ]; then diagnose_arm ${arm}_1x "${HELD_TEXT[@]}" --texts ${DIAG_TEXTS:-8}; fi
     names+=(${arm}_$rung)
   done
-  for pair in ${LEVERS:-}; do   # the lever phase: PRESET:LEVER
+  for pair in ${LEVERS:-}; do   # the lever phase: PRESET:LEVER, or PRESET:LEVER@RUNG for one rung only
+    [[ $pair == *@* && ${pair##*@} != "$rung" ]] && continue
+    pair=${pair%@*}
     preset=${pair%%:*} lever=${pair#*:}
     name=${preset}_${lever%%=*}_$rung
     flags=$(lever_flags $lever $n) || exit 2
@@ -106,4 +108,8 @@ $PY recipes/summarize.py --out "$OUT" --arms $ALL --curves \
   --metric "BLEU-4 (words)=ae:scores.compressed.bleu4_words" --metric "ROUGE-L=ae:scores.compressed.rougeL" \
   --metric "AE loss own=ae:loss.own" --metric "no memory=ae:loss.none" --metric "trained parameters=params:" \
   --metric "s/step=curve:s_per_step" --note "model $MODEL; the figure: curve.png; the diagnosis: diagnosis.md"
+# the lever table (recipes/levers.py): every preset x lever x rung; LEVER_EXTRA="PRESET:LEVER@RUNG=FOLDER ..." adds arms
+# kept by another recipe under the same protocol (e.g. aoc.sh's 1,500-step AOC at 16 tokens as aoc:long@1x)
+# shellcheck disable=SC2046
+$PY recipes/levers.py --out "$OUT" $(for e in ${LEVER_EXTRA:-}; do echo --extra "$e"; done)
 finish

@@ -252,3 +252,35 @@ def test_capacity_optimizes_each_texts_own_memory(tmp_path):
         r = diagnosis.capacity(str(run), texts, 4, 16, steps=60, every=30)
         assert [c["step"] for c in r["curve"]] == [0, 30, 60] and r["texts"] == 4
         assert r["curve"][-1]["loss"] < 0.8 * r["curve"][0]["loss"] and r["own_other"] < 0.9, (method, r)
+
+
+def test_lever_table_names_the_lever_that_carries_at_4x(tmp_path):
+    """recipes/levers.py: an arm's cell is its final own/other and the first check at or below 0.5; the last column
+    lists exactly the levers whose 4x arm ends at or below 0.5 (the lora baseline's folder counts as 500x + lora)."""
+    import sys
+    sys.path.insert(0, str(REPO / "recipes"))
+    import levers
+
+    def arm(name, ratios, final):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "args.json").write_text("{}")
+        points = [dict(step=50 * (i + 1), own=1.0, other=1.0, none=1.0, ratio=r) for i, r in enumerate(ratios)]
+        (d / "eval_curve.json").write_text(json.dumps({"points": points}))
+        (d / "eval_ae.json").write_text(json.dumps({"loss": {"own_other_ratio": final}}))
+
+    arm("500x_4x", [0.9, 0.8], 0.78)
+    arm("lora_4x", [0.7, 0.45, 0.3], 0.26)
+    arm("icae_1x", [1.0, 0.99], 0.99)
+    arm("icae_epl_1x", [0.9, 0.6, 0.52], 0.51)   # 0.51 > 0.5: does not carry
+    arm("icae_epl_4x", [0.9, 0.5], 0.5)          # at the threshold: carries, first at step 100
+    levers.main(["--out", str(tmp_path)])
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in line.split("|")[3:-1]]
+            for line in (tmp_path / "levers.md").read_text().splitlines() if line.startswith("| ") and "---" not in line}
+    assert rows[("500x", "lora")][1] == "**0.260 (step 100, 150 steps)**"
+    assert rows[("500x", "none")] == ["-", "0.780 (never <= 0.5, 100 steps)", "lora"]
+    assert rows[("icae", "epl")][0] == "0.510 (never <= 0.5, 150 steps)"
+    assert rows[("icae", "none")][2] == "epl" and rows[("icae", "epl")][1].startswith("**0.500 (step 100")
+    assert ("pcc", "none") not in rows   # no arm, no row
+    kept = json.loads((tmp_path / "levers.json").read_text())
+    assert not any(k.startswith("pcc:") for k in kept) and kept["500x:lora@4x"]["first"] == 100

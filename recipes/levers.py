@@ -1,0 +1,133 @@
+"""The lever table (issue 29; ours): for each compressor preset, which lever makes its memory carry its text, at 1:1
+and at 4x. One cell per (preset, lever, rung): the arm's held-out own/other at its end, and the first step at which
+it fell to the threshold (0.5) or "never". Used by recipes/ladder.sh after its lever phase.
+
+    python recipes/levers.py --out recipes/results/ladder [--extra "aoc:long@1x=recipes/results/aoc/aoc_n16_s0" ...]
+
+The arms are read from OUT: a preset's own arm PRESET_RUNG (lever "none") and its lever arms PRESET_LEVER_RUNG
+(recipes/ladder.sh names them so), each with its eval_ae.json (the final held-out own/other) and eval_curve.json
+(the checks along the run, recipes/curve.py). --extra adds an arm kept elsewhere under a (preset, lever, rung) of
+the table, e.g. a longer run of another recipe with the same protocol; its cell says where it came from.
+Writes OUT/levers.md, OUT/levers.json and OUT/levers.png (own/other along every arm, one panel per preset; when
+matplotlib is installed).
+"""
+
+import argparse
+import json
+import os
+import re
+
+PRESETS = ("icae", "500x", "pcc", "pic", "compllm", "gmsa", "aoc")
+RUNGS = ("1x", "4x")
+BASELINE = {"lora": ("500x", "lora")}   # ladder arms that are a preset under a lever: AOC's LoRA baseline is 500x + lora
+
+
+def read_arm(path, threshold):
+    """The arm's checks along the run, its final own/other, last step, and first step at or below the threshold."""
+    curve = json.load(open(os.path.join(path, "eval_curve.json"))) if os.path.isfile(
+        os.path.join(path, "eval_curve.json")) else {"points": []}
+    points = [(p["step"], p["ratio"]) for p in curve["points"]]
+    ae = os.path.join(path, "eval_ae.json")
+    final = json.load(open(ae))["loss"]["own_other_ratio"] if os.path.isfile(ae) else (points[-1][1] if points
+                                                                                       else None)
+    first = next((s for s, r in points if r <= threshold), None)
+    return dict(path=path, points=points, own_other=final, first=first, steps=points[-1][0] if points else None)
+
+
+def collect(out, extras, threshold):
+    """{(preset, lever, rung): arm} from the folder names in OUT and the --extra arms."""
+    arms = {}
+    for name in sorted(os.listdir(out)):
+        m = re.fullmatch(r"(?P<preset>[a-z0-9]+)(?:_(?P<lever>[a-z0-9]+))?_(?P<rung>1x|4x)", name)
+        if not m or not os.path.isfile(os.path.join(out, name, "args.json")):
+            continue
+        preset, lever = BASELINE.get(m["preset"], (m["preset"], m["lever"] or "none"))
+        if preset in PRESETS:
+            arms[(preset, lever, m["rung"])] = read_arm(os.path.join(out, name), threshold)
+    for spec in extras:
+        key, _, path = spec.partition("=")
+        preset, _, rest = key.partition(":")
+        lever, _, rung = rest.partition("@")
+        if preset not in PRESETS or rung not in RUNGS or not os.path.isdir(path):
+            raise SystemExit(f"levers.py: --extra {spec!r}: give PRESET:LEVER@RUNG=FOLDER with a preset of "
+                             f"{', '.join(PRESETS)}, a rung of {', '.join(RUNGS)} and an existing folder")
+        arms[(preset, lever, rung)] = dict(read_arm(path, threshold), extra=True)
+    return arms
+
+
+def cell(arm, threshold):
+    if arm is None:
+        return "-"
+    if arm["own_other"] is None:
+        return "running"
+    first = f"step {arm['first']}" if arm["first"] is not None else f"never <= {threshold}"
+    where = f", {arm['steps']} steps" + (f" ({os.path.relpath(arm['path'])})" if arm.get("extra") else "")
+    text = f"{arm['own_other']:.3f} ({first}{where})"
+    return f"**{text}**" if arm["own_other"] <= threshold else text
+
+
+def table(arms, threshold):
+    levers = ["none"] + sorted({lever for _, lever, _ in arms} - {"none"})
+    lines = ["| preset | lever | own/other at 1:1 (first step <= %g) | at 4x | carries at 4x under |" % threshold,
+             "|---|---|---|---|---|"]
+    for preset in PRESETS:
+        carried = [lv for lv in levers if (a := arms.get((preset, lv, "4x"))) and a["own_other"] is not None
+                   and a["own_other"] <= threshold]
+        tried = [lv for lv in levers if any((preset, lv, r) in arms for r in RUNGS)]
+        for lv in tried:
+            verdict = ", ".join(carried) if carried else "none of the levers tried"
+            lines.append(f"| {preset} | {lv} | {cell(arms.get((preset, lv, '1x')), threshold)} | "
+                         f"{cell(arms.get((preset, lv, '4x')), threshold)} | {verdict if lv == tried[0] else ''} |")
+    return "\n".join(lines)
+
+
+def figure(arms, png, threshold):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("levers.py: no figure (pip install matplotlib)")
+        return None
+    fig, axes = plt.subplots(2, len(PRESETS), figsize=(3 * len(PRESETS), 6), sharey=True, squeeze=False)
+    for col, preset in enumerate(PRESETS):
+        for row, rung in enumerate(RUNGS):
+            ax = axes[row][col]
+            for (p, lever, r), arm in sorted(arms.items()):
+                if p == preset and r == rung and arm["points"]:
+                    ax.plot(*zip(*arm["points"]), marker=".", label=lever)
+            ax.axhline(threshold, color="grey", lw=0.5, ls="--")
+            ax.set_title(f"{preset} {rung}", fontsize=9)
+            ax.set_ylim(0, 1.1)
+            if ax.lines[:-1]:
+                ax.legend(fontsize=6)
+            if col == 0:
+                ax.set_ylabel("held-out own/other")
+            if row == 1:
+                ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+    return png
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="the ladder's folder (recipes/ladder.sh's OUT)")
+    p.add_argument("--extra", action="append", default=[], metavar="PRESET:LEVER@RUNG=FOLDER",
+                   help="an arm kept elsewhere, shown in the table under this preset, lever and rung")
+    p.add_argument("--threshold", type=float, default=0.5)
+    a = p.parse_args(argv)
+    arms = collect(a.out, a.extra, a.threshold)
+    md = table(arms, a.threshold)
+    png = figure(arms, os.path.join(a.out, "levers.png"), a.threshold)
+    md += "\n\n" + (f"![own/other along every arm]({os.path.basename(png)})" if png else "")
+    with open(os.path.join(a.out, "levers.md"), "w") as f:
+        f.write(md.rstrip() + "\n")
+    with open(os.path.join(a.out, "levers.json"), "w") as f:
+        json.dump({f"{p}:{lv}@{r}": arm for (p, lv, r), arm in sorted(arms.items())}, f, indent=1)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
