@@ -63,14 +63,14 @@ from model import load_pretrained
 
 # --model tiny (a random 4-layer Llama, a byte tokenizer, the built-in corpus) is a CPU demo that compresses (ours):
 # `python train.py --method aoc --mem 16` then `python evaluate.py --ckpt runs/aoc --task ae` take under two minutes
-# together on 2 CPU cores and print held-out own/other <= 0.5 (the README's Quickstart, with each preset's measured
-# number and wall time). Every method trains AE (what evaluate.py --task ae scores) on the first n bytes of each
-# document (a head crop: evaluate.py cuts its held-out texts the same way), batch 4, lr 3e-3 decaying linearly to 0
-# (TINY_ALL), with the text length n, steps and memory size m of its row (TINY): m = n (ICAE 2n, GMSA n/2 in
-# groups of 2), n = 16 for AOC and 8 for the others (which do not carry 16 bytes within two minutes). These fill
-# only the flags not given, in place of the paper's recipe; any other model keeps the paper's.
+# together on 2 CPU cores and print held-out own/other <= 0.5 (the README's Quickstart; each preset's measured number
+# and wall time: recipes/README.md). Every method trains AE (what evaluate.py --task ae scores) on the first n bytes of
+# each document (a head crop: evaluate.py cuts its held-out texts the same way), batch 4, lr 3e-3 decaying linearly to 0
+# (TINY_ALL), with the text length n, steps and memory size m of its row (TINY): m = n (ICAE 2n, GMSA n/2 in groups of
+# 2), n = 16 for AOC and 8 for the others (which do not carry 16 bytes within two minutes). These fill only the flags
+# not given, in place of the paper's recipe; any other model keeps the paper's.
 TINY_ALL = dict(objective="ae", crop="head", batch_size=4, lr=3e-3, schedule="linear")
-TINY = {   # ours: measured on this repository's 2-core CPU, README "tiny demo, each preset"
+TINY = {   # ours: measured on this repository's 2-core CPU, recipes/README.md "The tiny demo, each preset"
     "icae": dict(lengths=(8, 8), mem=16, steps=3000),   # (at m = 8: own/other 0.514 at step 3000)
     "500x": dict(lengths=(8, 8), mem=8, steps=3000),
     "pcc": dict(lengths=(8, 8), mem=8, steps=3000),
@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_data_and_run_flags(p: argparse.ArgumentParser):
-    g = p.add_argument_group("levers: ours, for a memory that carries nothing at this scale (README, 'The ladder')")
+    g = p.add_argument_group("levers: ours, for a memory that carries nothing at this scale "
+                             "(recipes/README.md, 'The ladder')")
     g.add_argument("--mem-lr", type=float, help="peak learning rate of the learned memory tokens alone (the same "
                    "schedule; default: --lr)")
     g.add_argument("--len-curriculum", type=int, nargs=2, metavar=("N", "K"), help="texts start at N tokens and "
@@ -641,7 +642,7 @@ def make_optimizer(comp, args, device):
         groups.append(dict(params=own, weight_decay=args.weight_decay, lr_scale=args.mem_lr / args.lr))
     # fused: one kernel for all tensors. On the CPU the per-tensor loop was a quarter of PCC's step on SmolLM2
     # (sqrt, div, lerp, addcdiv per tensor, tests/bench_train.py --profile); fused gives the same losses to 1e-6
-    # (README, "Memory and speed")
+    # (tests/README.md, "Where a CPU training step goes")
     return torch.optim.AdamW(groups, lr=args.lr, betas=tuple(args.betas), fused=device.type in ("cuda", "cpu"))
 
 
@@ -885,11 +886,11 @@ def save(args, run: Run, comp, opt, data: Data, done: int):
 
 
 # ---- held-out check (ours) ----
-# A falling training loss proves little: a learned constant prompt gets that too (README, "The ladder"). So the run
-# scores held-out examples at step 0, every --eval-every steps and at the end: teacher-forced, the loss of its
-# objective with each example's own memory, another example's memory (evaluate.derangement: example i reads the
-# memory of example i + 1) and none. own/other near 1 means the memory is a constant prompt; at most 0.5 that it
-# carries its own text. The numbers are evaluate.py's (evaluate.run_ae / run_lm / run_qa without generating, texts
+# A falling training loss proves little: a learned constant prompt gets that too (recipes/README.md, "The ladder"). So
+# the run scores held-out examples at step 0, every --eval-every steps and at the end: teacher-forced, the loss of its
+# objective with each example's own memory, another example's memory (evaluate.derangement: example i reads the memory
+# of example i + 1) and none. own/other near 1 means the memory is a constant prompt; at most 0.5 that it carries its
+# own text. The numbers are evaluate.py's (evaluate.run_ae / run_lm / run_qa without generating, texts
 # cut as this run cuts its training texts: `evaluate.py --task ae --max-len <the run's --max-len>` on the same
 # checkpoint gives the same own/other).
 
@@ -966,8 +967,8 @@ def check_held_out(args, run: Run, comp, ho: HeldOut, log, bar, step: int):
     if not ho.warned and len(recent) == PROMPT_EVALS and all(x is not None and x >= PROMPT_LIKE for x in recent):
         ho.warned = True
         tqdm.write(f"warning: held-out own/other {ratio:.3f} at step {step} ({PROMPT_EVALS} evaluations in a row >= "
-                   f"{PROMPT_LIKE}): the memory acts as a constant prompt, the same for every text; see the README, "
-                   f"'The ladder' (what the decoder sees of each memory, recipes/diagnosis.py)")
+                   f"{PROMPT_LIKE}): the memory acts as a constant prompt, the same for every text; see "
+                   f"recipes/README.md, 'The ladder' (what the decoder sees of each memory, recipes/diagnosis.py)")
 
 
 def first_carrying_step(ho: HeldOut, threshold=0.5) -> str:

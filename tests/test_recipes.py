@@ -3,6 +3,7 @@ each trains its arms, evaluates them and writes results.json and results.md (and
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -101,6 +102,44 @@ def test_held_out_questions_are_answered_in_their_paragraphs():
     for r in rows:
         assert r["answer"].strip() and r["answer"] in r["context"], r["question"]
 
+
+
+# ---- the three READMEs: every relative link and image points at a file (and heading) that exists ----
+READMES = ("README.md", "recipes/README.md", "tests/README.md")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: its text lowercased, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)      # a link in a heading keeps its text
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def anchors(md: Path) -> set:
+    """Every heading anchor of a markdown file (GitHub numbers repeats: x, x-1, x-2, ...)."""
+    seen, out = {}, set()
+    for line in re.sub(r"```.*?```", "", md.read_text(), flags=re.S).splitlines():
+        if re.match(r"#{1,6} ", line):
+            s = slug(line.lstrip("#"))
+            out.add(s if s not in seen else f"{s}-{seen[s]}")
+            seen[s] = seen.get(s, 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("readme", READMES)
+def test_every_relative_link_in_the_readmes_resolves(readme):
+    md = REPO / readme
+    text = re.sub(r"```.*?```", "", md.read_text(), flags=re.S)      # commands in code blocks are not links
+    links = re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", text)
+    assert links, f"{readme} has no links: the pattern broke"
+    broken = []
+    for link in links:
+        if re.match(r"[a-z]+:", link):                                 # http(s), mailto: not ours to check
+            continue
+        path, _, anchor = link.partition("#")
+        target = (md.parent / path).resolve() if path else md
+        if not target.exists() or (anchor and target.suffix == ".md" and anchor not in anchors(target)):
+            broken.append(link)
+    assert not broken, f"{readme}: links to nothing: {broken}"
 
 @pytest.mark.parametrize("a, b, better, carries, verdict", [
     ([0.80, 0.82], [0.60, 0.65], "higher", (True, True), "reproduced"),      # the paper's direction, gap 0.185 > 0.05
