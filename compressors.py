@@ -46,7 +46,8 @@ import math
 import os
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import NamedTuple
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -144,33 +145,71 @@ CHOICES = {f.name: f.metadata["choices"] for f in FLAG_FIELDS if f.metadata["cho
 CHOICES["decoder_train"] = ("none", "keft")
 
 
+def recipe_field(help):
+    """A Recipe field: train.py's default for the flag of the same name, with its help."""
+    return field(metadata=dict(help=help))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A paper's training recipe: train.py's defaults for the flags of the same names (any flag overrides them).
+    Frozen, and its per-objective changes are read-only mappings: no preset can change another's recipe."""
+    objective: str = recipe_field("the default --objective: pretrain, ae, qa or distill")
+    lr: float = recipe_field("AdamW peak learning rate")
+    betas: tuple = recipe_field("AdamW (β1, β2)")
+    weight_decay: float = recipe_field("AdamW weight decay")
+    schedule: str = recipe_field("learning-rate schedule after warmup: constant, cosine or linear")
+    warmup: int = recipe_field("linear warmup steps")
+    batch_size: int = recipe_field("examples per optimizer step")
+    clip: float = recipe_field("gradient-norm clip")
+    steps: int = recipe_field("optimizer steps")
+    lengths: tuple = recipe_field("(shortest, longest) text |X| in tokens (pretrain compresses the first half, ae all "
+                                  "of it)")
+    lm_weight: float = recipe_field("α (EPL) / λ (PIC Eq. 8): pretrain's loss is α·LM + (1-α)·AE")
+    crop: str = recipe_field("where a text is cut from its document: window (anywhere) or head (its first tokens)")
+    per_objective: Mapping = recipe_field("objective -> the recipe values that change for it (qa: fine-tuning)")
+
+    def values(self, objective: str) -> dict:
+        """Every value of this recipe, with what changes for `objective` applied."""
+        base = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "per_objective"}
+        return {**base, **self.per_objective.get(objective, {})}
+
+
+def frozen(**kw) -> MappingProxyType:
+    """A read-only dict (a preset's settings are never shared mutably with another preset)."""
+    return MappingProxyType(dict(kw))
+
+
 class Preset(NamedTuple):
-    """One method: the compressor settings its paper's code uses, its training recipe (train.py's defaults, any
-    flag overrides them), and the sources both follow.
-    recipe: objective, AdamW lr / betas / weight_decay, schedule after `warmup` steps, batch_size, clip, steps,
-    lengths = (shortest, longest) text |X| in tokens (pretrain compresses the first half, ae all of it), lm_weight
-    (α, EPL / λ, PIC Eq. 8), crop ("window" anywhere in a document, "head" its first tokens). A key named after an
-    objective holds what changes for it (--objective qa: fine-tuning); such a row may also change compressor
-    settings, e.g. the original 500x regenerates from [BOS]. "ours" marks a value the paper and its code do not give."""
-    cite: str
-    settings: dict
-    recipe: dict
+    """One method: the compressor settings its paper's code uses, its training recipe, and the sources both follow.
+    "ours" marks a value the paper and its code do not give."""
+    cite: str               # the paper section or code this preset follows
+    settings: Mapping       # CompressorConfig fields that differ from the defaults
+    recipe: Recipe          # train.py's defaults
+    # objective -> compressor settings that --objective changes too, e.g. the original 500x code's AE-only setup
+    # regenerates from [BOS]: train.py's --help and a run's first log line name them
+    objective_settings: Mapping = frozen()
+
+    def settings_for(self, objective: str) -> Mapping:
+        """The compressor settings --objective `objective` sets on top of `settings` (empty for most)."""
+        return self.objective_settings.get(objective, frozen())
 
 
-def derive(base: Preset, cite: str, settings=None, recipe=None) -> Preset:
-    """A preset that is `base` plus a few changes."""
-    return Preset(cite, {**base.settings, **(settings or {})}, {**base.recipe, **(recipe or {})})
+def derive(base: Preset, cite: str, settings=frozen(), objective_settings=frozen(), recipe=None) -> Preset:
+    """A preset that is `base` plus a few changes (new read-only mappings; `base` is never touched)."""
+    return Preset(cite, frozen(**{**base.settings, **settings}), recipe or base.recipe,
+                  frozen(**{**base.objective_settings, **objective_settings}))
 
 
 # EPL App. C, Table 8 and code (ICAE continued pretraining, 1B/3B): AdamW β=(0.9, 0.95), wd 0.1, lr 1e-4 pretrain /
 # 5e-5 fine-tune, constant schedule, warmup 300, batch 16, 20k steps, clip 2.0; |X| ∈ [510, 2040], α = 0.5 (the code
 # averages the two losses 1:1)
-_EPL_RECIPE = dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, schedule="constant", warmup=300,
-                   batch_size=16, clip=2.0, steps=20000, lengths=(510, 2040), lm_weight=0.5, crop="window",
-                   qa=dict(lr=5e-5))
+EPL_RECIPE = Recipe(objective="pretrain", lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, schedule="constant",
+                    warmup=300, batch_size=16, clip=2.0, steps=20000, lengths=(510, 2040), lm_weight=0.5, crop="window",
+                    per_objective=frozen(qa=frozen(lr=5e-5)))
 # ICAE as the EPL code runs it: LoRA r=128 α=256 on q,v; 102 memory tokens per 510-token chunk, drawn from N(μ, σ) of
 # the embedding table; the context starts with [BOS]; learned [AE]/[LM]; EPL's QA template
-ICAE = Preset("ICAE as EPL's code runs it (EPL App. C, Table 8)", dict(bos=True, template="epl"), _EPL_RECIPE)
+ICAE = Preset("ICAE as EPL's code runs it (EPL App. C, Table 8)", frozen(bos=True, template="epl"), EPL_RECIPE)
 # PCC code (PIC §3.4 follows it): a separate, fully fine-tuned compressor LLM, ordinary causal mask, 256-token segments
 # with 16 memory slots each (16x, PIC Table 4), memory tokens as new vocabulary rows N(0, 0.02); decoder input
 # [BOS, <mem> m.. </mem>, ...] with random, frozen <mem>/</mem>/<ae>; RMSNorm -> Linear -> GELU -> Linear converter;
@@ -178,11 +217,11 @@ ICAE = Preset("ICAE as EPL's code runs it (EPL App. C, Table 8)", dict(bos=True,
 # (PIC §4.1.2 too), cosine after 300 warmup steps, clip 0.5, batch 256; 256-token texts to compress (|X| = 512:
 # p = 256, then its continuation); QA: lr 5e-5, cosine, warmup 100, batch 128; steps: one epoch in the paper (ours: 20k)
 PCC = Preset("PCC code (PIC §3.4 follows it)",
-             dict(encoder="separate", mem=16, chunk_len=256, bridge="mlp", mem_init="hf", delimiters=True,
-                  lm_token="last", train_specials=False, template="pcc"),
-             dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="cosine", warmup=300,
-                  batch_size=256, clip=0.5, steps=20000, lengths=(512, 512), lm_weight=0.5, crop="window",
-                  qa=dict(lr=5e-5, warmup=100, batch_size=128)))
+             frozen(encoder="separate", mem=16, chunk_len=256, bridge="mlp", mem_init="hf", delimiters=True,
+                    lm_token="last", train_specials=False, template="pcc"),
+             Recipe(objective="pretrain", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="cosine", warmup=300,
+                    batch_size=256, clip=0.5, steps=20000, lengths=(512, 512), lm_weight=0.5, crop="window",
+                    per_objective=frozen(qa=frozen(lr=5e-5, warmup=100, batch_size=128))))
 
 PRESETS = {
     "icae": ICAE,
@@ -193,44 +232,47 @@ PRESETS = {
     # dropout 0.05 (PEFT's default q, v), lr 1e-4, HF Trainer's AdamW (wd 0, clip 1.0), constant after 300 warmup
     # steps, texts cut to their first 500 tokens
     "500x": derive(ICAE, "EPL's 500xCompressor branch (EPL App. C); --objective ae: the 500xCompressor code",
-                   settings=dict(carrier="kv"),
-                   recipe=dict(ae=dict(betas=(0.9, 0.999), weight_decay=0.0, clip=1.0, lengths=(500, 500),
-                                       crop="head", ae_token="bos", lm_token="bos", mem_init="normal", bos=False,
-                                       lora_r=64, lora_alpha=32, lora_dropout=0.05, template="plain"))),
+                   settings=frozen(carrier="kv"),
+                   objective_settings=frozen(ae=frozen(ae_token="bos", lm_token="bos", mem_init="normal", bos=False,
+                                                       lora_r=64, lora_alpha=32, lora_dropout=0.05, template="plain")),
+                   recipe=replace(EPL_RECIPE, per_objective=frozen(
+                       qa=frozen(lr=5e-5),
+                       ae=frozen(betas=(0.9, 0.999), weight_decay=0.0, clip=1.0, lengths=(500, 500), crop="head")))),
     "pcc": PCC,
     # PIC: PCC with the block-wise causal mask and nothing else changed (PIC §4.3 ablation)
-    "pic": derive(PCC, "PIC §3.3, Eq. 4-5, on PCC's code", settings=dict(mask="pic")),
+    "pic": derive(PCC, "PIC §3.3, Eq. 4-5, on PCC's code", settings=frozen(mask="pic")),
     # CompLLM: LoRA r=32 on the LLM; segments of <= S = 20 tokens; ceil(n/C) EOS embeddings per segment with C = 2;
     # one linear layer; the question follows the CEs directly, in the model's chat format (§3, §4.1). Recipe (§4.1):
     # Adam (AdamW, weight decay 0), lr 1e-4, batch 4, "until convergence"; schedule, warmup, clip, steps and the |X|
     # range for --objective pretrain/ae are ours
     "compllm": Preset("CompLLM §3, §4.1 (no public code)",
-                      dict(lora_r=32, lora_alpha=64, source="eos", chunking="sentences", chunk_len=20, ratio=2.0,
-                           bridge="linear", ae_token="none", lm_token="none", template="chat"),
-                      dict(objective="distill", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="constant",
-                           warmup=0, batch_size=4, clip=1.0, steps=20000, lengths=(510, 2040), lm_weight=0.5,
-                           crop="window", qa=dict())),
+                      frozen(lora_r=32, lora_alpha=64, source="eos", chunking="sentences", chunk_len=20, ratio=2.0,
+                             bridge="linear", ae_token="none", lm_token="none", template="chat"),
+                      Recipe(objective="distill", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="constant",
+                             warmup=0, batch_size=4, clip=1.0, steps=20000, lengths=(510, 2040), lm_weight=0.5,
+                             crop="window", per_objective=frozen())),
     # GMSA: first k layers + LoRA; mean of groups of r last hidden states, r in {4, 8} per example; one LSA block
     # initialised from decoder layer 0; reconstruct after [AE] (§3.2-3.4); texts <= 512 tokens (PwC, §4.1), QA contexts
     # up to 3072. App. C, Table 3: AdamW, linear schedule, clip 2.0, batch 4 (AE) / 16 (KEFT); 10k AE / 5k KEFT steps.
     # Its learning rates are not legible in our copy of the paper: 1e-4 (AE) / 1e-5 (KEFT) are ours, as are betas,
     # weight decay (PyTorch's AdamW defaults), warmup, and the shortest text
     "gmsa": Preset("GMSA §3.2-3.5, App. C Table 3 (no public code)",
-                   dict(encoder="first_k", lora_r=64, lora_alpha=128, source="group_mean", chunk_len=512,
-                        bridge="lsa", lm_token="none"),
-                   dict(objective="ae", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01, schedule="linear", warmup=300,
-                        batch_size=4, clip=2.0, steps=10000, lengths=(256, 512), lm_weight=0.5, crop="window",
-                        qa=dict(lr=1e-5, batch_size=16, steps=5000, lengths=(256, 3072)))),
+                   frozen(encoder="first_k", lora_r=64, lora_alpha=128, source="group_mean", chunk_len=512,
+                          bridge="lsa", lm_token="none"),
+                   Recipe(objective="ae", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01, schedule="linear", warmup=300,
+                          batch_size=4, clip=2.0, steps=10000, lengths=(256, 512), lm_weight=0.5, crop="window",
+                          per_objective=frozen(qa=frozen(lr=1e-5, batch_size=16, steps=5000, lengths=(256, 3072))))),
     # AOC code: the decoder with every MLP replaced by the identity, fully trained, embedding the prompt with the frozen
     # LLM's table; 16 memory tokens drawn from N(0, 1); K/V carrier as 500x; regenerate from [BOS] (§2). Recipe
     # (pretrain_and_eval.py, HF Trainer defaults): AdamW β=(0.9, 0.999), wd 0, 300 warmup steps to lr 2e-4 (the paper;
     # the code's default is 5e-4), then constant; clip 1.0; batch 16; one model per prompt length n: every text is the
     # first n tokens of a document (head crop), n = 96 in the code; 300k abstracts at batch 16 = 18,750 steps
     "aoc": Preset("AOC §2 and its code (pretrain_and_eval.py)",
-                  dict(encoder="full", mlp="aoc", mem=16, chunk_len=512, carrier="kv", ae_token="bos", lm_token="bos",
-                       mem_init="normal"),
-                  dict(objective="ae", lr=2e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="constant", warmup=300,
-                       batch_size=16, clip=1.0, steps=18750, lengths=(96, 96), lm_weight=0.5, crop="head", qa=dict())),
+                  frozen(encoder="full", mlp="aoc", mem=16, chunk_len=512, carrier="kv", ae_token="bos",
+                         lm_token="bos", mem_init="normal"),
+                  Recipe(objective="ae", lr=2e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="constant",
+                         warmup=300, batch_size=16, clip=1.0, steps=18750, lengths=(96, 96), lm_weight=0.5,
+                         crop="head", per_objective=frozen())),
 }
 METHODS = tuple(PRESETS)
 
@@ -1062,8 +1104,8 @@ def method_table() -> str:
         settings = ", ".join(f"{k}={'/'.join(map(str, v)) if isinstance(v, tuple) else v}"
                              for k, v in p.settings.items()) or "(the defaults)"
         r = p.recipe
-        rows.append(f"| `{name}` | {p.cite} | {settings} | {r['objective']} | {r['lr']:.0e} | {r['batch_size']} | "
-                    f"{r['steps']:,} | {r['lengths'][0]}-{r['lengths'][1]} |")
+        rows.append(f"| `{name}` | {p.cite} | {settings} | {r.objective} | {r.lr:.0e} | {r.batch_size} | "
+                    f"{r.steps:,} | {r.lengths[0]}-{r.lengths[1]} |")
     return "\n".join(rows).replace("e-0", "e-")
 
 

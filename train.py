@@ -112,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--objective", choices=("pretrain", "ae", "qa", "distill"),
                    help="pretrain: α·LM + (1-α)·AE (EPL §3.1.1, PIC Eq. 8); ae: reconstruction only (AOC Eq. 4, "
                    "GMSA stage 1); qa: answer-only fine-tuning; distill: CompLLM Eq. 1-3. Default per method: "
-                   "pretrain for icae/500x/pcc/pic, ae for aoc/gmsa, distill for compllm, qa for --stage keft")
+                   "pretrain for icae/500x/pcc/pic, ae for aoc/gmsa, distill for compllm, qa for --stage keft. "
+                   "On some presets it changes compressor settings too (the per-method table below names them: "
+                   "--objective ae on 500x is the original 500xCompressor code)")
     g.add_argument("--stage", choices=("ae", "keft"), default="ae",
                    help="GMSA §3.5: 'keft' freezes encoder and LSA and trains the decoder's q/k/v on QA data; "
                    "start it from the stage-1 run with --init (default: ae)")
@@ -204,10 +206,12 @@ def defaults_table() -> str:
     rows = ["per-method defaults (flags override; compressors.PRESETS gives the sources of each):",
             f"  {'method':8} {'objective':9} {'lr':>7} {'betas':>11} {'wd':>5} {'schedule':9} {'warmup':>6} "
             f"{'batch':>5} {'clip':>4} {'steps':>6}  |X|"]
-    for m, d in ((m, p.recipe) for m, p in C.PRESETS.items()):
-        rows.append(f"  {m:8} {d['objective']:9} {d['lr']:7.0e} {str(d['betas']):>11} {d['weight_decay']:5} "
-                    f"{d['schedule']:9} {d['warmup']:6} {d['batch_size']:5} {d['clip']:4} {d['steps']:6}  "
-                    f"{d['lengths'][0]}-{d['lengths'][1]}" + (f"   qa: {d['qa']}" if d["qa"] else ""))
+    for m, r in ((m, p.recipe) for m, p in C.PRESETS.items()):
+        rows.append(f"  {m:8} {r.objective:9} {r.lr:7.0e} {str(r.betas):>11} {r.weight_decay:5} "
+                    f"{r.schedule:9} {r.warmup:6} {r.batch_size:5} {r.clip:4} {r.steps:6}  "
+                    f"{r.lengths[0]}-{r.lengths[1]}" + "".join(f"   {o}: {dict(v)}" for o, v in r.per_objective.items()))
+    rows += [f"--objective {o} on {m} also sets: {objective_changes(m, o)}"
+             for m, p in C.PRESETS.items() for o in p.objective_settings]
     common = ", ".join(f"{k.replace('_', ' ')} {v:g}" if isinstance(v, float) else f"{k.replace('_', ' ')} {v}"
                        for k, v in TINY_ALL.items())
     rows += ["", "--model tiny (the default): a CPU demo that compresses (ours; README, Quickstart). In place of the "
@@ -219,6 +223,14 @@ def defaults_table() -> str:
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else f'{v:g}'}"
             for k, v in d.items() if k not in ("lengths", "steps")))
     return "\n".join(rows)
+
+
+def objective_changes(method, objective, cfg=None) -> str:
+    """The compressor settings that --objective changes on this preset, as "k=v, ..." ("" for none): e.g. 500x's ae
+    is the original 500xCompressor code, with another special token, init, LoRA and template. With the run's
+    config `cfg`, only those it took (a flag overrides any of them)."""
+    return ", ".join(f"{k}={v}" for k, v in C.PRESETS[method].settings_for(objective).items()
+                     if cfg is None or getattr(cfg, k) == v)
 
 
 def fail(message) -> None:
@@ -275,11 +287,13 @@ def resolve_defaults(args):
             fail(e)
         args.model = init["compressor_model"] or init["model"]
         args.decoder = init["model"] if init["compressor_model"] else None
-    paper = dict(C.PRESETS[args.method].recipe)
+    preset = C.PRESETS[args.method]
     demo = tiny_demo(args.method, args.model, args.decoder)
     if args.objective is None:
-        args.objective = "qa" if args.stage == "keft" else demo.get("objective", paper["objective"])
-    paper.update(paper.get(args.objective, {}))   # what changes for this objective (fine-tuning, the original 500x)
+        args.objective = "qa" if args.stage == "keft" else demo.get("objective", preset.recipe.objective)
+    # the recipe's values for this objective (fine-tuning), and the compressor settings the objective changes too
+    # (the original 500x code: objective_changes says which; --help and the first log line name them)
+    paper = {**preset.recipe.values(args.objective), **preset.settings_for(args.objective)}
     paper.update(demo)   # --model tiny: the demo's settings in place of the paper's
     if not init:   # compressor settings the recipe row changes, unless a flag sets them
         for k in COMPRESSOR_FLAGS:
@@ -1009,9 +1023,12 @@ def main(argv=None):
         trim_log(os.path.join(args.out, "log.jsonl"), run.start)   # a resumed run rewrites the steps after its checkpoint
         log = open(os.path.join(args.out, "log.jsonl"), "a")
         read = f"{data.documents:,} documents" + (f", {data.questions:,} QA examples" if data.questions else "")
-        demo, paper = tiny_demo(args.method, args.model, args.decoder), C.PRESETS[args.method].recipe["objective"]
+        demo, paper = tiny_demo(args.method, args.model, args.decoder), C.PRESETS[args.method].recipe.objective
         note = (f" (--model tiny's demo; the paper's: {paper})" if demo and args.objective == demo["objective"] != paper
                 else "")
+        changes = objective_changes(args.method, args.objective, comp.cfg)
+        if changes and not args.init:   # (with --init, the settings are that run's)
+            note += f" (--objective {args.objective} on {args.method} also sets: {changes})"
         print(f"{comp.cfg.method}: {args.objective} objective{note} on {read}, "
               f"{sum(p.numel() for p in params):,} trained parameters, batch {args.batch_size} "
               f"({run.accum} x {run.micro} x {run.world}), |X| in [{args.min_len}, {args.max_len}], lr {args.lr:g}, "

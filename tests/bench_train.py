@@ -110,7 +110,7 @@ def bench_shape(shape, method, device, steps, batch=4):
     decoder, tok = build_shape(shape, device)   # ids below the tiny vocabulary: any tokenizer will do
     comp = C.build(method, decoder, tok)
     recipe = C.PRESETS[method].recipe
-    n = recipe["lengths"][1] // (2 if recipe["objective"] == "pretrain" else 1)
+    n = recipe.lengths[1] // (2 if recipe.objective == "pretrain" else 1)
     opt = torch.optim.AdamW(comp.trainable_parameters(), lr=1e-5, fused=device == "cuda")
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(3, 250, (n,), generator=g).tolist() for _ in range(batch)]

@@ -2,9 +2,11 @@
 which positions it sees, what must not change. Positions are checked against the EPL paper's numbers
 written out literally, never recomputed with positions.py."""
 
+import dataclasses
 import math
 import os
 import sys
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import replace
 
@@ -689,6 +691,38 @@ def test_aoc_reads_in_under_250_lines_with_at_most_8_config_conditions():
     import reading_guide
     lines, conditions = reading_guide.guide()[1]["aoc"]
     assert lines < 250 and conditions <= 8, (lines, conditions)
+
+
+# ---------------------------------------------------------------------------- issue 31: one word, one meaning
+
+
+def test_no_preset_shares_a_mutable_recipe_or_settings_object():
+    """ICAE's recipe was _EPL_RECIPE itself and icae and 500x shared one `qa` dict: now every record is frozen and
+    every mapping read-only, so no preset can change another's."""
+    def mutable(x, path):
+        if isinstance(x, (dict, list, set)):
+            yield path
+        for k, v in (x.items() if isinstance(x, Mapping) else enumerate(x) if isinstance(x, tuple) else ()):
+            yield from mutable(v, f"{path}[{k!r}]")
+    for name, p in C.PRESETS.items():
+        recipe = tuple(getattr(p.recipe, f.name) for f in dataclasses.fields(p.recipe))
+        found = list(mutable(tuple(p), name)) + list(mutable(recipe, name + ".recipe"))
+        assert not found, found
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            p.recipe.lr = 1.0
+        with pytest.raises(TypeError):
+            p.settings["mem"] = 1
+    # icae and 500x still read the same EPL values, from frozen records
+    assert C.PRESETS["icae"].recipe.values("qa")["lr"] == C.PRESETS["500x"].recipe.values("qa")["lr"] == 5e-5
+
+
+def test_a_recipe_is_a_typed_record_whose_fields_carry_their_help():
+    assert dataclasses.is_dataclass(C.Recipe)
+    assert all(f.metadata.get("help") for f in dataclasses.fields(C.Recipe))
+    assert all(isinstance(p.recipe, C.Recipe) for p in C.PRESETS.values())
+    # the compressor settings an objective changes live apart from the recipe's values (500x's original AE setup)
+    assert C.PRESETS["500x"].settings_for("ae")["ae_token"] == "bos" and not C.PRESETS["500x"].settings_for("qa")
+    assert not set(C.PRESETS["500x"].recipe.values("ae")) & {f.name for f in dataclasses.fields(C.CompressorConfig)}
 
 
 def test_mem_norm_puts_the_memory_at_the_token_embeddings_scale(device):
