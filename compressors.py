@@ -102,10 +102,16 @@ class CompressorConfig:
     # --- memory source ---
     source: str = axis("mem_tokens", "what becomes the memory: learned memory tokens (ICAE, 500x, PCC/PIC, AOC), "
                        "EOS embeddings (CompLLM), group means (GMSA)", ("mem_tokens", "eos", "group_mean"))
-    mem: int = axis(102, "memory tokens per chunk, a fixed budget (EPL: 102 per 510; AOC: 1, 4 or 16)")
-    ratio: float = axis(0.0, "> 0: memory per chunk = ceil(chunk tokens / R) instead of --mem (PIC 16x, CompLLM "
-                        "C = 2)")
-    ratios: tuple = axis((4, 8), "GMSA group sizes, one sampled per example (GMSA §4.1: 4 8)", item=int, metavar="R")
+    # One concept, the compression ratio r = context tokens per memory vector, set one of three ways: a fixed budget
+    # (mem, the ratio follows from chunk_len), a ratio (ratio), or GMSA's group sizes (ratios). make_config maps
+    # them onto each other in two documented cases only (see its docstring; the flags' help says the same).
+    mem: int = axis(102, "memory tokens per chunk, a fixed budget (EPL: 102 per 510; AOC: 1, 4 or 16); on a preset "
+                    "with a --ratio (CompLLM) --mem without --ratio sets the ratio to 0")
+    ratio: float = axis(0.0, "compression ratio r > 0: a chunk of n tokens gets ceil(n / r) memory slots instead of "
+                        "--mem (CompLLM C = 2); 0: the fixed --mem. On group merging (GMSA) --ratio R means "
+                        "--ratios R, one fixed group size")
+    ratios: tuple = axis((4, 8), "group merging (GMSA): the compression ratios r (group sizes) one of which is "
+                         "sampled per example (GMSA §4.1: 4 8)", item=int, metavar="R")
     mem_init: str = axis("embed", "how memory and learned special tokens are drawn: N(mean, std) of the embedding "
                          "table, scalars (EPL code), N(0, 1) (ICAE, 500x, AOC code) or N(0, 0.02) (PCC code: new "
                          "vocabulary rows)", ("embed", "normal", "hf"))
@@ -278,7 +284,10 @@ METHODS = tuple(PRESETS)
 
 
 def make_config(method: str, **overrides) -> CompressorConfig:
-    """The preset `method` with `overrides` (None values are ignored) applied on top, validated."""
+    """The preset `method` with `overrides` (None values are ignored) applied on top, validated.
+    Two documented mappings between the three settings of the compression ratio (their flags' help says the same):
+      * `mem` given without `ratio`: a fixed budget, so a preset's ratio (CompLLM's C = 2) becomes 0;
+      * `ratio` R > 0 on group merging (GMSA): its one compression ratio, i.e. ratios = (R,) and ratio = 0."""
     if method not in PRESETS:
         raise ValueError(f"unknown method '{method}': choose one of {', '.join(METHODS)}")
     overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -287,11 +296,9 @@ def make_config(method: str, **overrides) -> CompressorConfig:
         if k not in known:
             raise ValueError(f"unknown compressor setting '{k}': known settings are {', '.join(sorted(known))}")
     settings = {**PRESETS[method].settings, **overrides}
-    # a fixed --mem replaces a preset's compression ratio unless a ratio is asked for too
-    if "mem" in overrides and "ratio" not in overrides:
+    if "mem" in overrides and "ratio" not in overrides:   # mapping 1 (docstring): a fixed budget, no ratio
         settings["ratio"] = 0.0
-    # group merging: --ratio R fixes the group size (GMSA samples it from `ratios` otherwise)
-    if settings.get("source") == "group_mean" and settings.get("ratio", 0) > 0:
+    if settings.get("source") == "group_mean" and settings.get("ratio", 0) > 0:   # mapping 2: ratio R -> ratios (R,)
         settings["ratios"], settings["ratio"] = (settings["ratio"],), 0.0
     if "ratios" in settings:   # group sizes are whole numbers of tokens
         settings["ratios"] = tuple(int(r) if float(r).is_integer() else r for r in settings["ratios"])
@@ -315,9 +322,9 @@ def validate(cfg: CompressorConfig):
         if cfg.mask != "causal":
             raise ValueError(f"--mask {cfg.mask} needs memory tokens; {cfg.method} has none: drop --mask")
         if not cfg.ratios or any(not isinstance(r, int) or r < 1 for r in cfg.ratios):
-            raise ValueError(f"group-merging rates must be whole numbers >= 1, got {cfg.ratios}")
+            raise ValueError(f"group-merging ratios must be whole numbers >= 1, got {cfg.ratios}")
         if cfg.ratio > 0:
-            raise ValueError("ratio does not apply to group merging: set ratios (one rate per example)")
+            raise ValueError("ratio does not apply to group merging: set ratios (one ratio per example)")
     elif cfg.ratio <= 0:
         if cfg.mem < 1:
             raise ValueError(f"--mem must be >= 1, got {cfg.mem}")
@@ -751,9 +758,10 @@ class Compressor(nn.Module):
 
     # ---- compression ----
 
-    def compress(self, contexts: list, rates: list | None = None, cache: dict | None = None) -> Memory:
+    def compress(self, contexts: list, ratios: list | None = None, cache: dict | None = None) -> Memory:
         """Compress a batch of contexts (lists of encoder token ids) into one Memory.
-        rates: group_mean only, one compression rate per context (default: sampled from cfg.ratios).
+        ratios: group_mean only, the compression ratio r (group size) of each context (default: one sampled from
+        cfg.ratios per context, GMSA §4.1).
         cache: a dict that keeps each chunk's memory under the hash of what it depends on (its ids, its slots and,
         for EPL/UPL, its position): a chunk seen before is not encoded again (CompLLM §1 "reusability": a context
         shared by several queries is compressed once). For evaluation; gradients do not flow through it."""
@@ -761,7 +769,7 @@ class Compressor(nn.Module):
             raise ValueError("cannot compress an empty context")
         contexts = [self.context_start + list(c) for c in contexts]
         if self.cfg.source == "group_mean":
-            return self._compress_merge(contexts, rates)
+            return self._compress_merge(contexts, ratios)
         rows = self._chunk_rows(contexts, lambda b, n: self.num_mem(n))
         keys = [self._cache_key(row) for row in rows] if cache is not None else None
         todo = [r for r in range(len(rows)) if cache is None or keys[r] not in cache]
@@ -822,17 +830,17 @@ class Compressor(nn.Module):
         return Memory(**carried, valid=valid.to(self.device), enc_pos=enc_pos, chunk_lens=chunk_lens,
                       mem_counts=counts)
 
-    def _compress_merge(self, contexts: list, rates: list | None) -> Memory:
+    def _compress_merge(self, contexts: list, ratios: list | None) -> Memory:
         """GMSA §3.2: encode with the first k layers, mean-pool consecutive groups of r hidden states."""
         cfg, dev = self.cfg, self.device
-        if rates is None:   # GMSA §4.1: the compression rate is sampled per example
-            rates = [cfg.ratios[i] for i in torch.randint(len(cfg.ratios), (len(contexts),)).tolist()]
-        rows = self._chunk_rows(contexts, lambda b, n: math.ceil(n / rates[b]))   # groups per chunk
+        if ratios is None:   # GMSA §4.1: the compression ratio is sampled per example
+            ratios = [cfg.ratios[i] for i in torch.randint(len(cfg.ratios), (len(contexts),)).tolist()]
+        rows = self._chunk_rows(contexts, lambda b, n: math.ceil(n / ratios[b]))   # groups per chunk
         R, T, G = len(rows), max(len(row.ids) for row in rows), max(row.slots for row in rows)
         pad = self.enc_tok.pad_id if self.enc_tok.pad_id is not None else 0
         ids = torch.tensor([row.ids + [pad] * (T - len(row.ids)) for row in rows], device=dev)
         # GMSA §3.2: consecutive groups of size r; padding goes to a spare group G, dropped
-        group = torch.tensor([[t // rates[row.sample] if t < len(row.ids) else G for t in range(T)] for row in rows],
+        group = torch.tensor([[t // ratios[row.sample] if t < len(row.ids) else G for t in range(T)] for row in rows],
                              device=dev)
         lens = torch.tensor([len(row.ids) for row in rows])
         attn = masks.with_padding(masks.causal(T), torch.arange(T)[None] < lens[:, None]).to(dev)   # on the host

@@ -178,7 +178,7 @@ def add_data_and_run_flags(p: argparse.ArgumentParser):
     g.add_argument("--cache-dir", help="token and teacher-answer cache (default: OUT/cache)")
 
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=0, help="seeds the data order, GMSA's rates and the init (default 0)")
+    g.add_argument("--seed", type=int, default=0, help="seeds the data order, GMSA's ratios and the init (default 0)")
     g.add_argument("--save-every", type=int, default=1000, help="checkpoint every N steps (default 1000)")
     g.add_argument("--resume", help="continue the run in this directory exactly where its checkpoint stopped; "
                    "only " + ", ".join("--" + f.replace("_", "-") for f in sorted(RUN_FLAGS - {"resume"})) +
@@ -536,9 +536,9 @@ def sample_example(data, objective, rng, args, comp, step):
     the decoder's."""
     ex = draw_qa(data, objective, rng, args, comp) if objective in ("qa", "distill") else \
         draw_text(data, objective, rng, args, comp, step)
-    # GMSA §4.1: the compression rate is sampled per example; drawn with the example, so that it too depends on
+    # GMSA §4.1: the compression ratio is sampled per example; drawn with the example, so that it too depends on
     # nothing but the step and the example's index
-    ex["rate"] = [comp.cfg.ratios[rng.integers(len(comp.cfg.ratios))]] if comp.cfg.source == "group_mean" else []
+    ex["ratio"] = [comp.cfg.ratios[rng.integers(len(comp.cfg.ratios))]] if comp.cfg.source == "group_mean" else []
     return ex
 
 
@@ -596,11 +596,11 @@ def step_examples(data, objective, args, comp, step):
 
 
 def collate(examples):
-    """A micro-batch: one list per field; "rates" (GMSA) is None unless sampled."""
+    """A micro-batch: one list per field; "ratios" (GMSA: one compression ratio per example) is None unless sampled."""
     batch = {k: [e[k] for e in examples] for k in examples[0]}
-    if "rate" in batch:
-        rates = sum(batch.pop("rate"), [])
-        batch["rates"] = rates or None
+    if "ratio" in batch:
+        ratios = sum(batch.pop("ratio"), [])
+        batch["ratios"] = ratios or None
     # tokens the step reads: compressed context + every decoder sequence (tok/s in the log)
     batch["tokens"] = sum(len(f) for k in ("context", "ae", "lm", "qa") if k in batch for f in batch[k])
     return batch
@@ -679,7 +679,7 @@ def lr_at(step, args):
 
 def loss_pretrain(comp, b, lm_weight):
     """EPL §3.1.1 / PIC Eq. (6)-(8): ONE compression of x_1..x_p serves both tasks."""
-    memory = comp.compress(b["context"], rates=b.get("rates"))
+    memory = comp.compress(b["context"], ratios=b.get("ratios"))
     norm = b["norm"]
     l_ae, _ = comp.lm_loss(memory, "ae", b["ae"], normalize_by=norm["ae"])   # AE / TR, PIC Eq. (6): x_1..x_p, EOS
     l_lm, _ = comp.lm_loss(memory, "lm", b["lm"], last_tokens=b["last"],    # LM / TC, PIC Eq. (7): x_p+1..
@@ -690,13 +690,13 @@ def loss_pretrain(comp, b, lm_weight):
 def loss_ae(comp, b):
     """ICAE autoencoding / AOC Eq. (4) / GMSA §3.4 stage 1: regenerate the compressed text from the memory
     (500x/AOC after [BOS], ICAE/GMSA after [AE]: the compressor's ae_token)."""
-    l_ae, _ = comp.lm_loss(comp.compress(b["context"], rates=b.get("rates")), "ae", b["ae"], normalize_by=b["norm"]["ae"])
+    l_ae, _ = comp.lm_loss(comp.compress(b["context"], ratios=b.get("ratios")), "ae", b["ae"], normalize_by=b["norm"]["ae"])
     return l_ae, {"ae": l_ae}
 
 
 def loss_qa(comp, b):
     """QA fine-tuning (EPL §4, GMSA KEFT Eq. 8): [memory; [LM]; question] -> answer, loss on answer + EOS only."""
-    l_qa, _ = comp.lm_loss(comp.compress(b["context"], rates=b.get("rates")), "qa", b["qa"], n_supervised=b["n_answer"], prefix=b["prefix"],
+    l_qa, _ = comp.lm_loss(comp.compress(b["context"], ratios=b.get("ratios")), "qa", b["qa"], n_supervised=b["n_answer"], prefix=b["prefix"],
                            normalize_by=b["norm"]["qa"])
     return l_qa, {"qa": l_qa}
 

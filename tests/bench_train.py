@@ -124,7 +124,7 @@ def bench_shape(shape, method, device, steps, batch=4):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         with autocast:
-            memory = comp.compress(ids, rates=rates)
+            memory = comp.compress(ids, ratios=rates)
             loss, _ = comp.lm_loss(memory, "ae", [comp.ae_target(x) for x in ids])
         loss.backward()
         opt.step()

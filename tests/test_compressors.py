@@ -3,6 +3,7 @@ which positions it sees, what must not change. Positions are checked against the
 written out literally, never recomputed with positions.py."""
 
 import dataclasses
+import inspect
 import math
 import os
 import sys
@@ -363,7 +364,7 @@ def test_gmsa_group_merging_is_an_exact_mean_with_a_short_last_group(device):
     assert comp.encoder.config.num_hidden_layers == dec.config.num_hidden_layers // 4 == len(comp.encoder.model.layers)
     ids = tok.encode("eleven toks")[:11]
     with torch.no_grad():
-        memory = comp.compress([ids], rates=[4])
+        memory = comp.compress([ids], ratios=[4])
         h = comp.encoder(torch.tensor([ids], device=device)).last_hidden[0]
     groups = [h[0:4].mean(0), h[4:8].mean(0), h[8:11].mean(0)]   # the last group has 3 tokens
     assert memory.embeds.shape[1] == 3
@@ -393,7 +394,7 @@ def test_gmsa_keft_trains_only_decoder_qkv(device):
     comp.set_stage("keft")
     ctx, q, a = tok.encode("Paris is in France."), tok.encode(" Where is Paris?"), tok.encode(" France")
     before = {n: p.detach().clone() for n, p in comp.named_parameters()}
-    memory = comp.compress([ctx], rates=[4])
+    memory = comp.compress([ctx], ratios=[4])
     loss, _ = comp.lm_loss(memory, "qa", [q + a + [tok.eos_id]], [len(a) + 1])
     loss.backward()
     torch.optim.SGD(comp.trainable_parameters(), lr=0.1).step()
@@ -416,7 +417,7 @@ def test_save_load_roundtrip_gives_the_same_memory(tmp_path, device):
     back = C.load(str(tmp_path), device=device)
     ids = [tok.encode("the same memory after loading")]
     with torch.no_grad():
-        torch.testing.assert_close(back.compress(ids, rates=[4]).embeds, comp.compress(ids, rates=[4]).embeds)
+        torch.testing.assert_close(back.compress(ids, ratios=[4]).embeds, comp.compress(ids, ratios=[4]).embeds)
         x = torch.tensor(ids, device=device)
         torch.testing.assert_close(back.decoder(x).logits, comp.decoder(x).logits)   # KEFT q/k/v saved too
     wrong = C.build("gmsa", *tiny(device), enc_layers=2)
@@ -669,7 +670,7 @@ def test_supervised_tokens_counts_what_lm_loss_supervises(method, overrides, dev
     model, tok = tiny(device)
     comp = C.build(method, model, tok, **overrides)
     contexts = [tok.encode(TEXT[:40]), tok.encode(TEXT[50:73])]
-    memory = comp.compress(contexts, rates=[4, 4] if comp.cfg.source == "group_mean" else None)
+    memory = comp.compress(contexts, ratios=[4, 4] if comp.cfg.source == "group_mean" else None)
     follow = [tok.encode(" and so on."), tok.encode(" more")]
     for task, n_sup, prefix in (("ae", None, None), ("lm", None, None), ("qa", [3, 2], None),
                                 ("qa", None, [tok.encode("Q:"), []])):
@@ -723,6 +724,16 @@ def test_a_recipe_is_a_typed_record_whose_fields_carry_their_help():
     # the compressor settings an objective changes live apart from the recipe's values (500x's original AE setup)
     assert C.PRESETS["500x"].settings_for("ae")["ae_token"] == "bos" and not C.PRESETS["500x"].settings_for("qa")
     assert not set(C.PRESETS["500x"].recipe.values("ae")) & {f.name for f in dataclasses.fields(C.CompressorConfig)}
+
+
+def test_the_ratio_settings_are_one_concept_with_documented_mappings():
+    help_of = {f.name: f.metadata["help"] for f in C.FLAG_FIELDS}
+    assert "compression ratio" in help_of["ratio"] and "--ratios" in help_of["ratio"]   # GMSA: --ratio R = --ratios R
+    assert "compression ratios" in help_of["ratios"]
+    assert "--ratio" in help_of["mem"]                                                 # --mem drops a preset's ratio
+    assert "mappings" in C.make_config.__doc__
+    assert C.make_config("compllm", mem=4).ratio == 0.0 and C.make_config("gmsa", ratio=2).ratios == (2,)
+    assert "ratios" in inspect.signature(C.Compressor.compress).parameters   # one word: no "rates"
 
 
 def test_mem_norm_puts_the_memory_at_the_token_embeddings_scale(device):
