@@ -243,7 +243,7 @@ def test_help_and_the_first_log_line_say_where_the_objective_changes_the_archite
     # random text lengths and offsets (the data position) ...
     ("icae", ["--mem", "4", "--chunk-len", "16", *LORA, "--objective", "pretrain", "--crop", "window",
               "--min-len", "16", "--max-len", "64"]),
-    # ... and GMSA's rates, drawn from torch's RNG inside compress() (the RNG state in the checkpoint)
+    # ... and GMSA's ratios, drawn from torch's RNG inside compress() (the RNG state in the checkpoint)
     ("gmsa", [*LORA, "--crop", "window", "--min-len", "16", "--max-len", "64"]),
 ])
 def test_stop_after_then_resume_equals_an_uninterrupted_run(method, flags, tmp_path, run_train):
