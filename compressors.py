@@ -46,7 +46,9 @@ import math
 import os
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import NamedTuple
+from itertools import accumulate
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -101,10 +103,16 @@ class CompressorConfig:
     # --- memory source ---
     source: str = axis("mem_tokens", "what becomes the memory: learned memory tokens (ICAE, 500x, PCC/PIC, AOC), "
                        "EOS embeddings (CompLLM), group means (GMSA)", ("mem_tokens", "eos", "group_mean"))
-    mem: int = axis(102, "memory tokens per chunk, a fixed budget (EPL: 102 per 510; AOC: 1, 4 or 16)")
-    ratio: float = axis(0.0, "> 0: memory per chunk = ceil(chunk tokens / R) instead of --mem (PIC 16x, CompLLM "
-                        "C = 2)")
-    ratios: tuple = axis((4, 8), "GMSA group sizes, one sampled per example (GMSA §4.1: 4 8)", item=int, metavar="R")
+    # One concept, the compression ratio r = context tokens per memory vector, set one of three ways: a fixed budget
+    # (mem, the ratio follows from chunk_len), a ratio (ratio), or GMSA's group sizes (ratios). make_config maps
+    # them onto each other in two documented cases only (see its docstring; the flags' help says the same).
+    mem: int = axis(102, "memory tokens per chunk, a fixed budget (EPL: 102 per 510; AOC: 1, 4 or 16); on a preset "
+                    "with a --ratio (CompLLM) --mem without --ratio sets the ratio to 0")
+    ratio: float = axis(0.0, "compression ratio r > 0: a chunk of n tokens gets ceil(n / r) memory slots instead of "
+                        "--mem (CompLLM C = 2); 0: the fixed --mem. On group merging (GMSA) --ratio R means "
+                        "--ratios R, one fixed group size")
+    ratios: tuple = axis((4, 8), "group merging (GMSA): the compression ratios r (group sizes) one of which is "
+                         "sampled per example (GMSA §4.1: 4 8)", item=int, metavar="R")
     mem_init: str = axis("embed", "how memory and learned special tokens are drawn: N(mean, std) of the embedding "
                          "table, scalars (EPL code), N(0, 1) (ICAE, 500x, AOC code) or N(0, 0.02) (PCC code: new "
                          "vocabulary rows)", ("embed", "normal", "hf"))
@@ -114,7 +122,8 @@ class CompressorConfig:
     chunking: str = axis("fixed", "chunks of --chunk-len, or CompLLM's sentence segments of at most --chunk-len "
                          "tokens", ("fixed", "sentences"))
     chunk_len: int = axis(510, "context tokens per chunk (EPL: L = 510; CompLLM: segment length S)")
-    bos: bool = axis(False, "the context starts with [BOS] and AE reconstructs [BOS] X [EOS] (ICAE, EPL code)")
+    bos: bool = axis(False, "the context BOS: every context starts with [BOS], and AE reconstructs [BOS] X [EOS] "
+                     "(ICAE, EPL code); not the [BOS] of --ae-token bos nor the delimiters' leading [BOS]")
     # --- encoder attention and positions ---
     mask: str = axis("causal", "encoder mask over [chunk, memory]: ordinary causal, or PIC Eq. 5", ("causal", "pic"))
     layout: str = axis("dpl", "position layout of memory tokens (EPL §3.2, positions.py); only for methods with "
@@ -128,11 +137,14 @@ class CompressorConfig:
                           "of the decoder's token embeddings before the decoder reads it (ICAE's final-norm hidden "
                           "states are ~20x larger on SmolLM2)")
     lsa_layers: int = axis(1, "LSA bridge: decoder blocks copied (GMSA: j = 1 suffices)")
-    delimiters: bool = axis(False, "PCC code: [BOS] first, then each chunk's memory between <mem> and </mem>")
-    ae_token: str = axis("learned", "after the memory for AE: a learned [AE] (ICAE, EPL), [BOS] (500x, AOC) or "
-                         "nothing", ("learned", "bos", "none"))
-    lm_token: str = axis("learned", "after the memory for LM and QA: a learned [LM] (EPL), [BOS], x_k (PIC Eq. 7) "
-                         "or nothing (CompLLM)", ("learned", "bos", "last", "none"))
+    delimiters: bool = axis(False, "PCC code: the decoder input opens with a leading [BOS], then each chunk's memory "
+                            "between <mem> and </mem>")
+    # the special token after the memory (special_token, Compressor.special_embedding); the two field names are kept
+    # because checkpoints store them
+    ae_token: str = axis("learned", "the special token after the memory for AE: a learned [AE] (ICAE, EPL), [BOS] as "
+                         "the special token (500x, AOC) or nothing", ("learned", "bos", "none"))
+    lm_token: str = axis("learned", "the special token after the memory for LM and QA: a learned [LM] (EPL), [BOS], "
+                         "x_k (PIC Eq. 7) or nothing (CompLLM)", ("learned", "bos", "last", "none"))
     train_specials: bool = axis(True, "learned [AE]/[LM] and delimiters train (PCC code keeps them random and "
                                 "frozen with the decoder)")
     template: str = axis("plain", "QA prompt around context and question (TEMPLATES; chat: the model's own)",
@@ -144,33 +156,71 @@ CHOICES = {f.name: f.metadata["choices"] for f in FLAG_FIELDS if f.metadata["cho
 CHOICES["decoder_train"] = ("none", "keft")
 
 
+def recipe_field(help):
+    """A Recipe field: train.py's default for the flag of the same name, with its help."""
+    return field(metadata=dict(help=help))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A paper's training recipe: train.py's defaults for the flags of the same names (any flag overrides them).
+    Frozen, and its per-objective changes are read-only mappings: no preset can change another's recipe."""
+    objective: str = recipe_field("the default --objective: pretrain, ae, qa or distill")
+    lr: float = recipe_field("AdamW peak learning rate")
+    betas: tuple = recipe_field("AdamW (β1, β2)")
+    weight_decay: float = recipe_field("AdamW weight decay")
+    schedule: str = recipe_field("learning-rate schedule after warmup: constant, cosine or linear")
+    warmup: int = recipe_field("linear warmup steps")
+    batch_size: int = recipe_field("examples per optimizer step")
+    clip: float = recipe_field("gradient-norm clip")
+    steps: int = recipe_field("optimizer steps")
+    lengths: tuple = recipe_field("(shortest, longest) text |X| in tokens (pretrain compresses the first half, ae all "
+                                  "of it)")
+    lm_weight: float = recipe_field("α (EPL) / λ (PIC Eq. 8): pretrain's loss is α·LM + (1-α)·AE")
+    crop: str = recipe_field("where a text is cut from its document: window (anywhere) or head (its first tokens)")
+    per_objective: Mapping = recipe_field("objective -> the recipe values that change for it (qa: fine-tuning)")
+
+    def values(self, objective: str) -> dict:
+        """Every value of this recipe, with what changes for `objective` applied."""
+        base = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "per_objective"}
+        return {**base, **self.per_objective.get(objective, {})}
+
+
+def frozen(**kw) -> MappingProxyType:
+    """A read-only dict (a preset's settings are never shared mutably with another preset)."""
+    return MappingProxyType(dict(kw))
+
+
 class Preset(NamedTuple):
-    """One method: the compressor settings its paper's code uses, its training recipe (train.py's defaults, any
-    flag overrides them), and the sources both follow.
-    recipe: objective, AdamW lr / betas / weight_decay, schedule after `warmup` steps, batch_size, clip, steps,
-    lengths = (shortest, longest) text |X| in tokens (pretrain compresses the first half, ae all of it), lm_weight
-    (α, EPL / λ, PIC Eq. 8), crop ("window" anywhere in a document, "head" its first tokens). A key named after an
-    objective holds what changes for it (--objective qa: fine-tuning); such a row may also change compressor
-    settings, e.g. the original 500x regenerates from [BOS]. "ours" marks a value the paper and its code do not give."""
-    cite: str
-    settings: dict
-    recipe: dict
+    """One method: the compressor settings its paper's code uses, its training recipe, and the sources both follow.
+    "ours" marks a value the paper and its code do not give."""
+    cite: str               # the paper section or code this preset follows
+    settings: Mapping       # CompressorConfig fields that differ from the defaults
+    recipe: Recipe          # train.py's defaults
+    # objective -> compressor settings that --objective changes too, e.g. the original 500x code's AE-only setup
+    # regenerates from [BOS]: train.py's --help and a run's first log line name them
+    objective_settings: Mapping = frozen()
+
+    def settings_for(self, objective: str) -> Mapping:
+        """The compressor settings --objective `objective` sets on top of `settings` (empty for most)."""
+        return self.objective_settings.get(objective, frozen())
 
 
-def derive(base: Preset, cite: str, settings=None, recipe=None) -> Preset:
-    """A preset that is `base` plus a few changes."""
-    return Preset(cite, {**base.settings, **(settings or {})}, {**base.recipe, **(recipe or {})})
+def derive(base: Preset, cite: str, settings=frozen(), objective_settings=frozen(), recipe=None) -> Preset:
+    """A preset that is `base` plus a few changes (new read-only mappings; `base` is never touched)."""
+    return Preset(cite, frozen(**{**base.settings, **settings}), recipe or base.recipe,
+                  frozen(**{**base.objective_settings, **objective_settings}))
 
 
 # EPL App. C, Table 8 and code (ICAE continued pretraining, 1B/3B): AdamW β=(0.9, 0.95), wd 0.1, lr 1e-4 pretrain /
 # 5e-5 fine-tune, constant schedule, warmup 300, batch 16, 20k steps, clip 2.0; |X| ∈ [510, 2040], α = 0.5 (the code
 # averages the two losses 1:1)
-_EPL_RECIPE = dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, schedule="constant", warmup=300,
-                   batch_size=16, clip=2.0, steps=20000, lengths=(510, 2040), lm_weight=0.5, crop="window",
-                   qa=dict(lr=5e-5))
+EPL_RECIPE = Recipe(objective="pretrain", lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, schedule="constant",
+                    warmup=300, batch_size=16, clip=2.0, steps=20000, lengths=(510, 2040), lm_weight=0.5, crop="window",
+                    per_objective=frozen(qa=frozen(lr=5e-5)))
 # ICAE as the EPL code runs it: LoRA r=128 α=256 on q,v; 102 memory tokens per 510-token chunk, drawn from N(μ, σ) of
 # the embedding table; the context starts with [BOS]; learned [AE]/[LM]; EPL's QA template
-ICAE = Preset("ICAE as EPL's code runs it (EPL App. C, Table 8)", dict(bos=True, template="epl"), _EPL_RECIPE)
+ICAE = Preset("ICAE as EPL's code runs it (EPL App. C, Table 8)", frozen(bos=True, template="epl"), EPL_RECIPE)
 # PCC code (PIC §3.4 follows it): a separate, fully fine-tuned compressor LLM, ordinary causal mask, 256-token segments
 # with 16 memory slots each (16x, PIC Table 4), memory tokens as new vocabulary rows N(0, 0.02); decoder input
 # [BOS, <mem> m.. </mem>, ...] with random, frozen <mem>/</mem>/<ae>; RMSNorm -> Linear -> GELU -> Linear converter;
@@ -178,11 +228,11 @@ ICAE = Preset("ICAE as EPL's code runs it (EPL App. C, Table 8)", dict(bos=True,
 # (PIC §4.1.2 too), cosine after 300 warmup steps, clip 0.5, batch 256; 256-token texts to compress (|X| = 512:
 # p = 256, then its continuation); QA: lr 5e-5, cosine, warmup 100, batch 128; steps: one epoch in the paper (ours: 20k)
 PCC = Preset("PCC code (PIC §3.4 follows it)",
-             dict(encoder="separate", mem=16, chunk_len=256, bridge="mlp", mem_init="hf", delimiters=True,
-                  lm_token="last", train_specials=False, template="pcc"),
-             dict(objective="pretrain", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="cosine", warmup=300,
-                  batch_size=256, clip=0.5, steps=20000, lengths=(512, 512), lm_weight=0.5, crop="window",
-                  qa=dict(lr=5e-5, warmup=100, batch_size=128)))
+             frozen(encoder="separate", mem=16, chunk_len=256, bridge="mlp", mem_init="hf", delimiters=True,
+                    lm_token="last", train_specials=False, template="pcc"),
+             Recipe(objective="pretrain", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="cosine", warmup=300,
+                    batch_size=256, clip=0.5, steps=20000, lengths=(512, 512), lm_weight=0.5, crop="window",
+                    per_objective=frozen(qa=frozen(lr=5e-5, warmup=100, batch_size=128))))
 
 PRESETS = {
     "icae": ICAE,
@@ -193,50 +243,56 @@ PRESETS = {
     # dropout 0.05 (PEFT's default q, v), lr 1e-4, HF Trainer's AdamW (wd 0, clip 1.0), constant after 300 warmup
     # steps, texts cut to their first 500 tokens
     "500x": derive(ICAE, "EPL's 500xCompressor branch (EPL App. C); --objective ae: the 500xCompressor code",
-                   settings=dict(carrier="kv"),
-                   recipe=dict(ae=dict(betas=(0.9, 0.999), weight_decay=0.0, clip=1.0, lengths=(500, 500),
-                                       crop="head", ae_token="bos", lm_token="bos", mem_init="normal", bos=False,
-                                       lora_r=64, lora_alpha=32, lora_dropout=0.05, template="plain"))),
+                   settings=frozen(carrier="kv"),
+                   objective_settings=frozen(ae=frozen(ae_token="bos", lm_token="bos", mem_init="normal", bos=False,
+                                                       lora_r=64, lora_alpha=32, lora_dropout=0.05, template="plain")),
+                   recipe=replace(EPL_RECIPE, per_objective=frozen(
+                       qa=frozen(lr=5e-5),
+                       ae=frozen(betas=(0.9, 0.999), weight_decay=0.0, clip=1.0, lengths=(500, 500), crop="head")))),
     "pcc": PCC,
     # PIC: PCC with the block-wise causal mask and nothing else changed (PIC §4.3 ablation)
-    "pic": derive(PCC, "PIC §3.3, Eq. 4-5, on PCC's code", settings=dict(mask="pic")),
+    "pic": derive(PCC, "PIC §3.3, Eq. 4-5, on PCC's code", settings=frozen(mask="pic")),
     # CompLLM: LoRA r=32 on the LLM; segments of <= S = 20 tokens; ceil(n/C) EOS embeddings per segment with C = 2;
     # one linear layer; the question follows the CEs directly, in the model's chat format (§3, §4.1). Recipe (§4.1):
     # Adam (AdamW, weight decay 0), lr 1e-4, batch 4, "until convergence"; schedule, warmup, clip, steps and the |X|
     # range for --objective pretrain/ae are ours
     "compllm": Preset("CompLLM §3, §4.1 (no public code)",
-                      dict(lora_r=32, lora_alpha=64, source="eos", chunking="sentences", chunk_len=20, ratio=2.0,
-                           bridge="linear", ae_token="none", lm_token="none", template="chat"),
-                      dict(objective="distill", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="constant",
-                           warmup=0, batch_size=4, clip=1.0, steps=20000, lengths=(510, 2040), lm_weight=0.5,
-                           crop="window", qa=dict())),
+                      frozen(lora_r=32, lora_alpha=64, source="eos", chunking="sentences", chunk_len=20, ratio=2.0,
+                             bridge="linear", ae_token="none", lm_token="none", template="chat"),
+                      Recipe(objective="distill", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="constant",
+                             warmup=0, batch_size=4, clip=1.0, steps=20000, lengths=(510, 2040), lm_weight=0.5,
+                             crop="window", per_objective=frozen())),
     # GMSA: first k layers + LoRA; mean of groups of r last hidden states, r in {4, 8} per example; one LSA block
     # initialised from decoder layer 0; reconstruct after [AE] (§3.2-3.4); texts <= 512 tokens (PwC, §4.1), QA contexts
     # up to 3072. App. C, Table 3: AdamW, linear schedule, clip 2.0, batch 4 (AE) / 16 (KEFT); 10k AE / 5k KEFT steps.
     # Its learning rates are not legible in our copy of the paper: 1e-4 (AE) / 1e-5 (KEFT) are ours, as are betas,
     # weight decay (PyTorch's AdamW defaults), warmup, and the shortest text
     "gmsa": Preset("GMSA §3.2-3.5, App. C Table 3 (no public code)",
-                   dict(encoder="first_k", lora_r=64, lora_alpha=128, source="group_mean", chunk_len=512,
-                        bridge="lsa", lm_token="none"),
-                   dict(objective="ae", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01, schedule="linear", warmup=300,
-                        batch_size=4, clip=2.0, steps=10000, lengths=(256, 512), lm_weight=0.5, crop="window",
-                        qa=dict(lr=1e-5, batch_size=16, steps=5000, lengths=(256, 3072)))),
+                   frozen(encoder="first_k", lora_r=64, lora_alpha=128, source="group_mean", chunk_len=512,
+                          bridge="lsa", lm_token="none"),
+                   Recipe(objective="ae", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01, schedule="linear", warmup=300,
+                          batch_size=4, clip=2.0, steps=10000, lengths=(256, 512), lm_weight=0.5, crop="window",
+                          per_objective=frozen(qa=frozen(lr=1e-5, batch_size=16, steps=5000, lengths=(256, 3072))))),
     # AOC code: the decoder with every MLP replaced by the identity, fully trained, embedding the prompt with the frozen
     # LLM's table; 16 memory tokens drawn from N(0, 1); K/V carrier as 500x; regenerate from [BOS] (§2). Recipe
     # (pretrain_and_eval.py, HF Trainer defaults): AdamW β=(0.9, 0.999), wd 0, 300 warmup steps to lr 2e-4 (the paper;
     # the code's default is 5e-4), then constant; clip 1.0; batch 16; one model per prompt length n: every text is the
     # first n tokens of a document (head crop), n = 96 in the code; 300k abstracts at batch 16 = 18,750 steps
     "aoc": Preset("AOC §2 and its code (pretrain_and_eval.py)",
-                  dict(encoder="full", mlp="aoc", mem=16, chunk_len=512, carrier="kv", ae_token="bos", lm_token="bos",
-                       mem_init="normal"),
-                  dict(objective="ae", lr=2e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="constant", warmup=300,
-                       batch_size=16, clip=1.0, steps=18750, lengths=(96, 96), lm_weight=0.5, crop="head", qa=dict())),
+                  frozen(encoder="full", mlp="aoc", mem=16, chunk_len=512, carrier="kv", ae_token="bos",
+                         lm_token="bos", mem_init="normal"),
+                  Recipe(objective="ae", lr=2e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="constant",
+                         warmup=300, batch_size=16, clip=1.0, steps=18750, lengths=(96, 96), lm_weight=0.5,
+                         crop="head", per_objective=frozen())),
 }
 METHODS = tuple(PRESETS)
 
 
 def make_config(method: str, **overrides) -> CompressorConfig:
-    """The preset `method` with `overrides` (None values are ignored) applied on top, validated."""
+    """The preset `method` with `overrides` (None values are ignored) applied on top, validated.
+    Two documented mappings between the three settings of the compression ratio (their flags' help says the same):
+      * `mem` given without `ratio`: a fixed budget, so a preset's ratio (CompLLM's C = 2) becomes 0;
+      * `ratio` R > 0 on group merging (GMSA): its one compression ratio, i.e. ratios = (R,) and ratio = 0."""
     if method not in PRESETS:
         raise ValueError(f"unknown method '{method}': choose one of {', '.join(METHODS)}")
     overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -245,11 +301,9 @@ def make_config(method: str, **overrides) -> CompressorConfig:
         if k not in known:
             raise ValueError(f"unknown compressor setting '{k}': known settings are {', '.join(sorted(known))}")
     settings = {**PRESETS[method].settings, **overrides}
-    # a fixed --mem replaces a preset's compression ratio unless a ratio is asked for too
-    if "mem" in overrides and "ratio" not in overrides:
+    if "mem" in overrides and "ratio" not in overrides:   # mapping 1 (docstring): a fixed budget, no ratio
         settings["ratio"] = 0.0
-    # group merging: --ratio R fixes the group size (GMSA samples it from `ratios` otherwise)
-    if settings.get("source") == "group_mean" and settings.get("ratio", 0) > 0:
+    if settings.get("source") == "group_mean" and settings.get("ratio", 0) > 0:   # mapping 2: ratio R -> ratios (R,)
         settings["ratios"], settings["ratio"] = (settings["ratio"],), 0.0
     if "ratios" in settings:   # group sizes are whole numbers of tokens
         settings["ratios"] = tuple(int(r) if float(r).is_integer() else r for r in settings["ratios"])
@@ -273,9 +327,9 @@ def validate(cfg: CompressorConfig):
         if cfg.mask != "causal":
             raise ValueError(f"--mask {cfg.mask} needs memory tokens; {cfg.method} has none: drop --mask")
         if not cfg.ratios or any(not isinstance(r, int) or r < 1 for r in cfg.ratios):
-            raise ValueError(f"group-merging rates must be whole numbers >= 1, got {cfg.ratios}")
+            raise ValueError(f"group-merging ratios must be whole numbers >= 1, got {cfg.ratios}")
         if cfg.ratio > 0:
-            raise ValueError("ratio does not apply to group merging: set ratios (one rate per example)")
+            raise ValueError("ratio does not apply to group merging: set ratios (one ratio per example)")
     elif cfg.ratio <= 0:
         if cfg.mem < 1:
             raise ValueError(f"--mem must be >= 1, got {cfg.mem}")
@@ -312,7 +366,6 @@ class Memory:
     embeds: torch.Tensor | None     # [B, M, d_dec] carrier "embeds" (after the bridge)
     kv: list | None                 # carrier "kv": per decoder layer (k, v), each [B, Hkv, M, D], RoPE applied
     valid: torch.Tensor             # [B, M] bool; False = padding (samples compress to different sizes)
-    enc_pos: torch.Tensor           # [B, M] the position ids the memory slots had in the encoder
     chunk_lens: list                # per sample, context tokens in each chunk
     mem_counts: list                # per sample, memory slots of each chunk
 
@@ -327,7 +380,7 @@ class Memory:
 
 
 class Chunk(NamedTuple):
-    """One chunk of one context: one row of the encoder batch."""
+    """One chunk of one context (chunk_len tokens at most): one row of the encoder batch."""
     sample: int     # which context of the batch
     index: int      # which chunk of that context
     ids: list       # its encoder token ids
@@ -335,29 +388,36 @@ class Chunk(NamedTuple):
     start: int      # where it starts in its context
 
 
-# The two carriers (EPL §3: ICAE's and 500xCompressor's), picked once when the compressor is built. Each says how
-# the memory slots are read off the encoder's output, stacked into a batch, and handed to the decoder.
+class DecoderBatch(dict):
+    """The decoder's keyword inputs, `decoder(**batch)`: inputs_embeds (B, T, d), position_ids (B, T), attn_mask
+    (B, T, P+T) or None, past_kv or None. And, as an attribute, `supervised`: where the loss is taken, one
+    (flat slot b*T + t, the token it predicts) per supervised prediction, as Python numbers, so that no step ever
+    waits for the GPU to say where (Compressor.decoder_batch sets it)."""
+
+
+# The two carriers (EPL §3: ICAE's and 500xCompressor's), one picked when the compressor is built. A chunk's memory
+# is a list of tensors whose first dimension is its memory slots (Embeds: [h]; KV: [k_0, v_0, k_1, v_1, ...]), so
+# cutting, caching, concatenating and padding it is the same for both; the carrier says how the slots are read off
+# the encoder, what the padded batch becomes, and how the decoder receives it.
 
 class Embeds:
     """ICAE §3.1: the encoder's final hidden states at the memory slots (its final norm applied), through the bridge,
     become input embeddings of the decoder; PCC code: each chunk's between <mem> and </mem>."""
-    kv = False
+    needs_kv = False   # the encoder forward need not return its K/V
 
     @staticmethod
-    def slots(out, flat, R, T):           # (R, T, d_enc) -> the slots (S, d_enc)
-        return out.last_hidden.reshape(R * T, -1)[flat]
+    def read_slots(encoder_out, at: torch.Tensor) -> list:
+        """[final hidden states at the memory slots (S, d_enc)]; `at`: the slots' flat indices into (R*T)."""
+        return [encoder_out.last_hidden.flatten(0, 1)[at]]          # (R, T, d_enc) -> (R*T, d_enc) -> (S, d_enc)
 
     @staticmethod
-    def cut(slots, part):                 # one chunk's share of the slots
-        return slots[part]
+    def memory(comp, padded: list, valid: torch.Tensor) -> dict:
+        """[hidden states (B, M, d_enc)] -> the Memory's embeds (B, M, d_dec), through the bridge."""
+        return dict(embeds=comp.to_decoder(padded[0], valid), kv=None)
 
     @staticmethod
-    def stack(comp, parts, pad_to, valid):   # per sample, per chunk (m, d_enc) -> embeds (B, M, d_dec)
-        h = torch.stack([pad_to(torch.cat(sample)) for sample in parts])
-        return dict(embeds=comp.to_decoder(h, valid), kv=None)
-
-    @staticmethod
-    def inputs(comp, memory, b):          # sample b's memory as decoder input rows, chunk after chunk
+    def decoder_rows(comp, memory: Memory, b: int) -> list:
+        """Sample b's memory as decoder input rows, chunk after chunk: a list of (m, d_dec) pieces."""
         counts = memory.mem_counts[b]
         blocks = torch.split(memory.embeds[b, :sum(counts)], counts)
         if not comp.cfg.delimiters:
@@ -366,37 +426,36 @@ class Embeds:
         return sum(([comp.mem_open[None].to(dt), block, comp.mem_close[None].to(dt)] for block in blocks), [])
 
     @staticmethod
-    def cache(memory):                    # no KV-cache prefix
+    def cache(memory: Memory) -> tuple:
+        """(past_kv, its slots P): no KV-cache prefix."""
         return None, 0
 
 
 class KV:
     """500xCompressor / AOC: every encoder layer's K/V at the memory slots becomes a KV-cache prefix of the decoder,
     its keys keeping the encoder's RoPE positions; nothing of the memory is in the decoder's input."""
-    kv = True
+    needs_kv = True    # the encoder forward returns every layer's K/V
 
     @staticmethod
-    def slots(out, flat, R, T):           # per layer (R, Hkv, T, D) -> (R*T, Hkv, D) -> the slots (S, Hkv, D)
-        return [tuple(t.transpose(1, 2).reshape(R * T, t.shape[1], t.shape[3])[flat] for t in kv) for kv in out.kv]
+    def read_slots(encoder_out, at: torch.Tensor) -> list:
+        """[k_0, v_0, k_1, v_1, ...] at the memory slots, each (S, Hkv, D); `at`: flat indices into (R*T)."""
+        # per layer (R, Hkv, T, D) -> (R, T, Hkv, D) -> (R*T, Hkv, D) -> the slots (S, Hkv, D)
+        return [t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])[at] for kv in encoder_out.kv for t in kv]
 
     @staticmethod
-    def cut(slots, part):
-        return [(k[part], v[part]) for k, v in slots]
+    def memory(comp, padded: list, valid: torch.Tensor) -> dict:
+        """[k_0, v_0, ...] each (B, M, Hkv, D) -> the Memory's kv: per layer (k, v), each (B, Hkv, M, D)."""
+        kv = [t.transpose(1, 2) for t in padded]                     # (B, M, Hkv, D) -> (B, Hkv, M, D)
+        return dict(embeds=None, kv=list(zip(kv[0::2], kv[1::2])))
 
     @staticmethod
-    def stack(comp, parts, pad_to, valid):   # -> per layer (k, v), each (B, Hkv, M, D)
-        kv = []
-        for layer in range(len(parts[0][0])):
-            k, v = ([pad_to(torch.cat([chunk[layer][t] for chunk in sample])) for sample in parts] for t in (0, 1))
-            kv.append((torch.stack(k).transpose(1, 2), torch.stack(v).transpose(1, 2)))
-        return dict(embeds=None, kv=kv)
-
-    @staticmethod
-    def inputs(comp, memory, b):
+    def decoder_rows(comp, memory: Memory, b: int) -> list:
+        """Nothing: the memory is in the cache."""
         return []
 
     @staticmethod
-    def cache(memory):
+    def cache(memory: Memory) -> tuple:
+        """(past_kv, its slots P): the memory's K/V, P = the longest sample's slots (padding masked)."""
         return memory.kv, memory.valid.shape[1]
 
 
@@ -519,22 +578,20 @@ def rescaled(to_decoder, decoder: Transformer):
 
 
 def special_token(cfg: CompressorConfig, task: str) -> str:
-    """The token after the memory: ae_token for AE, lm_token for LM and QA."""
+    """Which special token stands after the memory for `task` (the config's ae_token for AE, lm_token for LM and QA):
+    "learned" [AE] / [LM] (ICAE, EPL), "bos" ([BOS] as the special token: 500x, AOC), "last" (x_k, PIC Eq. 7) or
+    "none". Compressor.special_embedding is its vector."""
     kind = cfg.ae_token if task == "ae" else cfg.lm_token
     if kind == "last" and task == "qa":
         return "none"   # PIC Eq. (7)'s x_k is for completion; a question follows the memory directly
     return kind
 
 
-def special_vector(comp, task: str):
-    """What stands after the memory for `task`, as a function (sample b, last_tokens) -> (d,), or None for nothing:
-    a learned [AE] / [LM] (ICAE, EPL), [BOS]'s embedding (500x, AOC), or x_k's, the context's last token (PIC Eq. 7)."""
-    # a token's row as the decoder reads it: through its embedding module (Gemma 3 scales it by sqrt(d))
-    row = lambda i: comp.decoder.model.embed_tokens(torch.tensor(i, device=comp.device))
-    return {"none": None,
-            "learned": lambda b, last: comp.ae_embed if task == "ae" else comp.lm_embed,
-            "bos": lambda b, last: row(comp.tok.start_id),
-            "last": lambda b, last: row(last[b])}[special_token(comp.cfg, task)]
+def next_token_targets(ids: list, n_supervised: int, first: int) -> list:
+    """The one target rule of every decoder input: the slot before a supervised token predicts it (next-token
+    prediction). ids: the follow tokens, ids[t] in slot first + t; the last n_supervised of them are supervised, except
+    one in slot 0, which no slot precedes. Returns [(slot, token)], in slot order."""
+    return [(first + t - 1, ids[t]) for t in range(len(ids) - n_supervised, len(ids)) if first + t - 1 >= 0]
 
 
 def sentence_segments(ids: list, S: int, ends_sentence) -> list:
@@ -577,10 +634,8 @@ class Compressor(nn.Module):
         super().__init__()
         validate(cfg)
         # record the base models this compressor was built on, so `load` rebuilds on the same ones
-        cfg = replace(cfg, model=getattr(decoder, "name_or_path", cfg.model))
-        if encoder is not None:
-            cfg = replace(cfg, compressor_model=getattr(encoder, "name_or_path", cfg.compressor_model))
-        self.cfg = cfg
+        self.cfg = cfg = replace(cfg, model=getattr(decoder, "name_or_path", cfg.model),
+                                 compressor_model=getattr(encoder, "name_or_path", cfg.compressor_model))
         self.tok, self.enc_tok = tok, enc_tok or tok
         decoder.requires_grad_(False)   # the decoder is frozen in every method (KEFT unfreezes q/k/v later)
         self.decoder = decoder          # registered first: tensors an encoder shares with it are named decoder.*
@@ -590,10 +645,11 @@ class Compressor(nn.Module):
         if cfg.source == "mem_tokens":
             n_mem = cfg.mem if cfg.ratio <= 0 else cfg.chunk_len   # ratio mode: at most one per token
             self.mem_tokens = nn.Parameter(draw(cfg.mem_init, n_mem, self.encoder))
+        # the encoder's padding id (0 for a tokenizer without one: padded slots are masked, any id will do)
+        self.enc_pad_id = self.enc_tok.pad_id if self.enc_tok.pad_id is not None else 0
         # the id in each memory slot of the encoder input: CompLLM §3's EOS, else padding that the memory tokens
         # replace (learned memory tokens are embeddings, not vocabulary)
-        pad = self.enc_tok.pad_id if self.enc_tok.pad_id is not None else 0
-        self.slot_id = self.enc_tok.eos_id if cfg.source == "eos" else pad
+        self.slot_id = self.enc_tok.eos_id if cfg.source == "eos" else self.enc_pad_id
         self.to_decoder = build_bridge(self, cfg, decoder, self.encoder.config.hidden_size)
         if cfg.mem_norm:   # ours (diagnostic): the memory at the scale of the decoder's own token embeddings
             self.to_decoder = rescaled(self.to_decoder, decoder)
@@ -603,13 +659,17 @@ class Compressor(nn.Module):
                                            cfg.delimiters)):
             if wanted:
                 setattr(self, name, nn.Parameter(draw(cfg.mem_init, 1, decoder)[0], requires_grad=cfg.train_specials))
-        self.special = {task: special_vector(self, task) for task in ("ae", "lm", "qa")}
         self.encoder_mask = masks.pic if cfg.mask == "pic" else masks.full_causal   # PIC Eq. (5) or causal
-        self.span = None if cfg.cap_mem else cfg.chunk_len   # EPL code: UPL over the nominal chunk even when short
-        # the ids before every context (ICAE / EPL code: [BOS], the first token of chunk 0) and before every decoder
-        # input (PCC code: [BOS], then the memory between its delimiters)
-        self.context_start = [self.enc_tok.start_id] if cfg.bos else []
-        self.decoder_start = [self.tok.start_id] if cfg.delimiters else []
+        # the range UPL spreads a chunk's memory over: EPL code, the nominal chunk length L even for a shorter last
+        # chunk; cap_mem (ours, None): the chunk's own length (positions.encoder_positions' `span`)
+        self.nominal_len = None if cfg.cap_mem else cfg.chunk_len
+        # Three uses of [BOS], told apart (the second, [BOS] as the special token after the memory, is
+        # special_embedding's "bos"). The context BOS (`bos`, ICAE / EPL code): every context starts with [BOS], in the
+        # encoder's ids, and AE reconstructs [BOS] X [EOS], in the decoder's ...
+        self.context_bos = [self.enc_tok.start_id] if cfg.bos else []
+        self.target_bos = [self.tok.start_id] if cfg.bos else []
+        # ... and the delimiters' leading BOS (PCC code): every decoder input starts [BOS] <mem> m.. </mem>
+        self.decoder_bos = [self.tok.start_id] if cfg.delimiters else []
         self._sentence_end = {}   # token id -> ends a sentence? (CompLLM segmentation cache)
         if cfg.decoder_train == "keft":
             self.set_stage("keft")
@@ -647,9 +707,9 @@ class Compressor(nn.Module):
     # ---- the texts the methods build (one place for training and evaluation) ----
 
     def ae_target(self, ids: list) -> list:
-        """What AE reconstructs from the memory of `ids`: [BOS] x [EOS] when the context starts with [BOS]
-        (ICAE and EPL code: the target is the compressed input plus EOS), else x [EOS] (500x, AOC, PCC code)."""
-        return ([self.tok.start_id] if self.cfg.bos else []) + list(ids) + [self.tok.eos_id]
+        """What AE reconstructs from the memory of `ids`: [BOS] x [EOS] when the context starts with [BOS] (the
+        context BOS; ICAE and EPL code: the target is the compressed input plus EOS), else x [EOS] (500x, AOC, PCC)."""
+        return self.target_bos + list(ids) + [self.tok.eos_id]
 
     def template(self) -> tuple:
         """(before the memory, the context as compressed, the prompt after it), "chat" resolved by marker tokens."""
@@ -709,55 +769,58 @@ class Compressor(nn.Module):
 
     # ---- compression ----
 
-    def compress(self, contexts: list, rates: list | None = None, cache: dict | None = None) -> Memory:
+    def compress(self, contexts: list, ratios: list | None = None, cache: dict | None = None) -> Memory:
         """Compress a batch of contexts (lists of encoder token ids) into one Memory.
-        rates: group_mean only, one compression rate per context (default: sampled from cfg.ratios).
+        ratios: group_mean only, the compression ratio r (group size) of each context (default: one sampled from
+        cfg.ratios per context, GMSA §4.1).
         cache: a dict that keeps each chunk's memory under the hash of what it depends on (its ids, its slots and,
         for EPL/UPL, its position): a chunk seen before is not encoded again (CompLLM §1 "reusability": a context
         shared by several queries is compressed once). For evaluation; gradients do not flow through it."""
         if any(len(c) == 0 for c in contexts):
             raise ValueError("cannot compress an empty context")
-        contexts = [self.context_start + list(c) for c in contexts]
+        contexts = [self.context_bos + list(c) for c in contexts]
         if self.cfg.source == "group_mean":
-            return self._compress_merge(contexts, rates)
+            return self._compress_merge(contexts, ratios)
         rows = self._chunk_rows(contexts, lambda b, n: self.num_mem(n))
-        keys = [self._cache_key(row) for row in rows] if cache is not None else None
-        todo = [r for r in range(len(rows)) if cache is None or keys[r] not in cache]
-        new = self._encode([rows[r] for r in todo]) if todo else []
-        if cache is not None:
-            cache.update({keys[r]: part for r, part in zip(todo, new)})
-        parts = [cache[key] for key in keys] if cache is not None else new
+        parts = self._encode(rows) if cache is None else self._encode_cached(rows, cache)
         return self._gather(rows, parts, self.carrier)
 
+    def _encode_cached(self, rows: list, cache: dict) -> list:
+        """_encode, for the rows whose memory `cache` does not hold yet (see compress)."""
+        keys = [self._cache_key(row) for row in rows]
+        todo = [r for r in range(len(rows)) if keys[r] not in cache]
+        new = self._encode([rows[r] for r in todo]) if todo else []
+        cache.update({keys[r]: part for r, part in zip(todo, new)})
+        return [cache[key] for key in keys]
+
     def _encode(self, rows: list) -> list:
-        """One encoder forward over the chunk rows [chunk (n), memory (m), pad]; per row, its memory slots and
-        their encoder positions: (slots, positions)."""
-        cfg, dev, pad = self.cfg, self.device, self.enc_tok.pad_id if self.enc_tok.pad_id is not None else 0
-        R, T = len(rows), max(len(row.ids) + row.slots for row in rows)
-        ids, pos = [[pad] * T for _ in range(R)], [[0] * T for _ in range(R)]
-        slot, row_masks = [[0] * T for _ in range(R)], []
+        """One encoder forward over the chunk rows, each [chunk (n), memory slots (m), padding]; per row, its memory:
+        a list of tensors, memory slots first (the carrier's read_slots)."""
+        R, T, dev = len(rows), max(len(row.ids) + row.slots for row in rows), self.device
+        ids, pos = [[self.enc_pad_id] * T for _ in range(R)], [[0] * T for _ in range(R)]
+        mem_slot, row_masks = [[0] * T for _ in range(R)], []    # mem_slot: 1 + the memory token in a slot, 0: none
         for j, (_, i, chunk, m, start) in enumerate(rows):
             n = len(chunk)
             ids[j][:n + m] = chunk + [self.slot_id] * m              # CompLLM §3: ceil(n/C) EOS embeddings
-            ctx_pos, mem_pos = positions.encoder_positions(cfg.layout, i, n, m, offset=start,
-                                                           span=self.span and max(self.span, n))
+            upl_span = self.nominal_len and max(self.nominal_len, n)  # see nominal_len (None: the chunk's own n)
+            ctx_pos, mem_pos = positions.encoder_positions(self.cfg.layout, i, n, m, offset=start, span=upl_span)
             pos[j][:n + m] = ctx_pos.tolist() + mem_pos.tolist()
-            slot[j][n:n + m] = range(1, m + 1)                       # 1 + memory slot index; 0 = not a memory slot
+            mem_slot[j][n:n + m] = range(1, m + 1)                   # 1-based, so that 0 can mean "no memory slot"
             row_masks.append(self.encoder_mask(n, m))                 # over [chunk, memory]
-        ids, pos = torch.tensor(ids, device=dev), torch.tensor(pos, device=dev)
         attn = masks.stack_padded(row_masks, T).to(dev)              # (R, T, T); padding sees only itself
-        x = self.encoder.model.embed_tokens(ids)                     # (R, T, d_enc)
-        if self.mem_tokens is not None:                              # learned memory tokens in their slots
-            slot = torch.tensor(slot, device=dev)
-            x = torch.where((slot > 0)[..., None], self.mem_tokens[(slot - 1).clamp(min=0)].to(x.dtype), x)
-        out = self.encoder(inputs_embeds=x, position_ids=pos, attn_mask=attn, return_kv=self.carrier.kv,
-                           compute_logits=False)
-        # the memory slots of each row: flat indices into (R*T)
-        flat = torch.tensor([j * T + len(row.ids) + s for j, row in enumerate(rows) for s in range(row.slots)],
-                            device=dev)
-        slots, enc_pos = self.carrier.slots(out, flat, R, T), pos.reshape(-1)[flat]
-        ends = torch.tensor([0] + [row.slots for row in rows]).cumsum(0).tolist()
-        return [(self.carrier.cut(slots, slice(a, b)), enc_pos[a:b]) for a, b in zip(ends, ends[1:])]
+        x = self.encoder.model.embed_tokens(torch.tensor(ids, device=dev))   # (R, T, d_enc)
+        if self.mem_tokens is not None:                              # learned memory tokens fill their slots
+            mem_slot = torch.tensor(mem_slot, device=dev)            # (R, T)
+            # slot s > 0 holds memory token s - 1; the clamp only keeps the index valid where s = 0 (not taken)
+            x = torch.where((mem_slot > 0)[..., None], self.mem_tokens[(mem_slot - 1).clamp(min=0)].to(x.dtype), x)
+        out = self.encoder(inputs_embeds=x, position_ids=torch.tensor(pos, device=dev), attn_mask=attn,
+                           return_kv=self.carrier.needs_kv, compute_logits=False)
+        # row j's memory slots follow its n chunk tokens: flat indices j*T + n + s into the (R*T) positions
+        at = torch.tensor([j * T + len(row.ids) + s for j, row in enumerate(rows) for s in range(row.slots)],
+                          device=dev)
+        slots = self.carrier.read_slots(out, at)                     # each (S, ...): the rows' slots, row after row
+        ends = list(accumulate((row.slots for row in rows), initial=0))   # row j's slots: ends[j] .. ends[j+1]-1
+        return [[t[a:b] for t in slots] for a, b in zip(ends, ends[1:])]
 
     def _cache_key(self, row: Chunk) -> str:
         # a chunk's memory depends on its ids and slots, and under UPL/EPL on where it starts in its context
@@ -765,32 +828,31 @@ class Compressor(nn.Module):
         return hashlib.sha1(json.dumps([row.ids, row.slots, where]).encode()).hexdigest()
 
     def _gather(self, rows: list, parts: list, carrier) -> Memory:
-        """Each sample's (slots, positions) of every chunk, chunk after chunk, right-padded into one Memory."""
-        B = rows[-1].sample + 1
-        chunk_lens, counts = [[] for _ in range(B)], [[] for _ in range(B)]
-        for row in rows:
-            chunk_lens[row.sample].append(len(row.ids))
-            counts[row.sample].append(row.slots)
+        """Each sample's memory (per chunk, a list of tensors, memory slots first), chunk after chunk, right-padded
+        to the longest sample's M slots: one Memory."""
+        per_sample = [[(row, part) for row, part in zip(rows, parts) if row.sample == b]
+                      for b in range(rows[-1].sample + 1)]
+        chunk_lens = [[len(row.ids) for row, _ in s] for s in per_sample]
+        counts = [[row.slots for row, _ in s] for s in per_sample]
         M = max(sum(c) for c in counts)
         valid = torch.tensor([[j < sum(c) for j in range(M)] for c in counts])   # on the host
         pad_to = lambda t: F.pad(t, (0, 0) * (t.dim() - 1) + (0, M - t.shape[0]))   # pad dim 0 to M
-        per_sample = [[part for row, part in zip(rows, parts) if row.sample == b] for b in range(B)]
-        enc_pos = torch.stack([pad_to(torch.cat([p for _, p in s])) for s in per_sample])
-        carried = carrier.stack(self, [[slots for slots, _ in s] for s in per_sample], pad_to, valid)
-        return Memory(**carried, valid=valid.to(self.device), enc_pos=enc_pos, chunk_lens=chunk_lens,
+        # tensor i of every chunk of a sample, concatenated, padded and stacked: (B, M, ...)
+        padded = [torch.stack([pad_to(torch.cat([part[i] for _, part in s])) for s in per_sample])
+                  for i in range(len(parts[0]))]
+        return Memory(**carrier.memory(self, padded, valid), valid=valid.to(self.device), chunk_lens=chunk_lens,
                       mem_counts=counts)
 
-    def _compress_merge(self, contexts: list, rates: list | None) -> Memory:
+    def _compress_merge(self, contexts: list, ratios: list | None) -> Memory:
         """GMSA §3.2: encode with the first k layers, mean-pool consecutive groups of r hidden states."""
         cfg, dev = self.cfg, self.device
-        if rates is None:   # GMSA §4.1: the compression rate is sampled per example
-            rates = [cfg.ratios[i] for i in torch.randint(len(cfg.ratios), (len(contexts),)).tolist()]
-        rows = self._chunk_rows(contexts, lambda b, n: math.ceil(n / rates[b]))   # groups per chunk
+        if ratios is None:   # GMSA §4.1: the compression ratio is sampled per example
+            ratios = [cfg.ratios[i] for i in torch.randint(len(cfg.ratios), (len(contexts),)).tolist()]
+        rows = self._chunk_rows(contexts, lambda b, n: math.ceil(n / ratios[b]))   # groups per chunk
         R, T, G = len(rows), max(len(row.ids) for row in rows), max(row.slots for row in rows)
-        pad = self.enc_tok.pad_id if self.enc_tok.pad_id is not None else 0
-        ids = torch.tensor([row.ids + [pad] * (T - len(row.ids)) for row in rows], device=dev)
+        ids = torch.tensor([row.ids + [self.enc_pad_id] * (T - len(row.ids)) for row in rows], device=dev)
         # GMSA §3.2: consecutive groups of size r; padding goes to a spare group G, dropped
-        group = torch.tensor([[t // rates[row.sample] if t < len(row.ids) else G for t in range(T)] for row in rows],
+        group = torch.tensor([[t // ratios[row.sample] if t < len(row.ids) else G for t in range(T)] for row in rows],
                              device=dev)
         lens = torch.tensor([len(row.ids) for row in rows])
         attn = masks.with_padding(masks.causal(T), torch.arange(T)[None] < lens[:, None]).to(dev)   # on the host
@@ -800,16 +862,26 @@ class Compressor(nn.Module):
         sums.scatter_add_(1, group[..., None].expand(-1, -1, h.shape[-1]), h.float())
         sizes = torch.zeros(R, G + 1, device=dev).scatter_add_(1, group, torch.ones_like(group, dtype=torch.float))
         means = (sums / sizes.clamp(min=1)[..., None]).to(h.dtype)[:, :G]           # (R, G, d)
-        no_pos = torch.zeros(G, dtype=torch.long, device=dev)                         # group means have no position
-        return self._gather(rows, [(means[r, :row.slots], no_pos[:row.slots]) for r, row in enumerate(rows)], Embeds)
+        return self._gather(rows, [[means[r, :row.slots]] for r, row in enumerate(rows)], Embeds)
 
     # ---- the decoder side ----
 
-    def special_token(self, task: str) -> str:
-        return special_token(self.cfg, task)
+    def special_embedding(self, task: str, last_token: int | None = None):
+        """The special token after the memory (special_token: which one) as the decoder reads it, (d,), or None:
+        a learned [AE] / [LM] (ICAE, EPL), [BOS]'s embedding (500x, AOC), or x_k's, the context's last token
+        (PIC Eq. 7)."""
+        kind = special_token(self.cfg, task)
+        if kind == "none":
+            return None
+        if kind == "learned":
+            return self.ae_embed if task == "ae" else self.lm_embed
+        # a token's row as the decoder reads it: through its embedding module (Gemma 3 scales it by sqrt(d))
+        token = self.tok.start_id if kind == "bos" else last_token
+        return self.decoder.model.embed_tokens(torch.tensor(token, device=self.device))
 
     def decoder_batch(self, memory: Memory, task: str, follow: list, n_supervised: list | None = None,
-                      last_tokens: list | None = None, prefix: list | None = None, left_pad: bool = False) -> dict:
+                      last_tokens: list | None = None, prefix: list | None = None,
+                      left_pad: bool = False) -> DecoderBatch:
         """Decoder inputs for every sample: [prefix, memory, special token, follow tokens], padded.
 
         follow[b]: decoder token ids after the special token (AE: comp.ae_target(x); LM: the continuation + EOS;
@@ -818,51 +890,34 @@ class Compressor(nn.Module):
         before the memory (a chat template's user header). PCC's delimiters add [BOS] first and wrap each chunk's
         memory in <mem> ... </mem>. Right padding for training, left padding (left_pad) for generation, so that
         every row's last token is its last real one.
-        Returns inputs_embeds (B, T, d), position_ids (B, T), attn_mask (B, T, P+T) or None when nothing is
-        padded, past_kv or None.
+        Returns a DecoderBatch: inputs_embeds (B, T, d), position_ids (B, T), attn_mask (B, T, P+T) or None when
+        nothing is padded, past_kv or None; and .supervised, where the loss is taken.
         """
-        return self._decoder_inputs(memory, task, follow, n_supervised, last_tokens, prefix, left_pad)[0]
-
-    def _sequence(self, memory, task, b, ids, n_sup, last_tokens, prefix):
-        """Sample b's decoder input: its rows (n, d), their position ids, and the token each row predicts (-100:
-        none)."""
-        cfg, embed = self.cfg, self.decoder.model.embed_tokens
-        ids_of = lambda ids: embed(torch.tensor(ids, dtype=torch.long, device=self.device))
-        pre = self.decoder_start + list(prefix[b] if prefix else [])
-        x = ([ids_of(pre)] if pre else []) + self.carrier.inputs(self, memory, b)
-        special = self.special[task]
-        if special is not None:
-            x.append(special(b, last_tokens)[None].to(embed.weight.dtype))
-        x = torch.cat(x + [ids_of(ids)])
-        # EPL §3.2 / Tables 13-15: DPL numbers the inputs physically (after the k|M| cached slots of the KV
-        # carrier); EPL (CPL) keeps the memory at its encoder positions, [AE] at 0 or [LM] at p, the text after
-        pos = positions.decoder_inputs(cfg.layout, cfg.carrier, task, memory.chunk_lens[b], memory.mem_counts[b],
-                                       sum(memory.chunk_lens[b]), len(ids), span=self.span,
-                                       n_prefix=len(prefix[b]) if prefix else 0, delimiters=cfg.delimiters,
-                                       special=special is not None)
-        # the slot before a supervised token predicts it (next-token prediction)
-        tgt, first = [-100] * len(x), len(x) - len(ids)           # first: the slot of follow[0]
-        for t in range(len(ids) - n_sup, len(ids)):
-            if first + t - 1 >= 0:
-                tgt[first + t - 1] = ids[t]
-        return x, pos, tgt
-
-    def _decoder_inputs(self, memory, task, follow, n_supervised=None, last_tokens=None, prefix=None, left_pad=False):
-        """decoder_batch, and where its loss is taken as Python lists: (batch, (flat slot b*T + t of every
-        supervised prediction, its token)). Kept on the host, so no step ever waits for the GPU to say where."""
-        if task not in ("ae", "lm", "qa"):
+        if task not in positions.TASKS:
             raise ValueError(f"unknown task '{task}': choose ae, lm or qa")
-        rows = [self._sequence(memory, task, b, ids, len(ids) if n_supervised is None else n_supervised[b],
-                               last_tokens, prefix) for b, ids in enumerate(follow)]
-        lens = [len(x) for x, _, _ in rows]
-        T, dev = max(lens), self.device
-        pad = lambda row, n, value: ([value] * n + row) if left_pad else (row + [value] * n)
-        targets = [pad(t, T - len(t), -100) for _, _, t in rows]
-        supervised = [(b * T + t, tok) for b, row in enumerate(targets) for t, tok in enumerate(row) if tok != -100]
-        x = torch.stack([F.pad(r, (0, 0, T - len(r), 0) if left_pad else (0, 0, 0, T - len(r)))
-                         for r, _, _ in rows])                                         # (B, T, d)
-        pos = torch.tensor([pad(p, T - len(p), 0) for _, p, _ in rows], device=dev)    # (B, T)
-        valid = [pad([True] * n, T - n, False) for n in lens]
+        cfg, embed, dev = self.cfg, self.decoder.model.embed_tokens, self.device
+        embed_ids = lambda ids: embed(torch.tensor(ids, dtype=torch.long, device=dev))     # (n, d)
+        rows, pos, targets = [], [], []
+        for b, ids in enumerate(follow):
+            before = self.decoder_bos + list(prefix[b] if prefix else [])   # the delimiters' [BOS]; a chat header
+            special = self.special_embedding(task, last_tokens[b] if last_tokens else None)
+            x = ([embed_ids(before)] if before else []) + self.carrier.decoder_rows(self, memory, b)
+            x += [special[None].to(embed.weight.dtype)] if special is not None else []
+            rows.append(torch.cat(x + [embed_ids(ids)]))                                  # (n_b, d)
+            # EPL §3.2 / Tables 13-15: DPL numbers the inputs physically (after the k|M| cached slots of the KV
+            # carrier); EPL (CPL) keeps the memory at its encoder positions, [AE] at 0 or [LM] at p, the text after
+            pos.append(positions.decoder_inputs(cfg.layout, cfg.carrier, task, memory.chunk_lens[b],
+                                                memory.mem_counts[b], sum(memory.chunk_lens[b]), len(ids),
+                                                span=self.nominal_len, n_prefix=len(prefix[b]) if prefix else 0,
+                                                delimiters=cfg.delimiters, special=special is not None))
+            n_sup = len(ids) if n_supervised is None else n_supervised[b]
+            targets.append(next_token_targets(ids, n_sup, first=len(rows[-1]) - len(ids)))   # follow[0]'s slot
+        T = max(len(r) for r in rows)
+        shift = [T - len(r) if left_pad else 0 for r in rows]        # left padding moves row b's slots by shift[b]
+        x = torch.stack([F.pad(r, (0, 0, shift[b], T - len(r) - shift[b])) for b, r in enumerate(rows)])  # (B, T, d)
+        pos = torch.tensor([[0] * shift[b] + p + [0] * (T - len(p) - shift[b]) for b, p in enumerate(pos)],
+                           device=dev)                                                    # (B, T)
+        valid = [[False] * shift[b] + [True] * len(r) + [False] * (T - len(r) - shift[b]) for b, r in enumerate(rows)]
         past_kv, P = self.carrier.cache(memory)   # 500x/AOC: the memory is a KV-cache prefix of P slots
         if P:
             valid = [[j < sum(memory.mem_counts[b]) for j in range(P)] + v for b, v in enumerate(valid)]
@@ -871,18 +926,20 @@ class Compressor(nn.Module):
         attn_mask = None
         if not all(all(v) for v in valid):   # built on the host, moved once
             attn_mask = masks.with_padding(masks.with_prefix(masks.causal(T), P), torch.tensor(valid)).to(dev)
-        return dict(inputs_embeds=x, position_ids=pos, attn_mask=attn_mask, past_kv=past_kv), supervised
+        batch = DecoderBatch(inputs_embeds=x, position_ids=pos, attn_mask=attn_mask, past_kv=past_kv)
+        batch.supervised = [(b * T + shift[b] + slot, token) for b, row in enumerate(targets) for slot, token in row]
+        return batch
 
     def _supervised(self, memory, task, follow, n_supervised, last_tokens, prefix):
         """The decoder's final hidden states at the slots that predict a supervised token, and those tokens:
         (h (N, d), targets (N,), row of each (N,)). Logits are never made for every position: B*T*vocab would
         dwarf everything else."""
-        batch, supervised = self._decoder_inputs(memory, task, follow, n_supervised, last_tokens, prefix)
+        batch = self.decoder_batch(memory, task, follow, n_supervised, last_tokens, prefix)
         with self.decoding():
             h = self.decoder(**batch, compute_logits=False).last_hidden                # (B, T, d)
         T, dev = h.shape[1], h.device
-        flat = torch.tensor([i for i, _ in supervised], dtype=torch.long, device=dev)
-        tgt = torch.tensor([t for _, t in supervised], dtype=torch.long, device=dev)
+        flat = torch.tensor([i for i, _ in batch.supervised], dtype=torch.long, device=dev)
+        tgt = torch.tensor([t for _, t in batch.supervised], dtype=torch.long, device=dev)
         return h.reshape(-1, h.shape[-1])[flat], tgt, flat // T                      # (N, d), (N,), (N,)
 
     def lm_loss(self, memory: Memory, task: str, follow: list, n_supervised: list | None = None,
@@ -898,14 +955,15 @@ class Compressor(nn.Module):
 
     def supervised_tokens(self, task: str, follow: list, n_supervised: list | None = None,
                           prefix: list | None = None) -> int:
-        """How many tokens lm_loss supervises for these samples, counted without running anything: the last
-        n_supervised[b] follow tokens of each, except a first follow token that nothing precedes in the decoder
-        input (a K/V memory with no special token and no prefix: no slot predicts it)."""
-        alone = self.cfg.carrier == "kv" and not self.cfg.delimiters and self.special_token(task) == "none"
+        """How many tokens lm_loss supervises for these samples, counted without running anything, by decoder_batch's
+        rule (next_token_targets). Only whether any slot precedes follow[0] matters there, so `first` counts the
+        slots before it up to one memory row (an embeds memory has at least one; a K/V memory has none)."""
         total = 0
         for b, ids in enumerate(follow):
             n = len(ids) if n_supervised is None else n_supervised[b]
-            total += n - int(alone and not (prefix and prefix[b]) and 0 < n == len(ids))
+            first = (len(self.decoder_bos) + len(prefix[b] if prefix else []) + (self.cfg.carrier == "embeds")
+                     + (special_token(self.cfg, task) != "none"))
+            total += len(next_token_targets(ids, n, first))
         return total
 
     @torch.no_grad()
@@ -943,7 +1001,7 @@ class Compressor(nn.Module):
         # student: [prefix, CEs, question, answer] (no special token: the LLM reads CEs like token embeddings)
         memory = self.compress(contexts)
         follow = [list(q) + list(a) for q, a in zip(questions, answers)]
-        batch, supervised = self._decoder_inputs(memory, "qa", follow, [len(a) for a in answers], prefix=prefix)
+        batch = self.decoder_batch(memory, "qa", follow, [len(a) for a in answers], prefix=prefix)
         with self.decoding():
             student = dec(**batch, output_hidden_states=True, compute_logits=False).hidden_states
         T = batch["inputs_embeds"].shape[1]
@@ -951,7 +1009,7 @@ class Compressor(nn.Module):
         for b, a in enumerate(answers):
             at_t = slice(len(rows[b]) - len(a), len(rows[b]))      # the answer's own slots in the teacher ...
             # ... and in the student: the slot after each one that predicts an answer token (right-padded rows)
-            first = min(i for i, _ in supervised if i // T == b) % T + 1
+            first = min(i for i, _ in batch.supervised if i // T == b) % T + 1
             at_s = slice(first, first + len(a))
             example = 0.0
             for layer in range(1, len(teacher)):                   # ℓ = 1..L (0 is the embedding layer)
@@ -1062,8 +1120,8 @@ def method_table() -> str:
         settings = ", ".join(f"{k}={'/'.join(map(str, v)) if isinstance(v, tuple) else v}"
                              for k, v in p.settings.items()) or "(the defaults)"
         r = p.recipe
-        rows.append(f"| `{name}` | {p.cite} | {settings} | {r['objective']} | {r['lr']:.0e} | {r['batch_size']} | "
-                    f"{r['steps']:,} | {r['lengths'][0]}-{r['lengths'][1]} |")
+        rows.append(f"| `{name}` | {p.cite} | {settings} | {r.objective} | {r.lr:.0e} | {r.batch_size} | "
+                    f"{r.steps:,} | {r.lengths[0]}-{r.lengths[1]} |")
     return "\n".join(rows).replace("e-0", "e-")
 
 

@@ -631,10 +631,10 @@ def batches(items, size):
 
 
 def compress(comp, contexts, ratio=None, cache=None):
-    """comp.compress with a fixed rate for group merging: GMSA samples r per example while training
-    (§4.1); an evaluation must be repeatable, so it uses --ratio, else the first rate of the preset (4x)."""
-    rates = [ratio or comp.cfg.ratios[0]] * len(contexts) if comp.cfg.source == "group_mean" else None
-    return comp.compress(contexts, rates=rates, cache=cache)
+    """comp.compress with a fixed compression ratio for group merging: GMSA samples r per example while training
+    (§4.1); an evaluation must be repeatable, so it uses --ratio, else the first of the preset's ratios (4x)."""
+    ratios = [ratio or comp.cfg.ratios[0]] * len(contexts) if comp.cfg.source == "group_mean" else None
+    return comp.compress(contexts, ratios=ratios, cache=cache)
 
 
 class PlainLLM:
@@ -1573,8 +1573,8 @@ def parse_args(argv=None):
     p.add_argument("--max-len", type=int, help="ae, lm, interpolate: cut texts to their first N tokens; qa: cut "
                    "contexts (default: the checkpoint's n when it was trained with --crop head; train.py's held-out "
                    "check cuts at the run's --max-len, as training does)")
-    p.add_argument("--ratio", type=int, help="group merging (GMSA): the compression rate to evaluate at "
-                   "(default: the preset's first, 4)")
+    p.add_argument("--ratio", type=int, help="group merging (GMSA): the compression ratio r (group size) to evaluate "
+                   "at, one of train.py's --ratios (default: the preset's first, 4)")
     p.add_argument("--concat", type=int, default=1, help="qa: join the contexts of K examples into one long "
                    "context and ask each question against it (CompLLM §4); default 1")
     p.add_argument("--no-reuse", action="store_true", help="qa: compress every context anew (default: a chunk's "

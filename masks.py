@@ -9,8 +9,8 @@ What is here, and where it comes from:
     full_causal(L, M)             the baseline compressor mask of PCC / ICAE / 500xCompressor / AOC:
                                   ordinary causal attention over [context, memory]
                                   (PIC paper §3.1, Eq. 2, Figure 4(a)).
-    pic(L, M, g)                  PIC's block-wise causal mask (PIC paper §3.3, Eq. 4–5, Figure 4(c)).
-    chunk_bounds(L, N)            how pic() cuts the context into N chunks.
+    pic(L, M)                     PIC's block-wise causal mask (PIC paper §3.3, Eq. 4–5, Figure 4(c)).
+    block_bounds(L, N)            how pic() cuts the context into N blocks, one per memory token.
     segments(lens, mems)          block-diagonal mask: each segment and its memory tokens form one
                                   causal block (CompLLM §3; multi-chunk ICAE / EPL §3.1.1).
     with_prefix / with_padding    glue for a KV prefix and for padded batches.
@@ -18,19 +18,21 @@ What is here, and where it comes from:
     render(mask)                  a ■ / · text grid;  `python masks.py pic 8 2` draws Figure 4(c).
 
 PIC, Eq. (4): the compressor input is Z = [c_1, …, c_N, m_1, …, m_N] = [X, M̃], the context X
-(L tokens) cut into N equal chunks c_k, followed by one memory token m_t per chunk.
+(L tokens) cut into N equal blocks c_k, followed by one memory token m_t per block. (The paper calls
+the c_k "chunks"; here they are "blocks", because a chunk is the compressor's row of chunk_len tokens
+that pic() is applied to, compressors.py.)
 PIC, Eq. (5): M_ij = 0 if Visible(i, j) else −∞, with Visible(i, j) = 1 exactly when
     rule 1 (intra-context causal):    z_i, z_j ∈ X       and i ≥ j;
     rule 2 (intra-memory causal):     z_i, z_j ∈ M̃       and i ≥ j;
     rule 3 (memory-to-block):         z_i = m_t, z_j ∈ c_k and t = k.
-Nothing else is visible: a context token never sees a memory token, and m_t sees earlier chunks only
+Nothing else is visible: a context token never sees a memory token, and m_t sees earlier blocks only
 through m_1 … m_{t−1} (so h_t = Compressor(c_t, h_<t), Eq. 3, in one parallel pass).
 
-Our generalisation (the paper assumes "L is divisible by N", §3.1; one memory token per chunk, N = M):
-  * uneven lengths: chunk k (0-based) covers context tokens ⌊k·L/N⌋ … ⌊(k+1)·L/N⌋ − 1, so the
-    chunk sizes differ by at most one and the longer chunks are spread out (see chunk_bounds).
+Our generalisation (the paper assumes "L is divisible by N", §3.1; one memory token per block, N = M):
+  * uneven lengths: block k (0-based) covers context tokens ⌊k·L/N⌋ … ⌊(k+1)·L/N⌋ − 1, so the
+    block sizes differ by at most one and the longer blocks are spread out (see block_bounds).
   * more memory tokens than context tokens (PCC's code gives a short last segment all its slots):
-    some chunks are empty, and their memory tokens see only the memory tokens before them.
+    some blocks are empty, and their memory tokens see only the memory tokens before them.
 Both reduce to the paper's mask when N divides L.
 """
 
@@ -67,43 +69,44 @@ def full_causal(context_len, num_mem):
     return causal(context_len + num_mem)
 
 
-def chunk_bounds(context_len, num_chunks):
-    """Half-open [start, end) token ranges of the N chunks that pic() cuts the context into.
+def block_bounds(context_len, num_blocks):
+    """Half-open [start, end) token ranges of the N blocks that pic() cuts the context into.
 
-    Chunk k (0-based) is ⌊k·L/N⌋ … ⌊(k+1)·L/N⌋ − 1: equal chunks of L/N tokens when N divides L
-    (PIC §3.3.1, "X uniformly divided into N chunks"); otherwise sizes ⌊L/N⌋ or ⌈L/N⌉, interleaved.
-    Example: chunk_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]. More chunks than tokens (a short
-    last segment that keeps all its memory slots, as PCC's code gives it) leaves some chunks empty:
-    chunk_bounds(2, 4) == [(0, 0), (0, 1), (1, 1), (1, 2)] (ours).
+    Block k (0-based) is ⌊k·L/N⌋ … ⌊(k+1)·L/N⌋ − 1: equal blocks of L/N tokens when N divides L
+    (PIC §3.3.1, "X uniformly divided into N chunks", our blocks); otherwise sizes ⌊L/N⌋ or ⌈L/N⌉,
+    interleaved.
+    Example: block_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]. More blocks than tokens (a short
+    last segment that keeps all its memory slots, as PCC's code gives it) leaves some blocks empty:
+    block_bounds(2, 4) == [(0, 0), (0, 1), (1, 1), (1, 2)] (ours).
     """
     _check_int("context_len", context_len, 1)
-    _check_int("num_chunks", num_chunks, 1)
-    L, N = context_len, num_chunks
+    _check_int("num_blocks", num_blocks, 1)
+    L, N = context_len, num_blocks
     return [(k * L // N, (k + 1) * L // N) for k in range(N)]
 
 
 def pic(context_len, num_mem):
     """PIC block-wise causal mask [L+M, L+M] on Z = [c_1, …, c_N, m_1, …, m_N] (PIC Eq. 4–5).
 
-    num_mem = M memory tokens, one per chunk, so N = M chunks (uneven chunks are our generalisation,
-    see the module docstring and chunk_bounds). With more chunks than context tokens some chunks are empty,
+    num_mem = M memory tokens, one per block, so N = M blocks (uneven blocks are our generalisation,
+    see the module docstring and block_bounds). With more blocks than context tokens some blocks are empty,
     and their memory tokens see only the memory before them (rules 2 and 3; ours).
     """
     _check_int("context_len", context_len, 1)
     _check_int("num_mem", num_mem, 1)
     L, M = context_len, num_mem
 
-    # which chunk every context token belongs to (0-based), PIC Eq. (4): X = (c_1, …, c_N)
-    ctx_chunk = torch.empty(L, dtype=torch.long)
-    for k, (start, end) in enumerate(chunk_bounds(L, M)):
-        ctx_chunk[start:end] = k
-    mem_chunk = torch.arange(M)   # m_t belongs to c_t
+    # which block every context token belongs to (0-based), PIC Eq. (4): X = (c_1, …, c_N)
+    ctx_block = torch.empty(L, dtype=torch.long)
+    for k, (start, end) in enumerate(block_bounds(L, M)):
+        ctx_block[start:end] = k
+    mem_block = torch.arange(M)   # m_t belongs to c_t
 
     mask = torch.zeros(L + M, L + M, dtype=torch.bool)  # rule 4: everything else invisible
     mask[:L, :L] = causal(L)  # PIC Eq. (5), rule 1: context sees context causally
     mask[L:, L:] = causal(M)  # PIC Eq. (5), rule 2: memory sees memory causally
-    # PIC Eq. (5), rule 3: m_t sees chunk c_k iff t = k  ->  (M, 1) == (1, L) gives [M, L]
-    mask[L:, :L] = mem_chunk[:, None] == ctx_chunk[None, :]
+    # PIC Eq. (5), rule 3: m_t sees block c_k iff t = k  ->  (M, 1) == (1, L) gives [M, L]
+    mask[L:, :L] = mem_block[:, None] == ctx_block[None, :]
     # mask[:L, L:] stays False: no context token ever sees a memory token
     return mask
 
@@ -235,9 +238,9 @@ def render(mask, boundaries=(), labels=None):
 
 
 def _pic_labels(context_len, num_mem):
-    # row names for render(): "c<k>" for a context token of chunk k, "m<t>" for memory token t
+    # row names for render(): "c<k>" for a context token of block k, "m<t>" for memory token t
     names = [""] * context_len
-    for k, (start, end) in enumerate(chunk_bounds(context_len, num_mem)):
+    for k, (start, end) in enumerate(block_bounds(context_len, num_mem)):
         names[start:end] = [f"c{k + 1}"] * (end - start)
     return names + [f"m{t + 1}" for t in range(num_mem)]
 
@@ -267,14 +270,14 @@ def main(argv=None):
         L, M = args.context_len, args.num_mem
         if args.kind == "pic":
             mask = pic(L, M)
-            print(f"PIC block-wise causal mask (PIC Eq. 5, Figure 4(c)), L={L}, N={M} chunks, one memory token "
-                  f"per chunk; {legend}")
+            print(f"PIC block-wise causal mask (PIC Eq. 5, Figure 4(c)), L={L}, N={M} blocks, one memory token "
+                  f"per block; {legend}")
         else:
             mask = full_causal(L, M)
             print(f"full causal mask over [context, memory] (PCC / ICAE, PIC Figure 4(a)), L={L}, M={M}; {legend}")
-        # lines between chunks, and between the context and the memory
-        # (full_causal has no chunks of its own: PIC's are drawn, for comparison)
-        cuts = [start for start, _ in chunk_bounds(L, M)] + [L]
+        # lines between blocks, and between the context and the memory
+        # (full_causal has no blocks of its own: PIC's are drawn, for comparison)
+        cuts = [start for start, _ in block_bounds(L, M)] + [L]
         print(render(mask, cuts, _pic_labels(L, M)))
     else:
         lens = [int(x) for x in args.segment_lens.split(",")]

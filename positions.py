@@ -164,6 +164,7 @@ def decoder_positions(layout, carrier, task, chunk_lens, num_mem, context_len, n
         # KV carrier: cached keys already carry their encoder positions (Table 13 DPL(500x): 510 … 611
         # for every chunk; under "+UPL" the UPL positions instead).
         starts = [sum(chunk_lens[:i]) for i in range(len(chunk_lens))]  # cumulative chunk offsets
+        # span and max(span, n): UPL's range for each chunk, the nominal span (EPL code) or, with none, the chunk's own
         mem_pos = torch.cat([encoder_positions(layout, i, n, m, offset=s, span=span and max(span, n))[1]
                              for i, (n, m, s) in enumerate(zip(chunk_lens, mems, starts))])
     else:
@@ -202,12 +203,10 @@ def decoder_inputs(layout, carrier, task, chunk_lens, num_mem, context_len, n_fo
     for any EPL decoder ([AE] at 0 and x_j at j+1; x_k or nothing, then the text from p+1).
     Returns a list of ints, one per input slot.
     """
-    mem_pos, special_pos, follow_pos = decoder_positions(layout, carrier, task, chunk_lens, num_mem, context_len,
-                                                         n_follow, span)
     mems = [num_mem] * len(chunk_lens) if isinstance(num_mem, int) else list(num_mem)
     if delimiters and carrier != "embeds":
         raise ValueError("delimiters surround memory embeddings in the decoder input: they need carrier embeds")
-    if layout != "epl":
+    if layout != "epl":   # physical numbering: only the slot counts matter (no decoder_positions needed)
         in_memory = (sum(mems) + 2 * len(mems) * delimiters) if carrier == "embeds" else 0
         start = sum(mems) if carrier == "kv" else 0    # after the cache's k|M| slots (Table 13, DPL(500x))
         n = n_prefix + delimiters + in_memory + special + n_follow
@@ -215,6 +214,8 @@ def decoder_inputs(layout, carrier, task, chunk_lens, num_mem, context_len, n_fo
     if n_prefix:
         raise ValueError("EPL positions are defined for [memory, special token, text]: use a template without a "
                          "prefix (not a chat template) with --layout epl")
+    mem_pos, special_pos, follow_pos = decoder_positions(layout, carrier, task, chunk_lens, num_mem, context_len,
+                                                         n_follow, span)
     before = []
     if carrier == "embeds" and delimiters:
         before = [0]                                                     # [BOS] (ours, see above)

@@ -112,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--objective", choices=("pretrain", "ae", "qa", "distill"),
                    help="pretrain: α·LM + (1-α)·AE (EPL §3.1.1, PIC Eq. 8); ae: reconstruction only (AOC Eq. 4, "
                    "GMSA stage 1); qa: answer-only fine-tuning; distill: CompLLM Eq. 1-3. Default per method: "
-                   "pretrain for icae/500x/pcc/pic, ae for aoc/gmsa, distill for compllm, qa for --stage keft")
+                   "pretrain for icae/500x/pcc/pic, ae for aoc/gmsa, distill for compllm, qa for --stage keft. "
+                   "On some presets it changes compressor settings too (the per-method table below names them: "
+                   "--objective ae on 500x is the original 500xCompressor code)")
     g.add_argument("--stage", choices=("ae", "keft"), default="ae",
                    help="GMSA §3.5: 'keft' freezes encoder and LSA and trains the decoder's q/k/v on QA data; "
                    "start it from the stage-1 run with --init (default: ae)")
@@ -177,7 +179,7 @@ def add_data_and_run_flags(p: argparse.ArgumentParser):
     g.add_argument("--cache-dir", help="token and teacher-answer cache (default: OUT/cache)")
 
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=0, help="seeds the data order, GMSA's rates and the init (default 0)")
+    g.add_argument("--seed", type=int, default=0, help="seeds the data order, GMSA's ratios and the init (default 0)")
     g.add_argument("--save-every", type=int, default=1000, help="checkpoint every N steps (default 1000)")
     g.add_argument("--resume", help="continue the run in this directory exactly where its checkpoint stopped; "
                    "only " + ", ".join("--" + f.replace("_", "-") for f in sorted(RUN_FLAGS - {"resume"})) +
@@ -205,10 +207,12 @@ def defaults_table() -> str:
     rows = ["per-method defaults (flags override; compressors.PRESETS gives the sources of each):",
             f"  {'method':8} {'objective':9} {'lr':>7} {'betas':>11} {'wd':>5} {'schedule':9} {'warmup':>6} "
             f"{'batch':>5} {'clip':>4} {'steps':>6}  |X|"]
-    for m, d in ((m, p.recipe) for m, p in C.PRESETS.items()):
-        rows.append(f"  {m:8} {d['objective']:9} {d['lr']:7.0e} {str(d['betas']):>11} {d['weight_decay']:5} "
-                    f"{d['schedule']:9} {d['warmup']:6} {d['batch_size']:5} {d['clip']:4} {d['steps']:6}  "
-                    f"{d['lengths'][0]}-{d['lengths'][1]}" + (f"   qa: {d['qa']}" if d["qa"] else ""))
+    for m, r in ((m, p.recipe) for m, p in C.PRESETS.items()):
+        rows.append(f"  {m:8} {r.objective:9} {r.lr:7.0e} {str(r.betas):>11} {r.weight_decay:5} "
+                    f"{r.schedule:9} {r.warmup:6} {r.batch_size:5} {r.clip:4} {r.steps:6}  "
+                    f"{r.lengths[0]}-{r.lengths[1]}" + "".join(f"   {o}: {dict(v)}" for o, v in r.per_objective.items()))
+    rows += [f"--objective {o} on {m} also sets: {objective_changes(m, o)}"
+             for m, p in C.PRESETS.items() for o in p.objective_settings]
     common = ", ".join(f"{k.replace('_', ' ')} {v:g}" if isinstance(v, float) else f"{k.replace('_', ' ')} {v}"
                        for k, v in TINY_ALL.items())
     rows += ["", "--model tiny (the default): a CPU demo that compresses (ours; README, Quickstart). In place of the "
@@ -220,6 +224,14 @@ def defaults_table() -> str:
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else f'{v:g}'}"
             for k, v in d.items() if k not in ("lengths", "steps")))
     return "\n".join(rows)
+
+
+def objective_changes(method, objective, cfg=None) -> str:
+    """The compressor settings that --objective changes on this preset, as "k=v, ..." ("" for none): e.g. 500x's ae
+    is the original 500xCompressor code, with another special token, init, LoRA and template. With the run's
+    config `cfg`, only those it took (a flag overrides any of them)."""
+    return ", ".join(f"{k}={v}" for k, v in C.PRESETS[method].settings_for(objective).items()
+                     if cfg is None or getattr(cfg, k) == v)
 
 
 def fail(message) -> None:
@@ -276,11 +288,13 @@ def resolve_defaults(args):
             fail(e)
         args.model = init["compressor_model"] or init["model"]
         args.decoder = init["model"] if init["compressor_model"] else None
-    paper = dict(C.PRESETS[args.method].recipe)
+    preset = C.PRESETS[args.method]
     demo = tiny_demo(args.method, args.model, args.decoder)
     if args.objective is None:
-        args.objective = "qa" if args.stage == "keft" else demo.get("objective", paper["objective"])
-    paper.update(paper.get(args.objective, {}))   # what changes for this objective (fine-tuning, the original 500x)
+        args.objective = "qa" if args.stage == "keft" else demo.get("objective", preset.recipe.objective)
+    # the recipe's values for this objective (fine-tuning), and the compressor settings the objective changes too
+    # (the original 500x code: objective_changes says which; --help and the first log line name them)
+    paper = {**preset.recipe.values(args.objective), **preset.settings_for(args.objective)}
     paper.update(demo)   # --model tiny: the demo's settings in place of the paper's
     if not init:   # compressor settings the recipe row changes, unless a flag sets them
         for k in COMPRESSOR_FLAGS:
@@ -523,9 +537,9 @@ def sample_example(data, objective, rng, args, comp, step):
     the decoder's."""
     ex = draw_qa(data, objective, rng, args, comp) if objective in ("qa", "distill") else \
         draw_text(data, objective, rng, args, comp, step)
-    # GMSA §4.1: the compression rate is sampled per example; drawn with the example, so that it too depends on
+    # GMSA §4.1: the compression ratio is sampled per example; drawn with the example, so that it too depends on
     # nothing but the step and the example's index
-    ex["rate"] = [comp.cfg.ratios[rng.integers(len(comp.cfg.ratios))]] if comp.cfg.source == "group_mean" else []
+    ex["ratio"] = [comp.cfg.ratios[rng.integers(len(comp.cfg.ratios))]] if comp.cfg.source == "group_mean" else []
     return ex
 
 
@@ -583,11 +597,11 @@ def step_examples(data, objective, args, comp, step):
 
 
 def collate(examples):
-    """A micro-batch: one list per field; "rates" (GMSA) is None unless sampled."""
+    """A micro-batch: one list per field; "ratios" (GMSA: one compression ratio per example) is None unless sampled."""
     batch = {k: [e[k] for e in examples] for k in examples[0]}
-    if "rate" in batch:
-        rates = sum(batch.pop("rate"), [])
-        batch["rates"] = rates or None
+    if "ratio" in batch:
+        ratios = sum(batch.pop("ratio"), [])
+        batch["ratios"] = ratios or None
     # tokens the step reads: compressed context + every decoder sequence (tok/s in the log)
     batch["tokens"] = sum(len(f) for k in ("context", "ae", "lm", "qa") if k in batch for f in batch[k])
     return batch
@@ -666,7 +680,7 @@ def lr_at(step, args):
 
 def loss_pretrain(comp, b, lm_weight):
     """EPL §3.1.1 / PIC Eq. (6)-(8): ONE compression of x_1..x_p serves both tasks."""
-    memory = comp.compress(b["context"], rates=b.get("rates"))
+    memory = comp.compress(b["context"], ratios=b.get("ratios"))
     norm = b["norm"]
     l_ae, _ = comp.lm_loss(memory, "ae", b["ae"], normalize_by=norm["ae"])   # AE / TR, PIC Eq. (6): x_1..x_p, EOS
     l_lm, _ = comp.lm_loss(memory, "lm", b["lm"], last_tokens=b["last"],    # LM / TC, PIC Eq. (7): x_p+1..
@@ -677,13 +691,13 @@ def loss_pretrain(comp, b, lm_weight):
 def loss_ae(comp, b):
     """ICAE autoencoding / AOC Eq. (4) / GMSA §3.4 stage 1: regenerate the compressed text from the memory
     (500x/AOC after [BOS], ICAE/GMSA after [AE]: the compressor's ae_token)."""
-    l_ae, _ = comp.lm_loss(comp.compress(b["context"], rates=b.get("rates")), "ae", b["ae"], normalize_by=b["norm"]["ae"])
+    l_ae, _ = comp.lm_loss(comp.compress(b["context"], ratios=b.get("ratios")), "ae", b["ae"], normalize_by=b["norm"]["ae"])
     return l_ae, {"ae": l_ae}
 
 
 def loss_qa(comp, b):
     """QA fine-tuning (EPL §4, GMSA KEFT Eq. 8): [memory; [LM]; question] -> answer, loss on answer + EOS only."""
-    l_qa, _ = comp.lm_loss(comp.compress(b["context"], rates=b.get("rates")), "qa", b["qa"], n_supervised=b["n_answer"], prefix=b["prefix"],
+    l_qa, _ = comp.lm_loss(comp.compress(b["context"], ratios=b.get("ratios")), "qa", b["qa"], n_supervised=b["n_answer"], prefix=b["prefix"],
                            normalize_by=b["norm"]["qa"])
     return l_qa, {"qa": l_qa}
 
@@ -1010,9 +1024,12 @@ def main(argv=None):
         trim_log(os.path.join(args.out, "log.jsonl"), run.start)   # a resumed run rewrites the steps after its checkpoint
         log = open(os.path.join(args.out, "log.jsonl"), "a")
         read = f"{data.documents:,} documents" + (f", {data.questions:,} QA examples" if data.questions else "")
-        demo, paper = tiny_demo(args.method, args.model, args.decoder), C.PRESETS[args.method].recipe["objective"]
+        demo, paper = tiny_demo(args.method, args.model, args.decoder), C.PRESETS[args.method].recipe.objective
         note = (f" (--model tiny's demo; the paper's: {paper})" if demo and args.objective == demo["objective"] != paper
                 else "")
+        changes = objective_changes(args.method, args.objective, comp.cfg)
+        if changes and not args.init:   # (with --init, the settings are that run's)
+            note += f" (--objective {args.objective} on {args.method} also sets: {changes})"
         print(f"{comp.cfg.method}: {args.objective} objective{note} on {read}, "
               f"{sum(p.numel() for p in params):,} trained parameters, batch {args.batch_size} "
               f"({run.accum} x {run.micro} x {run.world}), |X| in [{args.min_len}, {args.max_len}], lr {args.lr:g}, "

@@ -110,12 +110,12 @@ def bench_shape(shape, method, device, steps, batch=4):
     decoder, tok = build_shape(shape, device)   # ids below the tiny vocabulary: any tokenizer will do
     comp = C.build(method, decoder, tok)
     recipe = C.PRESETS[method].recipe
-    n = recipe["lengths"][1] // (2 if recipe["objective"] == "pretrain" else 1)
+    n = recipe.lengths[1] // (2 if recipe.objective == "pretrain" else 1)
     opt = torch.optim.AdamW(comp.trainable_parameters(), lr=1e-5, fused=device == "cuda")
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(3, 250, (n,), generator=g).tolist() for _ in range(batch)]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext()
-    rates = [4] * batch if comp.cfg.source == "group_mean" else None
+    ratios = [4] * batch if comp.cfg.source == "group_mean" else None
     enc_params = sum(p.numel() for p in comp.encoder.parameters())
     dec_params = sum(p.numel() for p in decoder.parameters())
     times = []
@@ -124,7 +124,7 @@ def bench_shape(shape, method, device, steps, batch=4):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         with autocast:
-            memory = comp.compress(ids, rates=rates)
+            memory = comp.compress(ids, ratios=ratios)
             loss, _ = comp.lm_loss(memory, "ae", [comp.ae_target(x) for x in ids])
         loss.backward()
         opt.step()

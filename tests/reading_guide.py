@@ -44,7 +44,12 @@ def statements(path):
     for node in ast.walk(tree):
         if isinstance(node, ast.stmt):
             body = getattr(node, "body", None)
-            last = body[0].lineno - 1 if isinstance(body, list) and body else node.end_lineno
+            last = node.end_lineno
+            if isinstance(body, list) and body:   # a compound statement is read as its header: the lines up to the
+                # end of its test / iterable / context (comments between the header and its body are not code)
+                header = [c.context_expr if isinstance(c, ast.withitem) else c for c in ast.iter_child_nodes(node)
+                          if not isinstance(c, (ast.stmt, ast.excepthandler, ast.match_case))]
+                last = max([node.lineno] + [c.end_lineno for c in header if hasattr(c, "end_lineno")])
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                 last = node.lineno   # a def is read as its signature line; its docstring is not code
             spans.setdefault(node.lineno, (node.lineno, max(last, node.lineno)))

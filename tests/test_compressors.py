@@ -2,9 +2,12 @@
 which positions it sees, what must not change. Positions are checked against the EPL paper's numbers
 written out literally, never recomputed with positions.py."""
 
+import dataclasses
+import inspect
 import math
 import os
 import sys
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import replace
 
@@ -137,7 +140,6 @@ def test_kv_carrier_decoder_sees_only_memory_kv_at_encoder_positions(method, dev
         torch.testing.assert_close(v[0], out.kv[layer][1][0, :, 20:23], rtol=0, atol=1e-5)
     # (keys do depend on the positions: the same slots computed 7 positions later differ)
     assert (shifted.kv[0][0][0, :, 20:23] - out.kv[0][0][0, :, 20:23]).abs().max() > 1e-3
-    assert memory.enc_pos.tolist() == [[20, 21, 22]]
 
 
 def test_aoc_encoder_has_no_mlp_and_trains_every_weight(device):
@@ -238,7 +240,6 @@ def test_epl_positions_fed_to_encoder_and_decoder_match_the_paper(carrier, devic
     assert enc_pos[1, :510].tolist() == list(range(511, 1021))
     assert enc_pos[1, 510:612].tolist() == list(range(513, 1019, 5))
     mem = list(range(3, 509, 5)) + list(range(513, 1019, 5))
-    assert memory.enc_pos[0].tolist() == mem
     # EPL Table 13 (AE, EPL): memory keeps 3..508, 513..1018; [AE] at 0; x_0..x_1019 at 1..1020
     # EPL Table 14 (LM, EPL): [LM] at p = 1020; the continuation from 1021
     if carrier == "embeds":
@@ -267,11 +268,12 @@ def test_new_combination_pic_mask_with_epl_positions_on_aoc_encoder(device):
     dec, tok = tiny(device)
     comp = C.build("aoc", dec, tok, mem=4, chunk_len=32, mask="pic", layout="epl")
     ids = tok.encode("a combination no original codebase can run")[:32]
+    calls = capture(comp.encoder)
     memory = comp.compress([ids])
     loss, n = comp.lm_loss(memory, "ae", [ids + [tok.eos_id]])
     loss.backward()
     assert math.isfinite(loss.item()) and n == 33
-    assert memory.enc_pos[0].tolist() == [4, 12, 20, 28]   # UPL over 1..32 with r = 8: round(1 + 3.5 + 8j)
+    assert calls[0]["position_ids"][0, 32:36].tolist() == [4, 12, 20, 28]   # UPL over 1..32, r = 8: round(4.5 + 8j)
 
 
 # ---------------------------------------------------------------------------- CompLLM
@@ -361,7 +363,7 @@ def test_gmsa_group_merging_is_an_exact_mean_with_a_short_last_group(device):
     assert comp.encoder.config.num_hidden_layers == dec.config.num_hidden_layers // 4 == len(comp.encoder.model.layers)
     ids = tok.encode("eleven toks")[:11]
     with torch.no_grad():
-        memory = comp.compress([ids], rates=[4])
+        memory = comp.compress([ids], ratios=[4])
         h = comp.encoder(torch.tensor([ids], device=device)).last_hidden[0]
     groups = [h[0:4].mean(0), h[4:8].mean(0), h[8:11].mean(0)]   # the last group has 3 tokens
     assert memory.embeds.shape[1] == 3
@@ -391,7 +393,7 @@ def test_gmsa_keft_trains_only_decoder_qkv(device):
     comp.set_stage("keft")
     ctx, q, a = tok.encode("Paris is in France."), tok.encode(" Where is Paris?"), tok.encode(" France")
     before = {n: p.detach().clone() for n, p in comp.named_parameters()}
-    memory = comp.compress([ctx], rates=[4])
+    memory = comp.compress([ctx], ratios=[4])
     loss, _ = comp.lm_loss(memory, "qa", [q + a + [tok.eos_id]], [len(a) + 1])
     loss.backward()
     torch.optim.SGD(comp.trainable_parameters(), lr=0.1).step()
@@ -414,7 +416,7 @@ def test_save_load_roundtrip_gives_the_same_memory(tmp_path, device):
     back = C.load(str(tmp_path), device=device)
     ids = [tok.encode("the same memory after loading")]
     with torch.no_grad():
-        torch.testing.assert_close(back.compress(ids, rates=[4]).embeds, comp.compress(ids, rates=[4]).embeds)
+        torch.testing.assert_close(back.compress(ids, ratios=[4]).embeds, comp.compress(ids, ratios=[4]).embeds)
         x = torch.tensor(ids, device=device)
         torch.testing.assert_close(back.decoder(x).logits, comp.decoder(x).logits)   # KEFT q/k/v saved too
     wrong = C.build("gmsa", *tiny(device), enc_layers=2)
@@ -570,8 +572,9 @@ def test_pcc_and_pic_under_epl_positions(method, device):
     dec, tok = tiny(device)
     comp = C.build(method, dec, tok, mem=2, chunk_len=4, layout="epl")
     x = tok.encode("abcdefgh")                                   # 8 tokens: two chunks of 4
+    calls = capture(comp.encoder)
     memory = comp.compress([x])
-    assert memory.enc_pos[0].tolist() == [2, 4, 6, 8]
+    assert calls[0]["position_ids"][:, 4:6].flatten().tolist() == [2, 4, 6, 8]   # each row: 4 tokens, 2 slots
     memory_block = [0, 0, 2, 4, 5, 4, 6, 8, 9]                   # BOS, <mem> m m </mem>, <mem> m m </mem>
     ae = comp.decoder_batch(memory, "ae", [comp.ae_target(x)])  # x + EOS after [AE] at 0: x_j at j + 1
     assert ae["position_ids"][0].tolist() == memory_block + [0] + list(range(1, 10))
@@ -667,7 +670,7 @@ def test_supervised_tokens_counts_what_lm_loss_supervises(method, overrides, dev
     model, tok = tiny(device)
     comp = C.build(method, model, tok, **overrides)
     contexts = [tok.encode(TEXT[:40]), tok.encode(TEXT[50:73])]
-    memory = comp.compress(contexts, rates=[4, 4] if comp.cfg.source == "group_mean" else None)
+    memory = comp.compress(contexts, ratios=[4, 4] if comp.cfg.source == "group_mean" else None)
     follow = [tok.encode(" and so on."), tok.encode(" more")]
     for task, n_sup, prefix in (("ae", None, None), ("lm", None, None), ("qa", [3, 2], None),
                                 ("qa", None, [tok.encode("Q:"), []])):
@@ -683,12 +686,115 @@ def test_the_readme_method_table_is_the_presets():
     assert C.method_table() in readme, "README's method table is out of date: paste the output of python compressors.py"
 
 
-def test_aoc_reads_in_under_250_lines_with_at_most_8_config_conditions():
-    # AOC's path from its preset to the decoder's input, measured as the README's reading guide measures it
+def test_every_preset_reads_in_200_lines_and_aoc_with_at_most_4_config_conditions():
+    # each preset's path from its record to the decoder's input, measured as the README's reading guide measures it
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import reading_guide
-    lines, conditions = reading_guide.guide()[1]["aoc"]
-    assert lines < 250 and conditions <= 8, (lines, conditions)
+    totals = reading_guide.guide()[1]
+    assert all(lines <= 200 for lines, _ in totals.values()), totals
+    assert totals["aoc"][1] <= 4, totals["aoc"]
+
+
+# ---------------------------------------------------------------------------- issue 31: one word, one meaning
+
+
+def test_no_preset_shares_a_mutable_recipe_or_settings_object():
+    """ICAE's recipe was _EPL_RECIPE itself and icae and 500x shared one `qa` dict: now every record is frozen and
+    every mapping read-only, so no preset can change another's."""
+    def mutable(x, path):
+        if isinstance(x, (dict, list, set)):
+            yield path
+        for k, v in (x.items() if isinstance(x, Mapping) else enumerate(x) if isinstance(x, tuple) else ()):
+            yield from mutable(v, f"{path}[{k!r}]")
+    for name, p in C.PRESETS.items():
+        recipe = tuple(getattr(p.recipe, f.name) for f in dataclasses.fields(p.recipe))
+        found = list(mutable(tuple(p), name)) + list(mutable(recipe, name + ".recipe"))
+        assert not found, found
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            p.recipe.lr = 1.0
+        with pytest.raises(TypeError):
+            p.settings["mem"] = 1
+    # icae and 500x still read the same EPL values, from frozen records
+    assert C.PRESETS["icae"].recipe.values("qa")["lr"] == C.PRESETS["500x"].recipe.values("qa")["lr"] == 5e-5
+
+
+def test_a_recipe_is_a_typed_record_whose_fields_carry_their_help():
+    assert dataclasses.is_dataclass(C.Recipe)
+    assert all(f.metadata.get("help") for f in dataclasses.fields(C.Recipe))
+    assert all(isinstance(p.recipe, C.Recipe) for p in C.PRESETS.values())
+    # the compressor settings an objective changes live apart from the recipe's values (500x's original AE setup)
+    assert C.PRESETS["500x"].settings_for("ae")["ae_token"] == "bos" and not C.PRESETS["500x"].settings_for("qa")
+    assert not set(C.PRESETS["500x"].recipe.values("ae")) & {f.name for f in dataclasses.fields(C.CompressorConfig)}
+
+
+def test_memory_has_no_dead_encoder_positions():
+    assert "enc_pos" not in {f.name for f in dataclasses.fields(C.Memory)}
+
+
+def test_the_pad_id_fallback_is_written_once():
+    assert inspect.getsource(C).count("pad_id is not None") == 1
+
+
+def test_one_name_for_the_special_token(device):
+    assert not hasattr(C, "special_vector") and not hasattr(C.Compressor, "special_token")
+    dec, tok = tiny(device)
+    comp = C.build("aoc", dec, tok, mem=4, chunk_len=16)
+    assert C.special_token(comp.cfg, "ae") == "bos"     # which one; Compressor.special_embedding: its vector
+    torch.testing.assert_close(comp.special_embedding("ae"), dec.model.embed_tokens.weight[tok.bos_id])
+
+
+def test_supervised_tokens_counts_by_decoder_batchs_own_target_rule(device, monkeypatch):
+    """supervised_tokens re-derived the target rule; now both go through next_token_targets, and agree."""
+    calls = []
+    rule = C.next_token_targets
+    monkeypatch.setattr(C, "next_token_targets", lambda *a, **k: calls.append(a) or rule(*a, **k))
+    for method, kw in (("aoc", dict(lm_token="none")), ("500x", {}), ("icae", {}), ("pcc", {})):   # aoc lm: slot 0
+        dec, tok = tiny(device)   # a fresh decoder: a LoRA encoder changes it
+        comp = C.build(method, dec, tok, mem=4, chunk_len=16, **kw)
+        memory = comp.compress([tok.encode("abcdefgh"), tok.encode("xyz")])
+        for task in ("ae", "lm", "qa"):
+            follow, n = [tok.encode("hello"), tok.encode("hi")], [5, 1]
+            calls.clear()
+            counted = comp.supervised_tokens(task, follow, n)
+            assert calls, "supervised_tokens must use next_token_targets"
+            batch = comp.decoder_batch(memory, task, follow, n, last_tokens=[3, 4])
+            assert counted == len(batch.supervised), (method, task)
+
+
+def test_dpl_decoder_inputs_compute_no_positions_they_throw_away(monkeypatch):
+    import positions
+    monkeypatch.setattr(positions, "decoder_positions", lambda *a, **k: pytest.fail("DPL needs no decoder_positions"))
+    assert positions.decoder_inputs("dpl", "kv", "ae", [10, 10], 4, 20, 3) == list(range(8, 12))
+    assert positions.decoder_inputs("upl", "embeds", "lm", [10], 4, 10, 2) == list(range(0, 7))
+
+
+def test_the_ratio_settings_are_one_concept_with_documented_mappings():
+    help_of = {f.name: f.metadata["help"] for f in C.FLAG_FIELDS}
+    assert "compression ratio" in help_of["ratio"] and "--ratios" in help_of["ratio"]   # GMSA: --ratio R = --ratios R
+    assert "compression ratios" in help_of["ratios"]
+    assert "--ratio" in help_of["mem"]                                                 # --mem drops a preset's ratio
+    assert "mappings" in C.make_config.__doc__
+    assert C.make_config("compllm", mem=4).ratio == 0.0 and C.make_config("gmsa", ratio=2).ratios == (2,)
+    assert "ratios" in inspect.signature(C.Compressor.compress).parameters   # one word: no "rates"
+
+
+def test_the_three_bos_uses_are_named_apart(device):
+    help_of = {f.name: f.metadata["help"] for f in C.FLAG_FIELDS}
+    assert "context BOS" in help_of["bos"] and "leading [BOS]" in help_of["delimiters"]
+    assert "[BOS] as the special token" in help_of["ae_token"]
+    dec, tok = tiny(device)
+    comp = C.build("pcc", dec, tok, mem=4, chunk_len=16, bos=True)
+    assert comp.context_bos == [tok.bos_id] and comp.decoder_bos == [tok.bos_id]
+    assert comp.ae_target([7])[0] == tok.bos_id
+
+
+def test_carriers_are_two_small_documented_classes():
+    for carrier in (C.Embeds, C.KV):
+        assert carrier.__doc__
+        for name in ("read_slots", "memory", "decoder_rows", "cache"):
+            fn = getattr(carrier, name)
+            assert fn.__doc__, (carrier, name)
+            assert all(len(p) > 1 for p in inspect.signature(fn).parameters if p != "b"), (carrier, name)
 
 
 def test_mem_norm_puts_the_memory_at_the_token_embeddings_scale(device):

@@ -41,7 +41,7 @@ def test_training_step_keeps_every_tensor_on_the_models_device(method, overrides
     comp = on_meta(method, **overrides)
     tok = comp.tok
     texts = [tok.encode("A first context. It has two sentences, one short."), tok.encode("A second one, longer: " * 3)]
-    memory = comp.compress(texts, **({"rates": [2, 4]} if comp.cfg.source == "group_mean" else {}))
+    memory = comp.compress(texts, **({"ratios": [2, 4]} if comp.cfg.source == "group_mean" else {}))
     assert memory.valid.device.type == "meta" and (memory.embeds if memory.kv is None else memory.kv[0][0]).is_meta
     qa = [comp.qa_parts("Ctx.", "Why?") for _ in texts]
     if comp.cfg.decoder_train == "keft":

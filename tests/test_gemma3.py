@@ -349,7 +349,7 @@ def test_vectors_handed_to_the_decoder_sit_at_the_scale_gemma_reads(gemma, devic
     scale = ours.config.hidden_size ** 0.5
     table = ours.model.embed_tokens.weight.detach()
     comp = C.build("aoc", copy_model(ours), tok)                 # AOC code: the regeneration token is [BOS]
-    torch.testing.assert_close(C.special_vector(comp, "ae")(0, None).detach(), table[tok.start_id] * scale)
+    torch.testing.assert_close(comp.special_embedding("ae").detach(), table[tok.start_id] * scale)
     torch.manual_seed(0)
     drawn = C.draw("embed", 20000, ours).float()                 # EPL code: N(mean, std) of the embedding
     assert abs(drawn.std().item() / (table.float().std().item() * scale) - 1) < 0.02

@@ -89,18 +89,18 @@ def test_pic_rule_by_rule(L, N):
     assert torch.equal(m, eq5_reference(L, N))
 
 
-def test_chunk_bounds_uneven_literal():
+def test_block_bounds_uneven_literal():
     # floor(k·L/N) boundaries: sizes differ by at most one
-    assert masks.chunk_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
-    assert masks.chunk_bounds(7, 3) == [(0, 2), (2, 4), (4, 7)]
-    assert masks.chunk_bounds(12, 3) == [(0, 4), (4, 8), (8, 12)]  # divisible: the paper's equal chunks
-    assert masks.chunk_bounds(5, 5) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert masks.block_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert masks.block_bounds(7, 3) == [(0, 2), (2, 4), (4, 7)]
+    assert masks.block_bounds(12, 3) == [(0, 4), (4, 8), (8, 12)]  # divisible: the paper's equal chunks
+    assert masks.block_bounds(5, 5) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
 
 
 @pytest.mark.parametrize("L", range(1, 40))
-def test_chunk_bounds_cover_context(L):
+def test_block_bounds_cover_context(L):
     for N in range(1, L + 1):
-        b = masks.chunk_bounds(L, N)
+        b = masks.block_bounds(L, N)
         assert b[0][0] == 0 and b[-1][1] == L and len(b) == N
         assert all(b[k][1] == b[k + 1][0] for k in range(N - 1))  # contiguous
         sizes = [e - s for s, e in b]
@@ -187,7 +187,7 @@ def test_render_other_commands(capsys):
 
 def test_more_memory_than_context_leaves_chunks_empty():
     # PCC's code gives a 2-token last segment all its slots; under PIC two of the four chunks are empty
-    assert masks.chunk_bounds(2, 4) == [(0, 0), (0, 1), (1, 1), (1, 2)]
+    assert masks.block_bounds(2, 4) == [(0, 0), (0, 1), (1, 1), (1, 2)]
     m = masks.pic(2, 4)
     mem_sees_context = m[2:, :2].tolist()
     assert mem_sees_context == [[False, False], [True, False], [False, False], [False, True]]
@@ -201,7 +201,7 @@ def test_more_memory_than_context_leaves_chunks_empty():
     (lambda: masks.pic(8, 0), "num_mem"),
     (lambda: masks.pic(-1, 1), "context_len"),
     (lambda: masks.full_causal(4, 0), "num_mem"),
-    (lambda: masks.chunk_bounds(4, 0), "num_chunks"),
+    (lambda: masks.block_bounds(4, 0), "num_blocks"),
     (lambda: masks.causal(-1), "n"),
     (lambda: masks.segments([3, -1], 1), "segment_lens"),
     (lambda: masks.segments([], 1), "segment_lens"),
@@ -313,3 +313,14 @@ def test_stack_padded_places_each_mask_top_left_and_padding_sees_only_itself():
     assert out[1, 3:].tolist() == [[j == i for j in range(7)] for i in range(3, 7)]
     with pytest.raises(ValueError, match="row_masks"):
         masks.stack_padded([masks.causal(8)], 7)
+
+
+def test_pic_blocks_are_not_called_chunks_and_the_docstring_names_pic_as_defined():
+    """issue 31: "chunk" means only the compressor's row of chunk_len tokens; PIC's per-memory-token pieces of the
+    context are blocks, and the module docstring documents pic(L, M) as it is defined (not pic(L, M, g))."""
+    import inspect
+    assert "pic(L, M, g)" not in masks.__doc__ and "pic(L, M)" in masks.__doc__
+    assert not hasattr(masks, "chunk_bounds")
+    for fn in (masks.pic, masks.block_bounds):
+        code = "\n".join(line for line in inspect.getsource(fn).splitlines() if '"' not in line)
+        assert "chunk" not in code.lower(), fn.__name__

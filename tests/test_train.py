@@ -103,7 +103,7 @@ RUNS = {
 
 def paper_schedule(method):
     """The method's own lr schedule (the tiny demo decays linearly): these runs were measured with it."""
-    return ["--schedule", C.PRESETS[method].recipe["schedule"]]
+    return ["--schedule", C.PRESETS[method].recipe.schedule]
 
 
 @pytest.mark.parametrize("method", C.METHODS)
@@ -194,7 +194,7 @@ def test_tiny_takes_the_demo_settings_and_a_real_model_the_papers(method, files)
     assert (args.model, args.objective, args.crop, args.batch_size, args.lr, args.steps) == \
         ("tiny", demo["objective"], demo["crop"], demo["batch_size"], demo["lr"], demo["steps"])
     assert [args.min_len, args.max_len] == list(demo["lengths"])
-    assert args.warmup == min(C.PRESETS[method].recipe["warmup"], demo["steps"] // 10)
+    assert args.warmup == min(C.PRESETS[method].recipe.warmup, demo["steps"] // 10)
     for k, v in demo.items():   # anything else a row sets (a compressor setting) lands in its flag
         if k in vars(args):
             assert getattr(args, k) == (list(v) if isinstance(v, tuple) else v), k
@@ -203,8 +203,8 @@ def test_tiny_takes_the_demo_settings_and_a_real_model_the_papers(method, files)
     paper = C.PRESETS[method].recipe
     args, _ = train.parse_args(["--method", method, "--model", files["model"]])
     assert (args.objective, args.crop, args.batch_size, args.lr, args.steps) == \
-        (paper["objective"], paper["crop"], paper["batch_size"], paper["lr"], paper["steps"])
-    assert (args.min_len, args.max_len) == paper["lengths"]
+        (paper.objective, paper.crop, paper.batch_size, paper.lr, paper.steps)
+    assert (args.min_len, args.max_len) == paper.lengths
 
 
 def test_the_log_and_help_say_where_tiny_changes_the_papers_objective(tmp_path, run_train, capsys):
@@ -218,6 +218,24 @@ def test_the_log_and_help_say_where_tiny_changes_the_papers_objective(tmp_path, 
         assert f"\n  {method:8} {row['lengths'][1]:3} {row['steps']:6}" in text
 
 
+def test_help_and_the_first_log_line_say_where_the_objective_changes_the_architecture(tmp_path, run_train, capsys):
+    """500x's --objective ae is the original 500xCompressor code: it also changes compressor settings. --help and the
+    run's first log line name them (issue 31: that switch was hidden in an untyped recipe row)."""
+    run_train(["--method", "500x", "--objective", "ae", "--mem", "4", "--chunk-len", "16", *LORA, "--steps", "1",
+               "--eval-every", "0", "--out", str(tmp_path / "x")])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("500x: ae objective") and "(--objective ae on 500x also sets: ae_token=bos, " \
+        "lm_token=bos, mem_init=normal, bos=False, lora_dropout=0.05, template=plain)" in first   # LORA: flags
+    run_train(["--method", "500x", "--objective", "pretrain", "--mem", "4", "--chunk-len", "16", *LORA, "--steps",
+               "1", "--eval-every", "0", "--out", str(tmp_path / "y")])
+    assert "also sets" not in capsys.readouterr().out.splitlines()[0]
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    text = capsys.readouterr().out
+    assert "--objective ae on 500x also sets: ae_token=bos" in text and "changes compressor settings" in " ".join(
+        text.split())
+
+
 # ---- stop, resume, interrupt, non-finite loss ----
 
 
@@ -225,7 +243,7 @@ def test_the_log_and_help_say_where_tiny_changes_the_papers_objective(tmp_path, 
     # random text lengths and offsets (the data position) ...
     ("icae", ["--mem", "4", "--chunk-len", "16", *LORA, "--objective", "pretrain", "--crop", "window",
               "--min-len", "16", "--max-len", "64"]),
-    # ... and GMSA's rates, drawn from torch's RNG inside compress() (the RNG state in the checkpoint)
+    # ... and GMSA's ratios, drawn from torch's RNG inside compress() (the RNG state in the checkpoint)
     ("gmsa", [*LORA, "--crop", "window", "--min-len", "16", "--max-len", "64"]),
 ])
 def test_stop_after_then_resume_equals_an_uninterrupted_run(method, flags, tmp_path, run_train):
