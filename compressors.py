@@ -125,7 +125,8 @@ class CompressorConfig:
     bos: bool = axis(False, "the context BOS: every context starts with [BOS], and AE reconstructs [BOS] X [EOS] "
                      "(ICAE, EPL code); not the [BOS] of --ae-token bos nor the delimiters' leading [BOS]")
     # --- encoder attention and positions ---
-    mask: str = axis("causal", "encoder mask over [chunk, memory]: ordinary causal, or PIC Eq. 5", ("causal", "pic"))
+    mask: str = axis("causal", "encoder mask over [chunk, memory]: ordinary causal, or PIC Eq. 5 (masks.ENCODER)",
+                     tuple(masks.ENCODER))
     layout: str = axis("dpl", "position layout of memory tokens (EPL §3.2, positions.py); only for methods with "
                        "memory tokens", ("dpl", "upl", "epl"))
     # --- what reaches the decoder ---
@@ -659,7 +660,7 @@ class Compressor(nn.Module):
                                            cfg.delimiters)):
             if wanted:
                 setattr(self, name, nn.Parameter(draw(cfg.mem_init, 1, decoder)[0], requires_grad=cfg.train_specials))
-        self.encoder_mask = masks.pic if cfg.mask == "pic" else masks.full_causal   # PIC Eq. (5) or causal
+        self.encoder_mask = masks.ENCODER[cfg.mask]   # PIC Eq. (5) or causal
         # the range UPL spreads a chunk's memory over: EPL code, the nominal chunk length L even for a shorter last
         # chunk; cap_mem (ours, None): the chunk's own length (positions.encoder_positions' `span`)
         self.nominal_len = None if cfg.cap_mem else cfg.chunk_len

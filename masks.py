@@ -111,6 +111,12 @@ def pic(context_len, num_mem):
     return mask
 
 
+# The encoder masks over [chunk, memory] that a compressor config's `mask` names; CompressorConfig.mask's choices
+# are these keys, so a new mask is a function above and its entry here
+ENCODER = {"causal": full_causal,   # PCC / ICAE, PIC Figure 4(a)
+           "pic": pic}              # PIC Eq. (5)
+
+
 def segments(segment_lens, mems_per_segment):
     """Block-diagonal mask [T, T] on the interleaved sequence [s_1, mem_1, s_2, mem_2, …].
 

@@ -35,16 +35,15 @@ def test_the_readme_fork_it_example_trains_with_its_new_mask(tmp_path, monkeypat
     monkeypatch.setattr(C, "PRESETS", dict(C.PRESETS))
     monkeypatch.setattr(C, "METHODS", C.METHODS)
     monkeypatch.setattr(C, "CHOICES", dict(C.CHOICES))
-    monkeypatch.setattr(C.Compressor, "__init__", C.Compressor.__init__)
     monkeypatch.setattr(train, "TINY", dict(train.TINY))
-    monkeypatch.setattr(masks, "mem_bidir", None, raising=False)
+    monkeypatch.setattr(masks, "ENCODER", dict(masks.ENCODER))
     code = fork_it_block()
     assert len(code.splitlines()) <= 25, "keep the README example short"
     exec(compile(code, str(README) + ":Fork it", "exec"), {})
     assert "aoc_bidir" in C.METHODS and C.PRESETS["aoc_bidir"].settings["mask"] == "mem_bidir"
 
     # spies: every mask the new function returns, and every mask that reaches attention
-    made, seen, new_mask, sdpa = [], [], masks.mem_bidir, F.scaled_dot_product_attention
+    made, seen, new_mask, sdpa = [], [], masks.ENCODER["mem_bidir"], F.scaled_dot_product_attention
 
     def spy_mask(context_len, num_mem):
         made.append(new_mask(context_len, num_mem))
@@ -55,7 +54,7 @@ def test_the_readme_fork_it_example_trains_with_its_new_mask(tmp_path, monkeypat
             seen.append(attn_mask.detach().cpu())
         return sdpa(*args, attn_mask=attn_mask, **kwargs)
 
-    monkeypatch.setattr(masks, "mem_bidir", spy_mask)
+    monkeypatch.setitem(masks.ENCODER, "mem_bidir", spy_mask)
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy_sdpa)
     out = tmp_path / "aoc_bidir"
     train.main(["--method", "aoc_bidir", "--model", "tiny", "--steps", "2", "--eval-n", "4", "--out", str(out),
