@@ -58,7 +58,8 @@ lever_flags() {
     memlr)      echo --mem-lr ${MEM_LR:-1e-3} ;;
     pretrain)   echo --objective pretrain --min-len $((2 * n)) --max-len $((2 * n)) ;;
     warm)       echo --warm-start "$OUT/$value" ;;
-    *)          echo "unknown lever $1 (epl lora long batch16 curriculum memlr pretrain warm=ARM)" >&2; exit 2 ;;
+    nobos)      echo --no-bos ;;   # GMSA as the ladder first ran it, before its preset started the encoder with [BOS]
+    *)          echo "unknown lever $1 (epl lora long batch16 curriculum memlr pretrain warm=ARM nobos)" >&2; exit 2 ;;
   esac
 }
 [ "$SMOKE" = 1 ] && LEVERS=${LEVERS:-"icae:epl aoc:memlr 500x:pretrain"}

@@ -361,11 +361,12 @@ def test_gmsa_group_merging_is_an_exact_mean_with_a_short_last_group(device):
     dec, tok = tiny(device)
     comp = C.build("gmsa", dec, tok, bridge="none")        # look at the merged vectors themselves
     assert comp.encoder.config.num_hidden_layers == dec.config.num_hidden_layers // 4 == len(comp.encoder.model.layers)
-    ids = tok.encode("eleven toks")[:11]
+    ids = tok.encode("eleven toks")[:10]
+    read = [tok.start_id] + ids   # the preset's encoder reads <s> x, as LLaMA-2's tokenizer gives it (bos=True)
     with torch.no_grad():
         memory = comp.compress([ids], ratios=[4])
-        h = comp.encoder(torch.tensor([ids], device=device)).last_hidden[0]
-    groups = [h[0:4].mean(0), h[4:8].mean(0), h[8:11].mean(0)]   # the last group has 3 tokens
+        h = comp.encoder(torch.tensor([read], device=device)).last_hidden[0]
+    groups = [h[0:4].mean(0), h[4:8].mean(0), h[8:11].mean(0)]   # [BOS] joins the first group; the last has 3 tokens
     assert memory.embeds.shape[1] == 3
     for got, want in zip(memory.embeds[0], groups):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
@@ -450,8 +451,8 @@ def test_gmsa_ratio_fixes_the_group_size(device):
     cfg = C.make_config("gmsa", ratio=2.0)
     assert cfg.ratios == (2,) and cfg.ratio == 0.0
     comp = C.Compressor(cfg, *tiny(device))
-    memory = comp.compress([list(range(10))])
-    assert memory.mem_counts == [[5]]          # 10 tokens in groups of 2, every time
+    memory = comp.compress([list(range(9))])
+    assert memory.mem_counts == [[5]]          # [BOS] and 9 tokens in groups of 2, every time
 
 
 # ---------------------------------------------------------------------------- faithful to the papers' code
