@@ -912,7 +912,7 @@ class HeldOut:
 
 def held_out(args, run: Run) -> HeldOut | None:
     """The held-out examples of the check, or None (with one line saying why and how to turn it on)."""
-    import evaluate as E   # (evaluate imports train lazily, for the built-in texts)
+    import evaluate as E   # here, not at the top: evaluate imports train (the built-in texts, the record reader)
     every = args.eval_every if args.eval_every is not None else args.save_every
     task = "qa" if args.objective in ("qa", "distill") else "ae"
     if every <= 0 or (args.eval_data is None and not on_tiny(args.model, args.decoder)):
@@ -1183,8 +1183,9 @@ def trim_log(path, step):
 # ---- built-in corpus ----
 # So that the quickstart runs offline with no --data and shows real compression: thousands of short documents from
 # a small seeded grammar (ours), many enough that a run trains on many texts and is scored on others it never saw
-# (evaluate.py's built-in set: the same grammar, another seed, any text also drawn here left out); and a few
-# paragraphs of plain English (written for this repository) with questions about them, for QA.
+# (held_out_texts: the same grammar, another seed, any text also drawn here left out); and a few paragraphs of plain
+# English (written for this repository) with questions about them, for QA. evaluate.py reads its built-in examples
+# from here too (EVAL_TEXTS, EVAL_QA, held_out_texts): one place for every built-in text.
 
 NAMES = ("Mira", "Tom", "Anna", "Jonas", "Lena", "Omar", "Sara", "Pedro", "Yuki", "Ivan", "Nora", "Felix", "Hana",
          "Leo", "Ada", "Karim", "Ines", "Oskar", "Rosa", "Theo", "Vera", "Emil", "Lucia", "Amir")
@@ -1226,7 +1227,7 @@ def generated_texts(n: int, seed: int) -> list:
     return docs
 
 
-BUILTIN_GENERATED = 3000   # documents of the built-in training corpus (seed 0); evaluate.py holds out seed 1's
+BUILTIN_GENERATED = 3000   # documents of the built-in training corpus (seed 0); held_out_texts draws seed 1's
 
 BUILTIN_TEXTS = [
     "The river starts as a thin stream high in the hills, where snow melts slowly through the spring. It runs "
@@ -1282,6 +1283,44 @@ BUILTIN_QA = [
     (BUILTIN_TEXTS[4], "When were the first pendulum clocks built?", "in the middle of the seventeenth century"),
     (BUILTIN_TEXTS[5], "How much did last year's winning pumpkin weigh?", "three hundred and twelve kilograms"),
 ]
+
+
+# evaluate.py's built-in examples, so every task runs offline with no --data; none of them is in the corpus above.
+# Short on purpose (the tests run the tasks on CPU, and AE regenerates every text token by token).
+EVAL_TEXTS = [
+    "The old stone bridge was finished in 1932. It crosses the river at its narrowest point, "
+    "and for forty years it was the only way into the town from the north.",
+    "Honeybees tell each other where food is by dancing. The angle of the dance shows the "
+    "direction of the flowers, and its length shows how far away they are.",
+    "Mira planted tomatoes, beans and basil in April. By July the beans had climbed the fence, "
+    "but a late frost had killed half of the tomatoes.",
+    "The library opens at nine on weekdays and at ten on Saturdays. It is closed on Sundays, "
+    "and books can be returned through the slot by the door at any time.",
+    "A comet is a ball of ice and dust. When it comes close to the Sun, the ice turns to gas "
+    "and forms a bright tail that always points away from the Sun.",
+    "The recipe needs two eggs, a cup of flour and a pinch of salt. Mix them, let the dough "
+    "rest for an hour, then roll it out thinly and cut it into strips.",
+]
+
+EVAL_QA = [
+    dict(context=EVAL_TEXTS[0], question="When was the bridge finished?", answer="1932"),
+    dict(context=EVAL_TEXTS[1], question="How do honeybees show where food is?",
+         answer="by dancing"),
+    dict(context=EVAL_TEXTS[2], question="What killed half of the tomatoes?",
+         answer="a late frost"),
+    dict(context=EVAL_TEXTS[3], question="On which day is the library closed?",
+         answer="Sundays"),
+    dict(context=EVAL_TEXTS[4], question="Which way does a comet's tail point?",
+         answer="away from the Sun"),
+]
+
+
+def held_out_texts(n=32):
+    """The built-in texts of evaluate.py's ae and lm tasks (and of a tiny run's held-out check): n documents of the
+    grammar above drawn with another seed, none of them in the built-in corpus (so a quickstart run is scored on
+    texts it never saw)."""
+    seen = set(generated_texts(BUILTIN_GENERATED, seed=0))
+    return [t for t in generated_texts(n + 8, seed=1) if t not in seen][:n]
 
 
 if __name__ == "__main__":

@@ -114,7 +114,7 @@ def test_every_method_learns_memories_that_carry_their_own_text(method, tmp_path
     losses = [r["loss"] for r in log_rows(out)]
     assert len(losses) == 300 and sum(losses[-10:]) / 10 < 0.9 * losses[0]
     comp = C.load(out, device=device).eval()
-    held_out = [{"text": t} for t in E.BUILTIN_TEXTS]                 # never in train.py's built-in corpus
+    held_out = [{"text": t} for t in train.EVAL_TEXTS]                 # never in train.py's built-in corpus
     L = E.run_ae(comp, held_out, max_new_tokens=1, proto=dict(crop="head", n=16, half=False))["loss"]
     assert L["own_other_ratio"] < max_ratio, f"{method}: own {L['own']:.3f} other {L['other']:.3f}"
     assert L["own"] < L["none"]
@@ -151,7 +151,7 @@ def test_bf16_autocast_training_on_cuda(tmp_path, run_train, device, monkeypatch
     losses = [r["loss"] for r in log_rows(out)]
     assert all(math.isfinite(x) for x in losses) and sum(losses[-10:]) / 10 < 0.9 * losses[0]
     comp = C.load(out, device=device).eval()
-    L = E.run_ae(comp, [{"text": t} for t in E.BUILTIN_TEXTS], max_new_tokens=1,
+    L = E.run_ae(comp, [{"text": t} for t in train.EVAL_TEXTS], max_new_tokens=1,
                  proto=dict(crop="head", n=16, half=False))["loss"]
     assert L["own_other_ratio"] < max_ratio
     saved = load_file(os.path.join(out, "compressor.safetensors"))
@@ -296,7 +296,7 @@ X500 = ["--method", "500x", "--mem", "16", "--chunk-len", "16", *LORA, "--lora-d
 def held_texts(tmp_path_factory):
     """12 held-out texts in a file of their own (evaluate.py's built-in set, so nothing here trains on them)."""
     path = tmp_path_factory.mktemp("held") / "held.jsonl"
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in E.builtin_held_out(12)))
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in train.held_out_texts(12)))
     return str(path)
 
 
