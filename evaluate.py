@@ -96,7 +96,8 @@ def protocol(comp, ckpt=None, max_len=None, train_args=None):
     """How the checkpoint was trained, so the evaluation cuts texts the same way (train.py's args, saved with
     it, or given as train_args by a run that scores itself): head crop -> every text is its first n tokens,
     padded with EOS to n, and regenerated up to n tokens (AOC code); pretrain -> AE reconstructs the first
-    ⌊|X|/2⌋ tokens, what pretraining compressed (EPL code). max_len: cut every text to its first max_len tokens."""
+    ⌊|X|/2⌋ tokens (of those n under a head crop), what pretraining compressed (EPL code). max_len: cut every text
+    to its first max_len tokens."""
     if train_args is None:
         train_args = (C.read_checkpoint_config(ckpt).get("train_args") or {}) if ckpt else {}
     crop = train_args.get("crop", "window")
@@ -105,19 +106,18 @@ def protocol(comp, ckpt=None, max_len=None, train_args=None):
 
 
 def texts_as_trained(comp, texts, proto):
-    """(what is compressed, the reference) ids of each text under the checkpoint's protocol."""
+    """(what is compressed, the reference) ids of each text under the checkpoint's protocol, as train.py draw_text
+    cuts a training text."""
     tok, pad = comp.tok, comp.tok.pad_id if comp.tok.pad_id is not None else comp.tok.eos_id
     out = []
     for text in texts:
-        ids = tok.encode(text)
-        if proto["crop"] == "head":   # AOC code: truncation + padding="max_length" with EOS; reference = first n
-            ids = ids[:proto["n"]]
-            out.append((ids + [pad] * (proto["n"] - len(ids)), ids))
-            continue
-        ids = ids[:proto["n"]] if proto["n"] else ids   # a text of at most n tokens, as training cut it
-        if proto["half"]:             # EPL code: pretraining compressed x[:p], p = ⌊|X|/2⌋ of that text
-            ids = ids[:max(1, len(ids) // 2)]
-        out.append((ids, ids))
+        ids = tok.encode(text)[:proto["n"]] if proto["n"] else tok.encode(text)   # at most n tokens, as trained
+        # AOC code: a head crop is tokenizer truncation + padding="max_length" with EOS; the reference is unpadded
+        x = ids + [pad] * (proto["n"] - len(ids)) if proto["crop"] == "head" else ids
+        if proto["half"]:   # EPL code: pretraining compressed x[:p], p = ⌊|X|/2⌋ of that text (head crop: of the n)
+            p = max(1, len(x) // 2)
+            x, ids = x[:p], ids[:p]
+        out.append((x, ids))
     return out
 
 
@@ -213,8 +213,8 @@ def derangement(n):
 @torch.no_grad()
 def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=None, generate=True):
     """Reconstruction: compress each text, regenerate it greedily from its memory (ICAE's AE task, AOC §3,
-    EPL Table 6), in batches. Default budget: n for a head-cropped checkpoint (AOC code), else the reference
-    length + 8. Also the teacher-forced AE loss on the text and its EOS with the own memory, another text's
+    EPL Table 6), in batches. Default budget: the compressed length for a head-cropped checkpoint (AOC code: n;
+    after pretraining ⌊n/2⌋), else the reference length + 8. Also the teacher-forced AE loss on the text and its EOS with the own memory, another text's
     memory and none (EPL Table 9 reports the AE loss and its perplexity). generate=False: the losses only
     ({"protocol", "loss"}, no regeneration), as recipes/curve.py scores every kept checkpoint."""
     tok, plain = comp.tok, PlainLLM(comp)
@@ -224,7 +224,7 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
     rows = []
     for idx in tqdm(batches(list(range(len(pairs))), batch_size), desc="ae", leave=False):
         xs, refs = [pairs[i][0] for i in idx], [pairs[i][1] for i in idx]
-        n_new = max_new_tokens or (proto["n"] if proto["crop"] == "head" else max(len(r) for r in refs) + 8)
+        n_new = max_new_tokens or (len(xs[0]) if proto["crop"] == "head" else max(len(r) for r in refs) + 8)
         own = compress(comp, [comp.encoder_ids(x) for x in xs], ratio)
         # targets: the AE target (comp.ae_target); the loss counts the text and its EOS, not a leading [BOS]
         follow, n_text = [comp.ae_target(x) for x in xs], [len(x) + 1 for x in xs]

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -527,6 +528,28 @@ def test_epl_pretrained_checkpoint_reconstructs_the_first_half_scored_on_ids_wit
     result = E.run_ae(comp, [{"text": text}], proto=dict(crop="window", n=None, half=True))
     ex = result["examples"][0]
     assert ex["reference_ids"] == half and ex["compressed"]["scores"]["bleu4_ids"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("text", [train.EVAL_TEXTS[0], "Short."])
+@pytest.mark.parametrize("objective", ["ae", "pretrain"])
+def test_head_cropped_evaluation_compresses_what_training_compressed(objective, text, monkeypatch, device):
+    """A head crop under pretraining (train.py draw_text): the first n tokens padded with EOS to n, of which the
+    first ⌊n/2⌋ are compressed. The ae task compresses the same ids, scores against their unpadded tokens and
+    regenerates up to as many tokens as it compressed (it used to compress all n after pretraining)."""
+    comp = random_comp("icae", device, mem=4, chunk_len=64, lora_r=4, lora_alpha=8)
+    ids = comp.tok.encode(text)
+    data = dict(tokens=torch.tensor(ids), offsets=torch.tensor([0, len(ids)]))
+    args = SimpleNamespace(crop="head", max_len=16)
+    trained = train.draw_text(data, objective, np.random.default_rng(0), args, comp, step=0)["context"]
+    proto = E.protocol(comp, train_args=dict(crop="head", max_len=16, objective=objective))
+    seen, budgets = [], []
+    compress, generate = comp.compress, comp.generate
+    monkeypatch.setattr(comp, "compress", lambda ctx, **kw: seen.append(ctx) or compress(ctx, **kw))
+    monkeypatch.setattr(comp, "generate", lambda m, t, **kw: budgets.append(kw["max_new_tokens"]) or generate(m, t, **kw))
+    result = E.run_ae(comp, [{"text": text}], proto=proto)
+    n = 8 if objective == "pretrain" else 16
+    assert seen[0] == [trained] and budgets == [n]
+    assert result["examples"][0]["reference_ids"] == ids[:n]
 
 
 def test_gmsa_ratio_and_baselines_from_the_original_llm_after_keft(tmp_path, device):
