@@ -46,7 +46,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from glob import glob
 
 import numpy as np
@@ -273,6 +273,8 @@ def resolve_defaults(args):
             init = C.read_checkpoint_config(args.init)["config"]
         except (ValueError, OSError) as e:
             fail(e)
+        # a setting added after that run was saved has its default there, as compressors.load builds it
+        init = {**{f.name: f.default for f in fields(C.CompressorConfig) if f.default is not MISSING}, **init}
         args.model = init["compressor_model"] or init["model"]
         args.decoder = init["model"] if init["compressor_model"] else None
     paper = dict(C.PRESETS[args.method].recipe)

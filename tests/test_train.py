@@ -781,6 +781,21 @@ def test_resuming_a_finished_run_does_nothing(finished_run, capsys, run_train):
     assert snapshot(finished_run) == before
 
 
+def test_init_from_a_run_saved_before_a_setting_existed(finished_run, tmp_path, capsys, device):
+    """A run saved before --mem-norm existed has no mem_norm in its compressor.json: the setting takes its default
+    (as compressors.load builds it), so --init starts from it, and --init with --mem-norm is the one-line error of any
+    setting the run was not trained with (it used to be a KeyError traceback)."""
+    run = str(tmp_path / "old")
+    shutil.copytree(finished_run, run)
+    meta = json.loads(Path(run, "compressor.json").read_text())
+    del meta["config"]["mem_norm"]
+    Path(run, "compressor.json").write_text(json.dumps(meta))
+    args, _ = train.parse_args(["--init", run, "--method", "aoc", "--out", str(tmp_path / "new")])
+    assert args.mem_norm is None and C.load(run).cfg.mem_norm is False
+    assert_one_line_error(["--init", run, "--method", "aoc", "--mem-norm", "--out", str(tmp_path / "new")],
+                          "was trained with mem_norm=False: drop --mem-norm", capsys, device)
+
+
 def test_help_explains_every_flag_and_shows_the_gpu_command(capsys):
     with pytest.raises(SystemExit) as e:
         train.main(["--help"])
