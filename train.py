@@ -1001,6 +1001,10 @@ def main(argv=None):
         return
     comp, step_fn = build_step(args, run, latest_checkpoint(args.resume) if args.resume else None)
     data = load_data(args, comp)
+    if resume_state and resume_state.get("data", data.key) != data.key:   # (a checkpoint before the key: no check)
+        fail(f"cannot resume: {args.resume} was trained on another corpus than {args.data or 'the built-in corpus'} "
+             f"is now (data key {resume_state['data']}, now {data.key}): resume it on the data it was trained on, or "
+             "start a new run with another --out")
     params = comp.trainable_parameters()   # what compressors.py leaves trainable for this method and stage
     opt = make_optimizer(comp, args, run.device)
     if resume_state:

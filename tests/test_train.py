@@ -796,6 +796,18 @@ def test_init_from_a_run_saved_before_a_setting_existed(finished_run, tmp_path, 
                           "was trained with mem_norm=False: drop --mem-norm", capsys, device)
 
 
+def test_resume_on_a_changed_corpus_is_one_line(finished_run, tmp_path, monkeypatch, capsys, device):
+    """The corpus's key is saved with each checkpoint and compared on --resume: a run started on the built-in corpus
+    does not continue silently once that corpus has changed (here: one more paragraph)."""
+    run = str(tmp_path / "run")
+    shutil.copytree(finished_run, run)
+    monkeypatch.setattr(train, "BUILTIN_TEXTS", [*train.BUILTIN_TEXTS, "One more paragraph, added since."])
+    before = snapshot(os.path.join(run, "ckpt-000002"))
+    assert_one_line_error(["--resume", run, "--steps", "4"], "was trained on another corpus than the built-in corpus",
+                          capsys, device)
+    assert snapshot(os.path.join(run, "ckpt-000002")) == before and [r["step"] for r in log_rows(run)] == [1, 2]
+
+
 def test_help_explains_every_flag_and_shows_the_gpu_command(capsys):
     with pytest.raises(SystemExit) as e:
         train.main(["--help"])
