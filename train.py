@@ -724,10 +724,8 @@ def set_up(args, resume_state) -> Run:
         fail(f"{args.out} already holds a checkpoint: continue it with --resume {args.out}, or pick another --out")
     # torch's RNG draws the init of memory tokens / LoRA / bridges (one stream per process: DDP then copies rank
     # 0's weights to every process) and LoRA dropout; the data, GMSA's rates included, has generators of its own
-    # (step_examples)
+    # (step_examples), so torch's is the only global generator a run draws from
     torch.manual_seed(args.seed + rank)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     return Run(device, rank, world, micro, args.batch_size // (micro * world), start, autocast)
 
@@ -1147,18 +1145,14 @@ def gather_rng_states(world):
 
 
 def rng_state():
-    """Every RNG a run draws from (torch: the init and dropout; numpy and random for forks that use them)."""
-    np_state = np.random.get_state()
-    return dict(torch=torch.get_rng_state(), python=random.getstate(),
-                numpy=[np_state[0], np_state[1].tolist(), *np_state[2:]],
-                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
+    """Every global RNG a run draws from: torch's (the init and dropout), on the host and on CUDA."""
+    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
 
 
 def set_rng_state(state):
+    """rng_state's generators back (a checkpoint saved before also holds numpy's and random's: nothing draws from
+    them, so they are left alone)."""
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np_state = state["numpy"]
-    np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 

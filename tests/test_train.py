@@ -808,6 +808,18 @@ def test_resume_on_a_changed_corpus_is_one_line(finished_run, tmp_path, monkeypa
     assert snapshot(os.path.join(run, "ckpt-000002")) == before and [r["step"] for r in log_rows(run)] == [1, 2]
 
 
+def test_checkpoints_save_only_the_generators_a_run_draws_from(finished_run):
+    """torch's RNG is the only global one a run draws from (the data has generators of its own): a checkpoint holds
+    its state, not numpy's or random's, and an older checkpoint that holds those too still restores."""
+    state = train.read_train_state(finished_run)
+    assert set(state["rng"][0]) == {"torch", "cuda"}
+    before = torch.get_rng_state()
+    old = {**state["rng"][0], "python": (3, (0,) * 625, None), "numpy": ["MT19937", [0] * 624, 0, 0, 0.0]}
+    train.set_rng_state(old)
+    assert torch.equal(torch.get_rng_state(), state["rng"][0]["torch"])
+    torch.set_rng_state(before)
+
+
 def test_help_explains_every_flag_and_shows_the_gpu_command(capsys):
     with pytest.raises(SystemExit) as e:
         train.main(["--help"])
