@@ -2,7 +2,7 @@
 reports is checked against the definitions — scores against the metric functions applied to the saved
 generations, perplexity against its NLL sums, KV bytes against layers · 2 · Hkv · D · bytes per slot, the
 interpolation end points against Z0 / Z1 themselves, the heatmap against an independent cosine and the
-PNG against its own spec (signature, chunk CRCs, zlib pixels). Bad input ends in one line `error: ...`.
+PNG by its signature and its decoded pixels. Bad input ends in one line `error: ...`.
 
 The tiny model is random, so its quality numbers mean nothing; where a test needs generations that
 vary (interpolation) the decoder is randomised with a larger std, as conftest.randomize_ does.
@@ -11,10 +11,8 @@ vary (interpolation) the decoder is randomised with a larger std, as conftest.ra
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -64,6 +62,28 @@ def random_comp(method, device, **kw):
     randomize_(decoder, seed=0, std=0.3)
     torch.manual_seed(0)
     return C.build(method, decoder.to(device), tok, **kw).eval()
+
+
+# ---- layout ----
+
+
+def test_metrics_are_pure_python_without_torch():
+    """metrics.py is the papers' scoring alone: stdlib only, so importing it loads neither torch nor numpy."""
+    code = "import sys, metrics; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr
+
+
+@pytest.mark.parametrize("path", ["evaluate.py", "metrics.py", "tests/test_evaluate.py", "tests/test_metrics.py"])
+def test_no_unused_imports(path):
+    """Every name these files import is used (test_evaluate.py imported struct and zlib for a PNG check it no longer
+    does)."""
+    import ast
+    tree = ast.parse((REPO / path).read_text())
+    imports = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    imported = {(a.asname or a.name).split(".")[0] for node in imports for a in node.names}
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    assert imported <= used, sorted(imported - used)
 
 
 # ---- ae ----
