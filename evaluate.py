@@ -52,9 +52,10 @@ from model import SHAPES, apply_rope, build_shape, load_pretrained
 # model, not on the checkpoint. For LM the continuation follows the context directly; QA uses the
 # checkpoint's template (Compressor.qa_parts) for all three rows.
 #
-# A lower loss with memory than without proves little: a learned constant prompt gets that too. So ae and
-# lm also score, teacher-forced, the same targets after the memory of *another* text (a fixed derangement,
-# text i reads the memory of text i+1): own / other < 1 means each memory carries its own text.
+# A lower loss with memory than without proves little: a learned constant prompt gets that too. So ae, lm
+# and qa also score, teacher-forced, the same targets after the memory of *another* text (a fixed derangement,
+# text i reads the memory of text i+1; qa: of the next document): own / other < 1 means each memory carries its
+# own text.
 
 SEP = "\n\n"   # between the context and what follows it in the "full" row
 MODES = ("compressed", "full", "none")
@@ -914,11 +915,12 @@ tasks:
                context token, and the encoder's memory -> context attention (mean over layers and
                heads; none for gmsa, which has no memory tokens). PNGs next to --out, text on stdout.
 
-ae and lm also report, teacher-forced, the loss with each text's own memory, with another text's
-memory (text i reads the memory of text i+1) and with none: own/other well below 1 means each memory
-carries its own text, 1.0 means it is a constant prompt. A checkpoint trained with a head crop (AOC)
-is evaluated on the first n tokens of each text, padded as in training; one pretrained with AE + LM
-(EPL) reconstructs the first half of each text, what pretraining compressed.
+ae, lm and qa also report, teacher-forced, the loss of their target (qa: the reference answer) with
+each text's own memory, with another text's memory (text i reads the memory of text i+1; qa: of the
+next document) and with none: own/other well below 1 means each memory carries its own text, 1.0
+means it is a constant prompt. A checkpoint trained with a head crop (AOC) is evaluated on the first
+n tokens of each text, padded as in training; one pretrained with AE + LM (EPL) reconstructs the
+first half of each text (of those n tokens under a head crop), what pretraining compressed.
 
 Results go to --out (default: CKPT/eval_TASK.json), a markdown table to stdout.
 Built-in data is used when --data is not given (.jsonl or .parquet with {"text"} or {"context",

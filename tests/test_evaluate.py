@@ -417,6 +417,8 @@ def test_help_explains_every_task(capsys):
     out = capsys.readouterr().out
     for task in E.TASKS:
         assert f"\n  {task} " in out
+    # which tasks report own/other (qa too, since it scores the reference answer after another document's memory)
+    assert "\nae, lm and qa also report, teacher-forced" in out
 
 
 @pytest.mark.parametrize("method", C.METHODS)
