@@ -60,6 +60,7 @@ from model import SHAPES, apply_rope, build_shape, load_pretrained
 SEP = "\n\n"   # between the context and what follows it in the "full" row
 MODES = ("compressed", "full", "none")
 
+
 def load_examples(path, task, n=None):
     """The examples of a task: dicts with "text" (ae, lm, heatmap) or "context", "question",
     "answer" (qa; answer is a str or a list of accepted answers). No path: the built-in sets.
