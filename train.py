@@ -46,7 +46,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from glob import glob
 
 import numpy as np
@@ -286,6 +286,8 @@ def resolve_defaults(args):
             init = C.read_checkpoint_config(args.init)["config"]
         except (ValueError, OSError) as e:
             fail(e)
+        # a setting added after that run was saved has its default there, as compressors.load builds it
+        init = {**{f.name: f.default for f in fields(C.CompressorConfig) if f.default is not MISSING}, **init}
         args.model = init["compressor_model"] or init["model"]
         args.decoder = init["model"] if init["compressor_model"] else None
     preset = C.PRESETS[args.method]
@@ -737,10 +739,8 @@ def set_up(args, resume_state) -> Run:
         fail(f"{args.out} already holds a checkpoint: continue it with --resume {args.out}, or pick another --out")
     # torch's RNG draws the init of memory tokens / LoRA / bridges (one stream per process: DDP then copies rank
     # 0's weights to every process) and LoRA dropout; the data, GMSA's rates included, has generators of its own
-    # (step_examples)
+    # (step_examples), so torch's is the only global generator a run draws from
     torch.manual_seed(args.seed + rank)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     return Run(device, rank, world, micro, args.batch_size // (micro * world), start, autocast)
 
@@ -927,7 +927,7 @@ class HeldOut:
 
 def held_out(args, run: Run) -> HeldOut | None:
     """The held-out examples of the check, or None (with one line saying why and how to turn it on)."""
-    import evaluate as E   # (evaluate imports train lazily, for the built-in texts)
+    import evaluate as E   # here, not at the top: evaluate imports train (the built-in texts, the record reader)
     every = args.eval_every if args.eval_every is not None else args.save_every
     task = "qa" if args.objective in ("qa", "distill") else "ae"
     if every <= 0 or (args.eval_data is None and not on_tiny(args.model, args.decoder)):
@@ -1014,6 +1014,10 @@ def main(argv=None):
         return
     comp, step_fn = build_step(args, run, latest_checkpoint(args.resume) if args.resume else None)
     data = load_data(args, comp)
+    if resume_state and resume_state.get("data", data.key) != data.key:   # (a checkpoint before the key: no check)
+        fail(f"cannot resume: {args.resume} was trained on another corpus than {args.data or 'the built-in corpus'} "
+             f"is now (data key {resume_state['data']}, now {data.key}): resume it on the data it was trained on, or "
+             "start a new run with another --out")
     params = comp.trainable_parameters()   # what compressors.py leaves trainable for this method and stage
     opt = make_optimizer(comp, args, run.device)
     if resume_state:
@@ -1159,18 +1163,14 @@ def gather_rng_states(world):
 
 
 def rng_state():
-    """Every RNG a run draws from (torch: the init and dropout; numpy and random for forks that use them)."""
-    np_state = np.random.get_state()
-    return dict(torch=torch.get_rng_state(), python=random.getstate(),
-                numpy=[np_state[0], np_state[1].tolist(), *np_state[2:]],
-                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
+    """Every global RNG a run draws from: torch's (the init and dropout), on the host and on CUDA."""
+    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
 
 
 def set_rng_state(state):
+    """rng_state's generators back (a checkpoint saved before also holds numpy's and random's: nothing draws from
+    them, so they are left alone)."""
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np_state = state["numpy"]
-    np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -1201,8 +1201,9 @@ def trim_log(path, step):
 # ---- built-in corpus ----
 # So that the quickstart runs offline with no --data and shows real compression: thousands of short documents from
 # a small seeded grammar (ours), many enough that a run trains on many texts and is scored on others it never saw
-# (evaluate.py's built-in set: the same grammar, another seed, any text also drawn here left out); and a few
-# paragraphs of plain English (written for this repository) with questions about them, for QA.
+# (held_out_texts: the same grammar, another seed, any text also drawn here left out); and a few paragraphs of plain
+# English (written for this repository) with questions about them, for QA. evaluate.py reads its built-in examples
+# from here too (EVAL_TEXTS, EVAL_QA, held_out_texts): one place for every built-in text.
 
 NAMES = ("Mira", "Tom", "Anna", "Jonas", "Lena", "Omar", "Sara", "Pedro", "Yuki", "Ivan", "Nora", "Felix", "Hana",
          "Leo", "Ada", "Karim", "Ines", "Oskar", "Rosa", "Theo", "Vera", "Emil", "Lucia", "Amir")
@@ -1244,7 +1245,7 @@ def generated_texts(n: int, seed: int) -> list:
     return docs
 
 
-BUILTIN_GENERATED = 3000   # documents of the built-in training corpus (seed 0); evaluate.py holds out seed 1's
+BUILTIN_GENERATED = 3000   # documents of the built-in training corpus (seed 0); held_out_texts draws seed 1's
 
 BUILTIN_TEXTS = [
     "The river starts as a thin stream high in the hills, where snow melts slowly through the spring. It runs "
@@ -1300,6 +1301,44 @@ BUILTIN_QA = [
     (BUILTIN_TEXTS[4], "When were the first pendulum clocks built?", "in the middle of the seventeenth century"),
     (BUILTIN_TEXTS[5], "How much did last year's winning pumpkin weigh?", "three hundred and twelve kilograms"),
 ]
+
+
+# evaluate.py's built-in examples, so every task runs offline with no --data; none of them is in the corpus above.
+# Short on purpose (the tests run the tasks on CPU, and AE regenerates every text token by token).
+EVAL_TEXTS = [
+    "The old stone bridge was finished in 1932. It crosses the river at its narrowest point, "
+    "and for forty years it was the only way into the town from the north.",
+    "Honeybees tell each other where food is by dancing. The angle of the dance shows the "
+    "direction of the flowers, and its length shows how far away they are.",
+    "Mira planted tomatoes, beans and basil in April. By July the beans had climbed the fence, "
+    "but a late frost had killed half of the tomatoes.",
+    "The library opens at nine on weekdays and at ten on Saturdays. It is closed on Sundays, "
+    "and books can be returned through the slot by the door at any time.",
+    "A comet is a ball of ice and dust. When it comes close to the Sun, the ice turns to gas "
+    "and forms a bright tail that always points away from the Sun.",
+    "The recipe needs two eggs, a cup of flour and a pinch of salt. Mix them, let the dough "
+    "rest for an hour, then roll it out thinly and cut it into strips.",
+]
+
+EVAL_QA = [
+    dict(context=EVAL_TEXTS[0], question="When was the bridge finished?", answer="1932"),
+    dict(context=EVAL_TEXTS[1], question="How do honeybees show where food is?",
+         answer="by dancing"),
+    dict(context=EVAL_TEXTS[2], question="What killed half of the tomatoes?",
+         answer="a late frost"),
+    dict(context=EVAL_TEXTS[3], question="On which day is the library closed?",
+         answer="Sundays"),
+    dict(context=EVAL_TEXTS[4], question="Which way does a comet's tail point?",
+         answer="away from the Sun"),
+]
+
+
+def held_out_texts(n=32):
+    """The built-in texts of evaluate.py's ae and lm tasks (and of a tiny run's held-out check): n documents of the
+    grammar above drawn with another seed, none of them in the built-in corpus (so a quickstart run is scored on
+    texts it never saw)."""
+    seen = set(generated_texts(BUILTIN_GENERATED, seed=0))
+    return [t for t in generated_texts(n + 8, seed=1) if t not in seen][:n]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Does each memory carry its own text, step by step? Each arm's held-out own/other (the AE loss with a text's own
 memory over the loss with the next text's memory) at every step it was checked, the first step where it falls to a
-threshold, and one figure with every arm (used by every recipe).
+threshold, and one figure with every arm (used by every recipe); and the training loss curves of several runs with
+the step at which each reaches a loss (loss_curves, for recipes/summarize.py), all smoothed one way (smoothed_losses).
 
 The points are the held-out checks the arm logged while it trained (train.py --eval-data/--eval-every: rows
 {"step", "eval"} in its log.jsonl; nothing is reloaded or recomputed). An arm trained before train.py checked
@@ -49,11 +50,43 @@ def score(ckpt, examples):
     return point
 
 
-def smoothed_losses(run, window=20):
-    """(step, mean of the training loss over the last `window` logged steps) for every step of a run's log."""
-    rows = train.read_log(run)[0]
-    return [(r["step"], statistics.mean(x["loss"] for x in rows[max(0, i + 1 - window):i + 1]))
+def smoothed_losses(run, key="loss", window=20):
+    """(step, mean of the logged `key` over the last `window` steps that logged it) for every such step of a run's
+    log: the one definition of a run's training loss at a step, which every steps-to-a-loss here reads."""
+    rows = [r for r in train.read_log(run)[0] if key in r]
+    return [(r["step"], statistics.mean(x[key] for x in rows[max(0, i + 1 - window):i + 1]))
             for i, r in enumerate(rows)]
+
+
+def first_step_at(smoothed, loss):
+    """The first step whose smoothed loss is at or below `loss`, or None (never)."""
+    return next((step for step, value in smoothed if value <= loss), None)
+
+
+def loss_curves(runs, key="loss", target=None, png=None):
+    """The training `key` of several runs (train.py --out folders) smoothed as smoothed_losses does, on one figure
+    (EPL Fig. 4, PIC Fig. 5, GMSA Fig. 5: loss against steps), and the first step at which each reaches `target`
+    (default: the highest of the runs' lowest smoothed losses, a loss every run reaches). recipes/summarize.py draws
+    one per --curves key."""
+    curves = {run: smoothed_losses(run, key) for run in runs}
+    for run, c in curves.items():
+        if not c:
+            raise SystemExit(f"curve.py: the log of {run} has no '{key}' values")
+    target = target if target is not None else max(min(v for _, v in c) for c in curves.values())
+    out = [dict(run=run, last_step=c[-1][0], final=c[-1][1], best=min(v for _, v in c), reached=first_step_at(c, target))
+           for run, c in curves.items()]
+    plt = E.pyplot(png) if png else None   # None without matplotlib: the table is the result, the figure a view of it
+    if plt:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for run, c in curves.items():
+            ax.plot([s for s, _ in c], [v for _, v in c], label=os.path.basename(os.path.normpath(run)))
+        ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+        ax.set(xlabel="step", ylabel=f"{key} (mean of the last 20 steps)", title=f"training {key}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(png, dpi=100)
+        plt.close(fig)
+    return {"key": key, "target": target, "png": png if plt else None, "runs": out}
 
 
 def arm_curve(run, examples, threshold, loss_at=None):
@@ -73,7 +106,7 @@ def arm_curve(run, examples, threshold, loss_at=None):
     first = next((p["step"] for p in points if p["ratio"] is not None and p["ratio"] <= threshold), None)
     first_loss = None
     if loss_at is not None:
-        first_loss = next((step for step, loss in smoothed_losses(run) if loss <= loss_at), None)
+        first_loss = first_step_at(smoothed_losses(run), loss_at)
     return dict(points=points, first_at_threshold=first, threshold=threshold, loss_at=loss_at,
                 first_at_loss=first_loss,
                 final_ratio=points[-1]["ratio"] if points else None,

@@ -6,7 +6,7 @@
 
 A metric is NAME=TASK:PATH, read from OUT/ARM/eval_TASK.json (evaluate.py's output) by a dotted path; the
 special task `log` reads the last line of the arm's training log and `params` its trained-parameter count.
-The figure is evaluate.py's `curves` task over the arms' training logs (one per --curves key). --append adds a
+The figure is recipes/curve.py's loss_curves over the arms' training logs (one per --curves key). --append adds a
 table to the results already written (a recipe with a pretraining and a fine-tuning comparison).
 """
 
@@ -16,7 +16,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import evaluate as E  # noqa: E402
+import curve  # noqa: E402
 import train  # noqa: E402
 
 
@@ -59,7 +59,7 @@ def main(argv=None):
     curves = {}
     for key in a.curves:
         png = os.path.join(a.out, f"curves_{key}.png")
-        curves[key] = E.run_curves([os.path.join(a.out, arm) for arm in a.arms], key=key, png=png)
+        curves[key] = curve.loss_curves([os.path.join(a.out, arm) for arm in a.arms], key=key, png=png)
     def fmt(v, name):   # None is a metric not read, except a step to a threshold: there it is "not reached"
         if v is None:
             return "not reached" if name.startswith("first step at") else "-"
@@ -68,10 +68,10 @@ def main(argv=None):
              "|---|" + "---|" * len(metrics)]
     lines += [f"| {arm} | " + " | ".join(fmt(rows[arm][n], n) for n, _ in metrics) + " |" for arm in a.arms]
     for key, c in curves.items():
-        reached = ", ".join(f"{os.path.basename(r['run'])} step {r['reached']['step']}" if r["reached"] else
+        reached = ", ".join(f"{os.path.basename(r['run'])} step {r['reached']}" if r["reached"] else
                             f"{os.path.basename(r['run'])} never" for r in c["runs"])
         figure = f"![{key}]({os.path.basename(c['png'])})" if c["png"] else "(figure skipped: no matplotlib)"
-        lines += ["", f"training {key} (EMA) reaches {c['target']:.3g}: {reached}. {figure}"]
+        lines += ["", f"training {key} (mean of 20 steps) reaches {c['target']:.3g}: {reached}. {figure}"]
     if a.note:
         lines += ["", a.note]
     tables, text = [], ""

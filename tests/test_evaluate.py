@@ -2,7 +2,7 @@
 reports is checked against the definitions — scores against the metric functions applied to the saved
 generations, perplexity against its NLL sums, KV bytes against layers · 2 · Hkv · D · bytes per slot, the
 interpolation end points against Z0 / Z1 themselves, the heatmap against an independent cosine and the
-PNG against its own spec (signature, chunk CRCs, zlib pixels). Bad input ends in one line `error: ...`.
+PNG by its signature and its decoded pixels. Bad input ends in one line `error: ...`.
 
 The tiny model is random, so its quality numbers mean nothing; where a test needs generations that
 vary (interpolation) the decoder is randomised with a larger std, as conftest.randomize_ does.
@@ -11,11 +11,10 @@ vary (interpolation) the decoder is randomised with a larger std, as conftest.ra
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
-import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,6 +22,8 @@ import torch
 
 import compressors as C
 import evaluate as E
+import metrics as M
+import train
 from conftest import SMOLLM2, needs_smollm2, randomize_
 from model import TINY_CONFIG, ModelConfig, Transformer, build_tiny
 
@@ -63,6 +64,28 @@ def random_comp(method, device, **kw):
     return C.build(method, decoder.to(device), tok, **kw).eval()
 
 
+# ---- layout ----
+
+
+def test_metrics_are_pure_python_without_torch():
+    """metrics.py is the papers' scoring alone: stdlib only, so importing it loads neither torch nor numpy."""
+    code = "import sys, metrics; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr
+
+
+@pytest.mark.parametrize("path", ["evaluate.py", "metrics.py", "tests/test_evaluate.py", "tests/test_metrics.py"])
+def test_no_unused_imports(path):
+    """Every name these files import is used (test_evaluate.py imported struct and zlib for a PNG check it no longer
+    does)."""
+    import ast
+    tree = ast.parse((REPO / path).read_text())
+    imports = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    imported = {(a.asname or a.name).split(".")[0] for node in imports for a in node.names}
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    assert imported <= used, sorted(imported - used)
+
+
 # ---- ae ----
 
 
@@ -80,17 +103,17 @@ def test_ae_scores_are_the_metrics_of_the_saved_generations(ckpt, capsys, device
             assert ex["reference_ids"] == ref
             hyp = ex[mode]["ids"]
             assert comp_tok.decode(hyp) == ex[mode]["text"] and len(hyp) <= 24
-            hw, rw = E.word_tokens(ex[mode]["text"]), E.word_tokens(comp_tok.decode(ref))
+            hw, rw = M.word_tokens(ex[mode]["text"]), M.word_tokens(comp_tok.decode(ref))
             # AOC's texts: newlines to spaces, stripped
             ht, rt = (t.replace("\n", " ").strip() for t in (ex[mode]["text"], comp_tok.decode(ref)))
-            pltrdy = E.rouge_pltrdy(ht, rt)
+            pltrdy = M.rouge_pltrdy(ht, rt)
             # EPL's evaluator: the generation with the EOS it stopped at, against the AE target [x, EOS]
             eos = comp_tok.eos_id
-            epl = E.bleu4(hyp + [eos] if len(hyp) < 24 else hyp, ref + [eos])
-            expect = {"bleu4_ids": epl, "bleu4_words": E.bleu4(hw, rw, smooth=True),
-                      "prefix_em": E.prefix_em(hyp, ref), "token_accuracy": E.token_accuracy(hyp, ref),
-                      "rouge1": E.rouge_n_f1(hw, rw, 1), "rouge2": E.rouge_n_f1(hw, rw, 2),
-                      "rougeL": E.rouge_l_f1(hw, rw), "aoc_em": E.aoc_exact_match(ht, rt),
+            epl = M.bleu4(hyp + [eos] if len(hyp) < 24 else hyp, ref + [eos])
+            expect = {"bleu4_ids": epl, "bleu4_words": M.bleu4(hw, rw, smooth=True),
+                      "prefix_em": M.prefix_em(hyp, ref), "token_accuracy": M.token_accuracy(hyp, ref),
+                      "rouge1": M.rouge_n_f1(hw, rw, 1), "rouge2": M.rouge_n_f1(hw, rw, 2),
+                      "rougeL": M.rouge_l_f1(hw, rw), "aoc_em": M.aoc_exact_match(ht, rt),
                       "aoc_rouge1": pltrdy["rouge-1"]["f"], "aoc_rouge2": pltrdy["rouge-2"]["f"],
                       "aoc_rougeL": pltrdy["rouge-l"]["f"]}
             assert ex[mode]["scores"] == expect
@@ -104,7 +127,7 @@ def test_ae_scores_the_compressed_generation_against_its_own_context(monkeypatch
     10 / |ref| (and so is AOC's character prefix EM: one byte per token), token accuracy and BLEU are
     above zero, and the references are untouched by the patch."""
     comp = random_comp("aoc", device, mem=4, chunk_len=64)
-    text = E.BUILTIN_TEXTS[1]
+    text = train.EVAL_TEXTS[1]
     ref = comp.tok.encode(text)
     wrong = (ref[10] + 1) % 256
     monkeypatch.setattr(comp, "generate", lambda memory, task, **kw: [ref[:10] + [wrong] + ref[11:40]])
@@ -129,7 +152,7 @@ def test_lm_perplexity_is_exp_of_the_summed_nll(ckpt, capsys, device):
         assert result["scores"][mode]["perplexity"] == pytest.approx(math.exp(nll / n))
         # EPL: the second half, from p = ⌊|X|/2⌋, and its EOS (the LM target of the EPL and PCC code) are scored
         # in full in every row (ICAE puts [LM] before it)
-        lens = [len(tok.encode(t)) for t in E.builtin_held_out()[:3]]
+        lens = [len(tok.encode(t)) for t in train.held_out_texts()[:3]]
         assert [r["tokens"] for r in rows] == [n - n // 2 + 1 for n in lens]
     # the byte-level model's vocabulary is 259: a random model sits near uniform, nowhere near 0 or 10^4
     assert 50 < result["scores"]["none"]["perplexity"] < 2000
@@ -151,15 +174,15 @@ def test_full_context_beats_no_context_on_smollm2(tmp_path, device):
 
 def test_qa_runs_on_the_builtin_set_and_scores_the_whole_generation(ckpt, capsys, device):
     result, out = run(["--ckpt", ckpt["icae"], "--task", "qa", "--max-new-tokens", 8], device, capsys)
-    assert len(result["examples"]) == len(E.BUILTIN_QA) and "squad_f1" in out and result["max_new_tokens"] == 8
+    assert len(result["examples"]) == len(train.EVAL_QA) and "squad_f1" in out and result["max_new_tokens"] == 8
     for ex in result["examples"]:
         for mode in ("compressed", "full", "none"):
-            assert ex[mode]["scores"] == E.qa_scores(ex[mode]["text"], ex["answer"])
+            assert ex[mode]["scores"] == M.qa_scores(ex[mode]["text"], ex["answer"])
 
 
 def test_qa_right_answer_scores_one_and_what_follows_it_counts(monkeypatch, device):
     comp = random_comp("icae", device, mem=4, chunk_len=64, lora_r=4, lora_alpha=8)
-    ex = E.BUILTIN_QA[4]   # answer "away from the Sun"
+    ex = train.EVAL_QA[4]   # answer "away from the Sun"
     answer = comp.tok.encode(" Away from the Sun")
     monkeypatch.setattr(comp, "generate", lambda memory, task, prompt=None, **kw: [answer])
     s = E.run_qa(comp, [ex], max_new_tokens=4)["scores"]["compressed"]
@@ -176,7 +199,7 @@ def test_qa_right_answer_scores_one_and_what_follows_it_counts(monkeypatch, devi
 def test_qa_rows_share_the_checkpoints_template(monkeypatch, device):
     """One prompt builder for every row: EPL's template in the compressed row and in the plain LLM's rows."""
     comp = random_comp("icae", device, mem=4, chunk_len=64, lora_r=4, lora_alpha=8)   # EPL's QA template
-    ex, plain, contexts = E.BUILTIN_QA[0], [], []
+    ex, plain, contexts = train.EVAL_QA[0], [], []
     monkeypatch.setattr(E.PlainLLM, "generate", lambda self, prompts, n: plain.append(prompts) or [[]] * len(prompts))
     compressed = comp.compress
     monkeypatch.setattr(comp, "compress", lambda ctx, **kw: contexts.append(ctx) or compressed(ctx, **kw))
@@ -191,16 +214,16 @@ def test_qa_rows_share_the_checkpoints_template(monkeypatch, device):
 
 def test_multiple_choice_regex_and_long_concatenated_contexts(monkeypatch, device):
     """CompLLM: "the answer is (X)" scores multiple choice; §4 joins k contexts, each compressed once."""
-    assert E.answer_letter("...so the answer is (B). Or is the answer is (c)?") == "C"
-    assert E.qa_scores("Think... the answer is (D)", "D")["mc_accuracy"] == 1.0
-    assert "mc_accuracy" not in E.qa_scores("Paris", "Paris")
+    assert M.answer_letter("...so the answer is (B). Or is the answer is (c)?") == "C"
+    assert M.qa_scores("Think... the answer is (D)", "D")["mc_accuracy"] == 1.0
+    assert "mc_accuracy" not in M.qa_scores("Paris", "Paris")
     comp = random_comp("compllm", device)
     calls = []
     compressed = comp.compress
     monkeypatch.setattr(comp, "compress", lambda ctx, **kw: calls.append(kw.get("cache")) or compressed(ctx, **kw))
-    result = E.run_qa(comp, E.BUILTIN_QA[:4], max_new_tokens=2, batch_size=1, concat=2)
+    result = E.run_qa(comp, train.EVAL_QA[:4], max_new_tokens=2, batch_size=1, concat=2)
     contexts = [ex["context"] for ex in result["examples"]]
-    assert contexts[0] == contexts[1] == E.BUILTIN_QA[0]["context"] + "\n\n" + E.BUILTIN_QA[1]["context"]
+    assert contexts[0] == contexts[1] == train.EVAL_QA[0]["context"] + "\n\n" + train.EVAL_QA[1]["context"]
     # each batch compresses its own context and another document's (the own/other loss), all through one cache
     assert len(calls) == 8 and all(c is calls[0] for c in calls) and len(calls[0]) > 0
 
@@ -216,8 +239,8 @@ def test_data_files(tmp_path):
     txt = tmp_path / "t.txt"
     txt.write_text("first text\n\nsecond text\n")
     assert E.load_examples(str(txt), "lm") == [{"text": "first text"}, {"text": "second text"}]
-    assert E.qa_scores("in Paris", ["Paris", "in Paris"])["exact_match"] == 1.0    # max over references
-    assert E.qa_scores("in Paris", ["Paris", "in Paris"])["epl_em"] == 0.0         # EPL: answers[0] only
+    assert M.qa_scores("in Paris", ["Paris", "in Paris"])["exact_match"] == 1.0    # max over references
+    assert M.qa_scores("in Paris", ["Paris", "in Paris"])["epl_em"] == 0.0         # EPL: answers[0] only
 
 
 # ---- speed ----
@@ -394,6 +417,8 @@ def test_help_explains_every_task(capsys):
     out = capsys.readouterr().out
     for task in E.TASKS:
         assert f"\n  {task} " in out
+    # which tasks report own/other (qa too, since it scores the reference answer after another document's memory)
+    assert "\nae, lm and qa also report, teacher-forced" in out
 
 
 @pytest.mark.parametrize("method", C.METHODS)
@@ -401,11 +426,11 @@ def test_every_method_runs_every_task(method, tmp_path, device):
     """Each preset through each task on one short example (tiny budgets); GMSA has no attention map."""
     kw = {"icae": dict(mem=8), "500x": dict(mem=8), "aoc": dict(mem=8), "compllm": {}}.get(method, {})
     comp = random_comp(method, device, **kw, **({} if method == "compllm" else dict(chunk_len=64)))
-    text = E.BUILTIN_TEXTS[0]
+    text = train.EVAL_TEXTS[0]
     ae = E.run_ae(comp, [{"text": text}], max_new_tokens=4)
     assert ae["examples"][0]["memory_slots"] < len(comp.tok.encode(text))
     assert math.isfinite(E.run_lm(comp, [{"text": text}])["scores"]["compressed"]["perplexity"])
-    assert set(E.run_qa(comp, E.BUILTIN_QA[:1], max_new_tokens=4)["scores"]) == {"compressed", "full", "none"}
+    assert set(E.run_qa(comp, train.EVAL_QA[:1], max_new_tokens=4)["scores"]) == {"compressed", "full", "none"}
     heat = E.run_heatmap(comp, text, str(tmp_path / "h"))
     assert (heat["attention"] is None) == (method == "gmsa")
     speed = E.run_speed(comp, [128, 256], max_new_tokens=1, repeats=1)
@@ -426,7 +451,7 @@ def test_own_other_is_exactly_one_for_a_memory_that_ignores_its_text(monkeypatch
     monkeypatch.setattr(comp, "compress", lambda ctx, **kw: compress([fixed] * len(ctx), **kw))
     for run_task in (E.run_ae, E.run_lm, E.run_qa):
         kw = dict(max_new_tokens=2) if run_task is not E.run_lm else {}
-        examples = E.BUILTIN_QA[:4] if run_task is E.run_qa else [{"text": t} for t in E.BUILTIN_TEXTS[:4]]
+        examples = train.EVAL_QA[:4] if run_task is E.run_qa else [{"text": t} for t in train.EVAL_TEXTS[:4]]
         L = run_task(comp, examples, batch_size=3, **kw)["loss"]
         assert L["own"] == pytest.approx(L["other"], abs=1e-6) and L["own_other_ratio"] == pytest.approx(1.0, abs=1e-6)
 
@@ -438,7 +463,7 @@ def test_own_other_uses_the_memory_of_the_next_text(monkeypatch, device):
     seen = []
     compress = comp.compress
     monkeypatch.setattr(comp, "compress", lambda ctx, **kw: seen.append([list(c) for c in ctx]) or compress(ctx, **kw))
-    texts = E.BUILTIN_TEXTS[:3]
+    texts = train.EVAL_TEXTS[:3]
     E.run_ae(comp, [{"text": t} for t in texts], max_new_tokens=1, batch_size=8)
     ids = [comp.tok.encode(t) for t in texts]
     assert seen[0] == ids and seen[1] == ids[1:] + ids[:1]
@@ -452,7 +477,7 @@ def test_qa_own_other_scores_the_reference_answer_after_the_next_documents_memor
     seen = []
     compress = comp.compress
     monkeypatch.setattr(comp, "compress", lambda ctx, **kw: seen.append([list(c) for c in ctx]) or compress(ctx, **kw))
-    qa = E.BUILTIN_QA[:4]
+    qa = train.EVAL_QA[:4]
     result = E.run_qa(comp, qa, max_new_tokens=1, batch_size=4, concat=2)
     pair = lambda a, b: comp.qa_parts(qa[a]["context"] + "\n\n" + qa[b]["context"], "")["enc_context"]
     assert seen[0] == [pair(0, 1)] * 2 + [pair(2, 3)] * 2 and seen[1] == [pair(2, 3)] * 2 + [pair(0, 1)] * 2
@@ -471,7 +496,7 @@ def test_batched_evaluation_equals_one_at_a_time(device):
         for p in comp.parameters():
             if p.requires_grad:
                 p.normal_(0, 0.3)                    # a trained-looking LoRA and [AE], so the memory matters
-    examples = [{"text": t[:n]} for t, n in zip(E.BUILTIN_TEXTS, (90, 40, 140, 25, 70))]
+    examples = [{"text": t[:n]} for t, n in zip(train.EVAL_TEXTS, (90, 40, 140, 25, 70))]
     one = E.run_ae(comp, examples, max_new_tokens=20, batch_size=1)
     many = E.run_ae(comp, examples, max_new_tokens=20, batch_size=5)
     for a, b in zip(one["examples"], many["examples"]):
@@ -480,8 +505,8 @@ def test_batched_evaluation_equals_one_at_a_time(device):
         for key in ("own", "other", "none"):
             assert a["loss"][key][0] == pytest.approx(b["loss"][key][0], rel=1e-5) and a["loss"][key][1] == b["loss"][key][1]
     assert len({tuple(a["compressed"]["ids"]) for a in one["examples"]}) > 1     # generations differ: not vacuous
-    one, many = E.run_qa(comp, E.BUILTIN_QA[:5], max_new_tokens=4, batch_size=1), \
-        E.run_qa(comp, E.BUILTIN_QA[:5], max_new_tokens=4, batch_size=5)
+    one, many = E.run_qa(comp, train.EVAL_QA[:5], max_new_tokens=4, batch_size=1), \
+        E.run_qa(comp, train.EVAL_QA[:5], max_new_tokens=4, batch_size=5)
     for a, b in zip(one["examples"], many["examples"]):
         assert all(a[mode]["text"] == b[mode]["text"] for mode in E.MODES)
         for key in ("own", "other", "none", "full"):
@@ -504,9 +529,9 @@ def test_head_cropped_checkpoint_is_evaluated_on_its_first_n_tokens(monkeypatch,
     monkeypatch.setattr(comp, "compress", lambda ctx, **kw: seen.append(ctx) or compress(ctx, **kw))
     monkeypatch.setattr(comp, "generate", lambda m, t, **kw: budgets.append(kw["max_new_tokens"]) or generate(m, t, **kw))
     short = "Short one."
-    result = E.run_ae(comp, [{"text": E.BUILTIN_TEXTS[0]}, {"text": short}], proto=proto)
+    result = E.run_ae(comp, [{"text": train.EVAL_TEXTS[0]}, {"text": short}], proto=proto)
     tok = comp.tok
-    assert result["examples"][0]["reference_ids"] == tok.encode(E.BUILTIN_TEXTS[0])[:16]
+    assert result["examples"][0]["reference_ids"] == tok.encode(train.EVAL_TEXTS[0])[:16]
     assert result["examples"][1]["reference_ids"] == tok.encode(short)
     assert seen[0][1] == tok.encode(short) + [tok.pad_id] * (16 - len(short)) and budgets == [16]
     r = E.run_interpolate(comp, E.DEFAULT_TEXT0, E.DEFAULT_TEXT1, [0.5], proto=proto)
@@ -517,7 +542,7 @@ def test_epl_pretrained_checkpoint_reconstructs_the_first_half_scored_on_ids_wit
     """EPL code: AE rebuilds what pretraining compressed, [BOS] + x[:⌊|X|/2⌋]; BLEU-4 on ids of the generation with
     its EOS against [BOS] x [EOS]."""
     comp = random_comp("icae", device, mem=4, chunk_len=64, lora_r=4, lora_alpha=8)
-    text = E.BUILTIN_TEXTS[0]
+    text = train.EVAL_TEXTS[0]
     half = comp.tok.encode(text)[:len(comp.tok.encode(text)) // 2]
     target = comp.ae_target(half)
     assert target == [comp.tok.bos_id] + half + [comp.tok.eos_id]
@@ -525,6 +550,28 @@ def test_epl_pretrained_checkpoint_reconstructs_the_first_half_scored_on_ids_wit
     result = E.run_ae(comp, [{"text": text}], proto=dict(crop="window", n=None, half=True))
     ex = result["examples"][0]
     assert ex["reference_ids"] == half and ex["compressed"]["scores"]["bleu4_ids"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("text", [train.EVAL_TEXTS[0], "Short."])
+@pytest.mark.parametrize("objective", ["ae", "pretrain"])
+def test_head_cropped_evaluation_compresses_what_training_compressed(objective, text, monkeypatch, device):
+    """A head crop under pretraining (train.py draw_text): the first n tokens padded with EOS to n, of which the
+    first ⌊n/2⌋ are compressed. The ae task compresses the same ids, scores against their unpadded tokens and
+    regenerates up to as many tokens as it compressed (it used to compress all n after pretraining)."""
+    comp = random_comp("icae", device, mem=4, chunk_len=64, lora_r=4, lora_alpha=8)
+    ids = comp.tok.encode(text)
+    data = dict(tokens=torch.tensor(ids), offsets=torch.tensor([0, len(ids)]))
+    args = SimpleNamespace(crop="head", max_len=16)
+    trained = train.draw_text(data, objective, np.random.default_rng(0), args, comp, step=0)["context"]
+    proto = E.protocol(comp, train_args=dict(crop="head", max_len=16, objective=objective))
+    seen, budgets = [], []
+    compress, generate = comp.compress, comp.generate
+    monkeypatch.setattr(comp, "compress", lambda ctx, **kw: seen.append(ctx) or compress(ctx, **kw))
+    monkeypatch.setattr(comp, "generate", lambda m, t, **kw: budgets.append(kw["max_new_tokens"]) or generate(m, t, **kw))
+    result = E.run_ae(comp, [{"text": text}], proto=proto)
+    n = 8 if objective == "pretrain" else 16
+    assert seen[0] == [trained] and budgets == [n]
+    assert result["examples"][0]["reference_ids"] == ids[:n]
 
 
 def test_gmsa_ratio_and_baselines_from_the_original_llm_after_keft(tmp_path, device):
@@ -538,7 +585,7 @@ def test_gmsa_ratio_and_baselines_from_the_original_llm_after_keft(tmp_path, dev
             p.add_(torch.randn_like(p))                   # what KEFT training would do to q/k/v
     comp.save(str(tmp_path))
     result, _ = run(["--ckpt", tmp_path, "--task", "lm", "--ratio", 8, "--n", 2], device)
-    text = E.builtin_held_out()[0]
+    text = train.held_out_texts()[0]
     first_half = len(comp.tok.encode(text)) // 2
     assert result["examples"][0]["memory_slots"] == math.ceil(first_half / 8) and result["ratio"] == 8
     base, tok = build_tiny()
@@ -548,24 +595,3 @@ def test_gmsa_ratio_and_baselines_from_the_original_llm_after_keft(tmp_path, dev
     want = E.PlainLLM(C.build("gmsa", base.to(device), tok, lora_r=4, lora_alpha=8)).nll([[tok.bos_id]], [ids])
     assert result["examples"][0]["none"]["nll"] != pytest.approx(want[0][0])   # a different text: sanity
     assert plain.nll([[tok.bos_id]], [ids])[0][0] == pytest.approx(want[0][0], rel=1e-6)
-
-
-# ---- curves ----
-
-
-def test_curves_reports_when_each_run_reaches_a_loss(tmp_path):
-    for name, losses in (("fast", [5, 3, 2, 1.5, 1.2]), ("slow", [5, 4.5, 4, 3.5, 3])):
-        run_dir = tmp_path / name
-        run_dir.mkdir()
-        (run_dir / "args.json").write_text(json.dumps({"method": "aoc"}))
-        (run_dir / "log.jsonl").write_text("".join(json.dumps(dict(step=i + 1, loss=l, tokens=100, dt=0.5)) + "\n"
-                                                   for i, l in enumerate(losses)))
-    result = E.main(["--task", "curves", "--runs", str(tmp_path / "fast"), str(tmp_path / "slow"),
-                     "--target-loss", "3.8", "--out", str(tmp_path / "c.json")])
-    fast, slow = result["runs"]
-    smooth = E.ema([5, 3, 2, 1.5, 1.2], 0.05)
-    first = next(i for i, v in enumerate(smooth) if v <= 3.8)
-    assert fast["reached"] == dict(step=first + 1, tokens=100 * (first + 1), seconds=0.5 * (first + 1))
-    assert slow["reached"] is None or slow["reached"]["step"] > fast["reached"]["step"]
-    assert read_png(tmp_path / "c.png").ndim == 3
-    assert E.ema([2.0, 2.0, 2.0], 0.1) == pytest.approx([2.0, 2.0, 2.0])   # debiased: no pull towards 0

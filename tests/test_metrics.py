@@ -1,4 +1,4 @@
-"""Metrics of evaluate.py against the reference implementations the papers used.
+"""Metrics of metrics.py against the reference implementations the papers used.
 
 BLEU is checked against nltk's sentence_bleu (the 500x/AOC/PCC/EPL scripts call it), ROUGE
 against Google's rouge-score and against the `rouge` 1.0.1 package of pltrdy (the 500x/AOC/EPL
@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 
-from evaluate import (
+from metrics import (
     aoc_exact_match,
     bleu4,
     bleu_n_precision,

@@ -215,6 +215,27 @@ def test_curve_finds_the_steps_to_each_panels_own_reference_loss(tmp_path):
         curve.main(["--out", str(tmp_path), "--score-only", "--group", "1:1", "epl_1x", "--loss-ref", "dpl_9x"])
 
 
+def test_loss_curves_report_when_each_run_reaches_a_loss(tmp_path):
+    """recipes/curve.py's loss_curves (recipes/summarize.py --curves): each run's first step at a training loss, with
+    the one smoothing every steps-to-a-loss reads (smoothed_losses: the mean of the last 20 logged steps); evaluate.py
+    has no curves of its own any more."""
+    import sys
+    sys.path.insert(0, str(REPO / "recipes"))
+    import curve
+    import evaluate as E
+    for name, losses in (("fast", [5, 3, 2, 1.5, 1.2]), ("slow", [5, 4.5, 4, 3.5, 3])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "log.jsonl").write_text("".join(json.dumps(dict(step=i + 1, loss=x, tokens=100, dt=0.5))
+                                                           + "\n" for i, x in enumerate(losses)))
+    result = curve.loss_curves([str(tmp_path / "fast"), str(tmp_path / "slow")], target=3.4)
+    fast, slow = result["runs"]
+    assert fast["reached"] == 3 and slow["reached"] is None     # fast: (5 + 3 + 2) / 3 <= 3.4 at step 3
+    assert (fast["final"], slow["best"]) == (pytest.approx(12.7 / 5), pytest.approx(4.0))
+    default = curve.loss_curves([str(tmp_path / "fast"), str(tmp_path / "slow")])   # a loss every run reaches
+    assert default["target"] == pytest.approx(4.0) and [r["reached"] for r in default["runs"]] == [2, 5]
+    assert "curves" not in E.TASKS and not hasattr(E, "run_curves")
+
+
 def test_diagnosis_splits_the_own_loss_at_the_first_token():
     """recipes/diagnosis.py's own-memory AE loss on the first token is the decoder's loss on that token alone (the
     decoder is causal: the text after it cannot change it), and the rest is the loss on the other tokens and EOS."""
@@ -284,7 +305,7 @@ def test_capacity_optimizes_each_texts_own_memory(tmp_path):
     sys.path.insert(0, str(REPO / "recipes"))
     import diagnosis
     from model import build_tiny
-    texts = [t for t in __import__("evaluate").builtin_held_out(6)]
+    texts = [t for t in __import__("train").held_out_texts(6)]
     for method in ("500x", "icae"):
         run = tmp_path / method
         C.build(method, *build_tiny(), mem=16, chunk_len=17, lora_r=2, lora_alpha=4).save(str(run))

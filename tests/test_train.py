@@ -114,7 +114,7 @@ def test_every_method_learns_memories_that_carry_their_own_text(method, tmp_path
     losses = [r["loss"] for r in log_rows(out)]
     assert len(losses) == 300 and sum(losses[-10:]) / 10 < 0.9 * losses[0]
     comp = C.load(out, device=device).eval()
-    held_out = [{"text": t} for t in E.BUILTIN_TEXTS]                 # never in train.py's built-in corpus
+    held_out = [{"text": t} for t in train.EVAL_TEXTS]                 # never in train.py's built-in corpus
     L = E.run_ae(comp, held_out, max_new_tokens=1, proto=dict(crop="head", n=16, half=False))["loss"]
     assert L["own_other_ratio"] < max_ratio, f"{method}: own {L['own']:.3f} other {L['other']:.3f}"
     assert L["own"] < L["none"]
@@ -151,7 +151,7 @@ def test_bf16_autocast_training_on_cuda(tmp_path, run_train, device, monkeypatch
     losses = [r["loss"] for r in log_rows(out)]
     assert all(math.isfinite(x) for x in losses) and sum(losses[-10:]) / 10 < 0.9 * losses[0]
     comp = C.load(out, device=device).eval()
-    L = E.run_ae(comp, [{"text": t} for t in E.BUILTIN_TEXTS], max_new_tokens=1,
+    L = E.run_ae(comp, [{"text": t} for t in train.EVAL_TEXTS], max_new_tokens=1,
                  proto=dict(crop="head", n=16, half=False))["loss"]
     assert L["own_other_ratio"] < max_ratio
     saved = load_file(os.path.join(out, "compressor.safetensors"))
@@ -314,7 +314,7 @@ X500 = ["--method", "500x", "--mem", "16", "--chunk-len", "16", *LORA, "--lora-d
 def held_texts(tmp_path_factory):
     """12 held-out texts in a file of their own (evaluate.py's built-in set, so nothing here trains on them)."""
     path = tmp_path_factory.mktemp("held") / "held.jsonl"
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in E.builtin_held_out(12)))
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in train.held_out_texts(12)))
     return str(path)
 
 
@@ -797,6 +797,45 @@ def test_resuming_a_finished_run_does_nothing(finished_run, capsys, run_train):
     run_train(["--resume", finished_run])
     assert "nothing to do" in capsys.readouterr().out
     assert snapshot(finished_run) == before
+
+
+def test_init_from_a_run_saved_before_a_setting_existed(finished_run, tmp_path, capsys, device):
+    """A run saved before --mem-norm existed has no mem_norm in its compressor.json: the setting takes its default
+    (as compressors.load builds it), so --init starts from it, and --init with --mem-norm is the one-line error of any
+    setting the run was not trained with (it used to be a KeyError traceback)."""
+    run = str(tmp_path / "old")
+    shutil.copytree(finished_run, run)
+    meta = json.loads(Path(run, "compressor.json").read_text())
+    del meta["config"]["mem_norm"]
+    Path(run, "compressor.json").write_text(json.dumps(meta))
+    args, _ = train.parse_args(["--init", run, "--method", "aoc", "--out", str(tmp_path / "new")])
+    assert args.mem_norm is None and C.load(run).cfg.mem_norm is False
+    assert_one_line_error(["--init", run, "--method", "aoc", "--mem-norm", "--out", str(tmp_path / "new")],
+                          "was trained with mem_norm=False: drop --mem-norm", capsys, device)
+
+
+def test_resume_on_a_changed_corpus_is_one_line(finished_run, tmp_path, monkeypatch, capsys, device):
+    """The corpus's key is saved with each checkpoint and compared on --resume: a run started on the built-in corpus
+    does not continue silently once that corpus has changed (here: one more paragraph)."""
+    run = str(tmp_path / "run")
+    shutil.copytree(finished_run, run)
+    monkeypatch.setattr(train, "BUILTIN_TEXTS", [*train.BUILTIN_TEXTS, "One more paragraph, added since."])
+    before = snapshot(os.path.join(run, "ckpt-000002"))
+    assert_one_line_error(["--resume", run, "--steps", "4"], "was trained on another corpus than the built-in corpus",
+                          capsys, device)
+    assert snapshot(os.path.join(run, "ckpt-000002")) == before and [r["step"] for r in log_rows(run)] == [1, 2]
+
+
+def test_checkpoints_save_only_the_generators_a_run_draws_from(finished_run):
+    """torch's RNG is the only global one a run draws from (the data has generators of its own): a checkpoint holds
+    its state, not numpy's or random's, and an older checkpoint that holds those too still restores."""
+    state = train.read_train_state(finished_run)
+    assert set(state["rng"][0]) == {"torch", "cuda"}
+    before = torch.get_rng_state()
+    old = {**state["rng"][0], "python": (3, (0,) * 625, None), "numpy": ["MT19937", [0] * 624, 0, 0, 0.0]}
+    train.set_rng_state(old)
+    assert torch.equal(torch.get_rng_state(), state["rng"][0]["torch"])
+    torch.set_rng_state(before)
 
 
 def test_help_explains_every_flag_and_shows_the_gpu_command(capsys):
