@@ -36,7 +36,7 @@ import compressors as C
 import masks
 import train   # the built-in corpus and its held-out set; the one reader of .jsonl / .parquet records
 from metrics import ae_scores, mean_scores, perplexity, qa_scores
-from model import SHAPES, apply_rope, build_shape, load_pretrained
+from model import SHAPES, build_shape, load_pretrained
 
 # -----------------------------------------------------------------------------
 # ---- data ----
@@ -610,15 +610,13 @@ def memory_cosine(comp, memory, ids):
 
 
 def encoder_attention(comp, enc_ids):
-    """(memory, attention [M, T]): how much each memory slot attends to each context token in the
-    encoder, averaged over all layers and heads (PIC Figure 7; EPL Figure 6).
-
-    The weights are recomputed from each layer's own inputs, captured with a forward pre-hook on its
-    self_attn during a normal comp.compress: softmax(q kᵀ / √D) under the encoder's mask (causal, PIC
-    or segment). A memory row does not sum to 1 over the context: the rest of its weight goes to the
-    memory tokens before it (and to itself). Memory of chunk c sees only chunk c, so the matrix is
-    block-diagonal over chunks. Group merging (GMSA) has no memory tokens, hence no such attention:
-    returns (memory, None)."""
+    """(memory, attention [M, T]): how much each memory slot attends to each context token in the encoder,
+    averaged over all layers and heads (PIC Figure 7; EPL Figure 6). Each layer's weights are recomputed
+    (Attention.weights) from its own inputs, captured with a forward pre-hook on its self_attn during a normal
+    comp.compress, under the encoder's mask (causal, PIC or segment). A memory row does not sum to 1 over the
+    context: the rest of its weight goes to the memory tokens before it (and to itself). Memory of chunk c sees only
+    chunk c, so the matrix is block-diagonal over chunks. Group merging (GMSA) has no memory tokens, hence no such
+    attention: returns (memory, None)."""
     calls = []
     hook = lambda attn, args: calls.append((attn, *args[:4]))         # (module, x, cos, sin, mask)
     handles = [layer.self_attn.register_forward_pre_hook(hook) for layer in comp.encoder.model.layers]
@@ -629,23 +627,8 @@ def encoder_attention(comp, enc_ids):
             h.remove()
     if comp.cfg.source == "group_mean":
         return memory, None
-    probs = 0
-    for attn, x, cos, sin, mask in calls:
-        R, T, _ = x.shape
-        H, Hkv, D = attn.n_head, attn.n_kv_head, attn.head_dim
-        q = attn.q_proj(x).view(R, T, H, D)                         # (R, T, H, D)
-        k = attn.k_proj(x).view(R, T, Hkv, D)                       # (R, T, Hkv, D)
-        if attn.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)                 # (R, H, T, D)
-        k = apply_rope(k.transpose(1, 2), cos, sin)                 # (R, Hkv, T, D)
-        # GQA: query head h reads K/V head h // (H/Hkv), so repeat each K/V head H/Hkv times
-        k = k.repeat_interleave(H // Hkv, dim=1)                    # (R, H, T, D)
-        scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(D)   # (R, H, T, T)
-        if mask is None:
-            mask = masks.causal(T).to(x.device)   # the layer ran plain causal (no explicit mask)
-        probs = probs + scores.masked_fill(~mask, float("-inf")).softmax(-1).mean(1)  # (R, T, T)
-    probs = probs / len(calls)
+    # the probabilities SDPA applied in each layer, averaged over heads, then over layers
+    probs = sum(attn.weights(x, cos, sin, mask).mean(1) for attn, x, cos, sin, mask in calls) / len(calls)  # (R, T, T)
     # one encoder row per chunk, laid out [chunk (n), memory (m), padding]: gather memory -> context
     lens, counts = memory.chunk_lens[0], memory.mem_counts[0]
     out = torch.zeros(sum(counts), sum(lens))
