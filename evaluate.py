@@ -208,6 +208,13 @@ def derangement(n):
     return [(i + 1) % n for i in range(n)] if n > 1 else None
 
 
+def memory_nll(comp, task, enc, follow, ratio=None, cache=None, **nll_args):
+    """Compress `enc` (encoder ids per row) and score `follow` after that memory, teacher-forced (comp.nll):
+    (memory, per row (summed NLL, tokens)). The own and the other memory of the own/other test both go through it."""
+    memory = compress(comp, enc, ratio, cache=cache)
+    return memory, list(zip(*comp.nll(memory, task, follow, **nll_args)))
+
+
 # -----------------------------------------------------------------------------
 # ---- ae, lm, qa ----
 
@@ -227,14 +234,11 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
     for idx in tqdm(batches(list(range(len(pairs))), batch_size), desc="ae", leave=False):
         xs, refs = [pairs[i][0] for i in idx], [pairs[i][1] for i in idx]
         n_new = max_new_tokens or (len(xs[0]) if proto["crop"] == "head" else max(len(r) for r in refs) + 8)
-        own = compress(comp, [comp.encoder_ids(x) for x in xs], ratio)
         # targets: the AE target (comp.ae_target); the loss counts the text and its EOS, not a leading [BOS]
         follow, n_text = [comp.ae_target(x) for x in xs], [len(x) + 1 for x in xs]
-        nll_own = comp.nll(own, "ae", follow, n_text)
-        nll_other = ([None] * len(idx),) * 2
-        if other:
-            theirs = compress(comp, [comp.encoder_ids(pairs[other[i]][0]) for i in idx], ratio)
-            nll_other = comp.nll(theirs, "ae", follow, n_text)
+        own, nll_own = memory_nll(comp, "ae", [comp.encoder_ids(x) for x in xs], follow, ratio, n_supervised=n_text)
+        nll_other = other and memory_nll(comp, "ae", [comp.encoder_ids(pairs[other[i]][0]) for i in idx], follow,
+                                         ratio, n_supervised=n_text)[1]
         nll_none = plain.nll([[tok.start_id]] * len(xs), [x + [tok.eos_id] for x in xs])
         outs = {"compressed": comp.generate(own, "ae", max_new_tokens=n_new),
                 "full": plain.generate([[tok.start_id] + x + tok.encode(SEP) for x in xs], n_new),
@@ -242,8 +246,7 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
         for j, i in enumerate(idx):
             row = {"text": examples[i]["text"], "reference": tok.decode(refs[j]), "reference_ids": refs[j],
                    "memory_slots": sum(own.mem_counts[j]),
-                   "loss": {"own": (nll_own[0][j], nll_own[1][j]),
-                            "other": other and (nll_other[0][j], nll_other[1][j]), "none": nll_none[j]}}
+                   "loss": {"own": nll_own[j], "other": other and nll_other[j], "none": nll_none[j]}}
             for mode, gen in outs.items():
                 ids = gen[j]
                 stopped = ids + [tok.eos_id] if len(ids) < n_new else ids   # EPL keeps the EOS it generated
@@ -272,20 +275,16 @@ def run_lm(comp, examples, batch_size=8, ratio=None, max_len=None):
     rows = []
     for idx in tqdm(batches(list(range(len(cuts))), batch_size), desc="lm", leave=False):
         ctx, cont = [cuts[i][0] for i in idx], [cuts[i][1] for i in idx]
-        own = compress(comp, [comp.encoder_ids(c) for c in ctx], ratio)
-        last = lambda cs: [c[-1] for c in cs]
-        nll_own = comp.nll(own, "lm", cont, last_tokens=last(ctx))
-        nll_other = ([None] * len(idx),) * 2
-        if other:
-            theirs_ctx = [cuts[other[i]][0] for i in idx]
-            theirs = compress(comp, [comp.encoder_ids(c) for c in theirs_ctx], ratio)
-            nll_other = comp.nll(theirs, "lm", cont, last_tokens=last(theirs_ctx))
-        nlls = {"compressed": list(zip(*nll_own)), "other": [other and x for x in zip(*nll_other)],
-                "full": plain.nll([[tok.start_id] + c for c in ctx], cont),
+        # the decoder reads each memory with the last token of the text it compressed (the LM token, comp.nll)
+        lm_nll = lambda cs: memory_nll(comp, "lm", [comp.encoder_ids(c) for c in cs], cont, ratio,
+                                       last_tokens=[c[-1] for c in cs])
+        own, nll_own = lm_nll(ctx)
+        nll_other = other and lm_nll([cuts[other[i]][0] for i in idx])[1]
+        nlls = {"compressed": nll_own, "full": plain.nll([[tok.start_id] + c for c in ctx], cont),
                 "none": plain.nll([[tok.start_id]] * len(idx), cont)}
         for j, i in enumerate(idx):
             row = {"text": examples[i]["text"], "context_tokens": len(ctx[j]), "memory_slots": sum(own.mem_counts[j]),
-                   "loss": {"own": nlls["compressed"][j], "other": nlls["other"][j], "none": nlls["none"][j]}}
+                   "loss": {"own": nll_own[j], "other": other and nll_other[j], "none": nlls["none"][j]}}
             for mode in MODES:
                 nll, n = nlls[mode][j]
                 row[mode] = {"nll": nll, "tokens": n, "perplexity": perplexity(nll, n)}
@@ -344,17 +343,15 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
     for idx in tqdm(batches(list(range(n)), batch_size), desc="qa", leave=False):
         ps, ans = [parts[i] for i in idx], [answers[i] for i in idx]
         prefix, prompt = [p["prefix"] for p in ps], [p["prompt"] for p in ps]
-        memory = compress(comp, [p["enc_context"] for p in ps], ratio, cache=cache)
         full = [lead + p["prefix"] + p["dec_context"] + p["prompt"] for p in ps]    # the plain LLM's prompts
         none = [lead + p["prefix"] + p["prompt"] for p in ps]
         follow, n_ans = [q + a for q, a in zip(prompt, ans)], [len(a) for a in ans]
-        nll = {}
+        memory = compress(comp, [p["enc_context"] for p in ps], ratio, cache=cache)
         if losses:
-            nll = {"own": list(zip(*comp.nll(memory, "qa", follow, n_ans, prefix=prefix))),
-                   "other": [None] * len(idx), "none": plain.nll(none, ans), "full": plain.nll(full, ans)}
-            if other:
-                theirs = compress(comp, [parts[other[i]]["enc_context"] for i in idx], ratio, cache=cache)
-                nll["other"] = list(zip(*comp.nll(theirs, "qa", follow, n_ans, prefix=prefix)))
+            nll_own = list(zip(*comp.nll(memory, "qa", follow, n_ans, prefix=prefix)))
+            nll_other = other and memory_nll(comp, "qa", [parts[other[i]]["enc_context"] for i in idx], follow, ratio,
+                                             cache, n_supervised=n_ans, prefix=prefix)[1]
+            nll_none, nll_full = plain.nll(none, ans), plain.nll(full, ans)
         outs = {"compressed": comp.generate(memory, "qa", prompt=prompt, max_new_tokens=n_new, prefix=prefix),
                 "full": plain.generate(full, n_new), "none": plain.generate(none, n_new)} if generate else {}
         for j, i in enumerate(idx):
@@ -362,7 +359,8 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
             row = {"context": ex["context"], "question": ex["question"], "answer": ex["answer"],
                    "memory_slots": sum(memory.mem_counts[j])}
             if losses:
-                row["loss"] = {k: v[j] for k, v in nll.items()}
+                row["loss"] = {"own": nll_own[j], "other": other and nll_other[j], "none": nll_none[j],
+                               "full": nll_full[j]}
             for mode, gen in outs.items():
                 text = tok.decode(gen[j])
                 row[mode] = {"text": text, "scores": score(text, ex["answer"])}
