@@ -35,7 +35,7 @@ from tqdm import tqdm
 import compressors as C
 import masks
 import train   # the built-in corpus and its held-out set; the one reader of .jsonl / .parquet records
-from metrics import ae_scores, mean_scores, perplexity, qa_scores
+from metrics import ae_scores, mean_scores, passkey_score, perplexity, qa_scores
 from model import SHAPES, build_shape, load_pretrained
 
 # -----------------------------------------------------------------------------
@@ -62,12 +62,11 @@ MODES = ("compressed", "full", "none")
 
 
 def load_examples(path, task, n=None):
-    """The examples of a task: dicts with "text" (ae, lm, heatmap) or "context", "question",
-    "answer" (qa; answer is a str or a list of accepted answers). No path: the built-in sets.
-    path: .jsonl or .parquet, one record a row, as train.py reads them ({"text"} or
-    {"context", "question", "answer"}; a QA record serves the text tasks through its context),
-    or any other file as plain text, one text per non-empty line (train.py reads a whole .txt file
-    as one document to draw windows from; an evaluation needs fixed examples). n: keep the first n."""
+    """The examples of a task: dicts with "text" (ae, lm, heatmap) or "context", "question", "answer" (qa; answer is a
+    str or a list of accepted answers). No path: the built-in sets. path: .jsonl or .parquet, one record a row, as
+    train.py reads them ({"text"} or {"context", "question", "answer"}; a QA record serves the text tasks through its
+    context), or any other file as plain text, one text per non-empty line (train.py reads a whole .txt file as one
+    document to draw windows from; an evaluation needs fixed examples). n: keep the first n."""
     if path is None:
         rows = [dict(r) for r in train.EVAL_QA] if task == "qa" else [{"text": t} for t in train.held_out_texts()]
     elif not os.path.isfile(path):
@@ -95,11 +94,11 @@ def load_examples(path, task, n=None):
 
 
 def protocol(comp, ckpt=None, max_len=None, train_args=None):
-    """How the checkpoint was trained, so the evaluation cuts texts the same way (train.py's args, saved with
-    it, or given as train_args by a run that scores itself): head crop -> every text is its first n tokens,
-    padded with EOS to n, and regenerated up to n tokens (AOC code); pretrain -> AE reconstructs the first
-    ⌊|X|/2⌋ tokens (of those n under a head crop), what pretraining compressed (EPL code). max_len: cut every text
-    to its first max_len tokens."""
+    """How the checkpoint was trained, so the evaluation cuts texts the same way (train.py's args, saved with it, or
+    given as train_args by a run that scores itself): head crop -> every text is its first n tokens, padded with EOS
+    to n, and regenerated up to n tokens (AOC code); pretrain -> AE reconstructs the first ⌊|X|/2⌋ tokens (of those n
+    under a head crop), what pretraining compressed (EPL code). max_len: cut every text to its first max_len
+    tokens."""
     if train_args is None:
         train_args = (C.read_checkpoint_config(ckpt).get("train_args") or {}) if ckpt else {}
     crop = train_args.get("crop", "window")
@@ -191,9 +190,9 @@ def summarize(rows, extra=None):
 
 
 def memory_losses(rows):
-    """Set-level teacher-forced losses (Σ NLL / Σ tokens, never a mean of per-example means) with the own
-    memory, another text's memory and no memory, and own / other: 1.0 when a memory says nothing about its own
-    text (a learned constant prompt), well below 1 when it carries it."""
+    """Set-level teacher-forced losses (Σ NLL / Σ tokens, never a mean of per-example means) with the own memory,
+    another text's memory and no memory, and own / other: 1.0 when a memory says nothing about its own text (a learned
+    constant prompt), well below 1 when it carries it."""
     total = lambda key: sum(r["loss"][key][0] for r in rows) / max(1, sum(r["loss"][key][1] for r in rows))
     own, none = total("own"), total("none")
     other = total("other") if rows[0]["loss"]["other"] is not None else None
@@ -203,14 +202,14 @@ def memory_losses(rows):
 
 
 def derangement(n):
-    """The fixed derangement of the own/other test: text i reads the memory of text i + 1 (mod n); None for a
-    single text, which has no other."""
+    """The fixed derangement of the own/other test: text i reads the memory of text i + 1 (mod n); None for a single
+    text, which has no other."""
     return [(i + 1) % n for i in range(n)] if n > 1 else None
 
 
 def memory_nll(comp, task, enc, follow, ratio=None, cache=None, **nll_args):
-    """Compress `enc` (encoder ids per row) and score `follow` after that memory, teacher-forced (comp.nll):
-    (memory, per row (summed NLL, tokens)). The own and the other memory of the own/other test both go through it."""
+    """Compress `enc` (encoder ids per row) and score `follow` after that memory, teacher-forced (comp.nll): (memory,
+    per row (summed NLL, tokens)). The own and the other memory of the own/other test both go through it."""
     memory = compress(comp, enc, ratio, cache=cache)
     return memory, list(zip(*comp.nll(memory, task, follow, **nll_args)))
 
@@ -221,11 +220,12 @@ def memory_nll(comp, task, enc, follow, ratio=None, cache=None, **nll_args):
 
 @torch.no_grad()
 def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=None, generate=True):
-    """Reconstruction: compress each text, regenerate it greedily from its memory (ICAE's AE task, AOC §3,
-    EPL Table 6), in batches. Default budget: the compressed length for a head-cropped checkpoint (AOC code: n;
-    after pretraining ⌊n/2⌋), else the reference length + 8. Also the teacher-forced AE loss on the text and its EOS with the own memory, another text's
-    memory and none (EPL Table 9 reports the AE loss and its perplexity). generate=False: the losses only
-    ({"protocol", "loss"}, no regeneration), as recipes/curve.py scores every kept checkpoint."""
+    """Reconstruction: compress each text, regenerate it greedily from its memory (ICAE's AE task, AOC §3, EPL Table
+    6), in batches. Default budget: the compressed length for a head-cropped checkpoint (AOC code: n; after
+    pretraining ⌊n/2⌋), else the reference length + 8. Also the teacher-forced AE loss on the text and its EOS with
+    the own memory, another text's memory and none (EPL Table 9 reports the AE loss and its perplexity).
+    generate=False: the losses only ({"protocol", "loss"}, no regeneration), as recipes/curve.py scores every kept
+    checkpoint."""
     tok, plain = comp.tok, PlainLLM(comp)
     proto = proto or protocol(comp)
     pairs = texts_as_trained(comp, [ex["text"] for ex in examples], proto)
@@ -259,11 +259,10 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
 
 @torch.no_grad()
 def run_lm(comp, examples, batch_size=8, ratio=None, max_len=None):
-    """Completion: cut each text at p = ⌊|X|/2⌋ (EPL §4.1), compress the first half and score the second half
-    and EOS (the LM target of the EPL and PCC code) given that memory (PIC Eq. 7, EPL Table 4), the memory of
-    another text's first half, the full first half, or nothing. Perplexity is exp(Σ NLL / Σ tokens) over the
-    whole set, never a mean of per-example perplexities. max_len: each text cut to its first max_len tokens
-    first, as pretraining cut it."""
+    """Completion: cut each text at p = ⌊|X|/2⌋ (EPL §4.1), compress the first half and score the second half and EOS
+    (the LM target of the EPL and PCC code) given that memory (PIC Eq. 7, EPL Table 4), the memory of another text's
+    first half, the full first half, or nothing. Perplexity is exp(Σ NLL / Σ tokens) over the whole set, never a mean
+    of per-example perplexities. max_len: each text cut to its first max_len tokens first, as pretraining cut it."""
     tok, plain = comp.tok, PlainLLM(comp)
     cuts = []
     for ex in examples:
@@ -303,8 +302,8 @@ QA_BUDGET = {"pcc": 30, "pic": 30,          # PCC evaluate_qa.py
 
 
 def concatenated(examples, k):
-    """CompLLM §4 (after LOFT): the contexts of k examples joined into one, each question then asked
-    against that longer context (one question per document, so the relevant one sits anywhere)."""
+    """CompLLM §4 (after LOFT): the contexts of k examples joined into one, each question then asked against that
+    longer context (one question per document, so the relevant one sits anywhere)."""
     out = []
     for group in batches(examples, k):
         context = SEP.join(ex["context"] for ex in group)
@@ -316,15 +315,14 @@ def concatenated(examples, k):
 def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat=1, reuse=True, max_len=None,
            generate=True, score=qa_scores, losses=True):
     """Answer from memory + question (PIC/PCC SQuAD, EPL, CompLLM, GMSA KEFT), with the checkpoint's template
-    (Compressor.qa_parts) in all three rows. The whole generation up to EOS is scored, as the papers' scripts
-    do, by score(generation, answer) -> {name: value} (default qa_scores; the needle task scores the passkey).
-    concat > 1: CompLLM's long contexts. reuse: a chunk's memory is computed once and kept (CompLLM's
-    reusability), so a context shared by several questions is compressed once; False compresses every time.
-    losses: also the teacher-forced loss of the reference answer (the first, QA training's target, without its
-    EOS) after the question's own memory, another document's memory, no context and the full context (ours: the
-    papers score generations only): own / other well below 1 means each memory carries its own context.
-    max_len: contexts cut to their first max_len tokens, as QA training cuts them. generate=False: the losses
-    only ({"loss"}), as train.py's held-out check scores itself."""
+    (Compressor.qa_parts) in all three rows. The whole generation up to EOS is scored, as the papers' scripts do, by
+    score(generation, answer) -> {name: value} (default qa_scores; the needle task scores the passkey). concat > 1:
+    CompLLM's long contexts. reuse: a chunk's memory is computed once and kept (CompLLM's reusability), so a context
+    shared by several questions is compressed once; False compresses every time. losses: also the teacher-forced loss
+    of the reference answer (the first, QA training's target, without its EOS) after the question's own memory,
+    another document's memory, no context and the full context (ours: the papers score generations only): own / other
+    well below 1 means each memory carries its own context. max_len: contexts cut to their first max_len tokens, as QA
+    training cuts them. generate=False: the losses only ({"loss"}), as train.py's held-out check scores itself."""
     tok, plain = comp.tok, PlainLLM(comp)
     n_new = max_new_tokens or QA_BUDGET.get(comp.cfg.method, 64)
     examples = concatenated(examples, concat) if concat > 1 else examples
@@ -409,32 +407,20 @@ SPEED_QUESTION = " Question: What is this text about? Answer:"
 SPEED_LENGTHS = (512, 1024, 2048, 4096, 8192)   # default --lengths
 
 
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()   # CUDA kernels run asynchronously: wait before reading the clock
-
-
 def timed(fn, device, repeats=3, warmup=1):
     """(median wall time in seconds over `repeats` calls after `warmup` untimed calls, last result)."""
+    # CUDA kernels run asynchronously: wait for them before reading the clock
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
     for _ in range(warmup):
         out = fn()
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync()
         t0 = time.perf_counter()
         out = fn()
-        _sync(device)
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), out
-
-
-def compressed_inputs(comp, memory, prompt):
-    """Decoder inputs [memory, special token, prompt] for one sample, as comp.generate builds them."""
-    batch = comp.decoder_batch(memory, "qa", [prompt], [0])
-    # one unpadded sample: decoder_batch passes no mask, so SDPA takes the same fused causal kernel as
-    # the full-context prefill (a dense mask would time a slower kernel)
-    assert batch["attn_mask"] is None
-    return batch
 
 
 def prefill(comp, inputs):
@@ -488,7 +474,9 @@ def run_speed(comp, lengths, max_new_tokens=None, repeats=3):
             M = sum(memory.mem_counts[0])
             full = dict(input_ids=torch.tensor([[tok.start_id] + ctx + question], device=dev))
             t_full, (kv_full, first_full) = timed(lambda: prefill(comp, full), dev, repeats)
-            mem_in = compressed_inputs(comp, memory, question)
+            mem_in = comp.decoder_batch(memory, "qa", [question], [0])   # [memory, special, question], as generate
+            # one unpadded sample: no mask, so SDPA takes the fused causal kernel the full-context prefill takes
+            assert mem_in["attn_mask"] is None
             t_mem, (kv_mem, first_mem) = timed(lambda: prefill(comp, mem_in), dev, repeats)
             next_full = full["input_ids"].shape[1]
             next_mem = int(mem_in["position_ids"][0, -1]) + 1
@@ -553,14 +541,13 @@ DEFAULT_WEIGHTS = "0,0.25,0.5,0.53,0.55,0.6,0.75,1"   # AOC Table 4 shows w = 0.
 
 @torch.no_grad()
 def run_interpolate(comp, text0, text1, weights, max_new_tokens=None, proto=None):
-    """AOC Eq. (5): regenerate from Z = Z0 + w (Z1 − Z0) for each w, where Z0, Z1 compress text0,
-    text1 (AOC Table 4 walks from one prompt to the other). Every tensor the decoder reads is mixed
-    (memory embeddings, or every layer's K and V); the rest of the memory (chunk lengths, hence the
-    EPL decoder positions) is Z0's. Needs memories of the same shape: always true for a fixed --mem
-    budget and texts of at least --mem tokens, but methods that size memory by length (CompLLM,
-    PCC/PIC, GMSA) need texts that compress to the same number of slots. A head-cropped checkpoint (AOC)
-    compresses each prompt padded with EOS to the trained length n, as AOC's compress() does, so the memory
-    and [BOS] sit where training put them."""
+    """AOC Eq. (5): regenerate from Z = Z0 + w (Z1 − Z0) for each w, where Z0, Z1 compress text0, text1 (AOC Table 4
+    walks from one prompt to the other). Every tensor the decoder reads is mixed (memory embeddings, or every layer's
+    K and V); the rest of the memory (chunk lengths, hence the EPL decoder positions) is Z0's. Needs memories of the
+    same shape: always true for a fixed --mem budget and texts of at least --mem tokens, but methods that size memory
+    by length (CompLLM, PCC/PIC, GMSA) need texts that compress to the same number of slots. A head-cropped checkpoint
+    (AOC) compresses each prompt padded with EOS to the trained length n, as AOC's compress() does, so the memory and
+    [BOS] sit where training put them."""
     tok = comp.tok
     (x0, ids0), (x1, ids1) = texts_as_trained(comp, [text0, text1], proto or protocol(comp))
     z0, z1 = compress(comp, [comp.encoder_ids(x0)]), compress(comp, [comp.encoder_ids(x1)])
@@ -608,13 +595,13 @@ def memory_cosine(comp, memory, ids):
 
 
 def encoder_attention(comp, enc_ids):
-    """(memory, attention [M, T]): how much each memory slot attends to each context token in the encoder,
-    averaged over all layers and heads (PIC Figure 7; EPL Figure 6). Each layer's weights are recomputed
-    (Attention.weights) from its own inputs, captured with a forward pre-hook on its self_attn during a normal
-    comp.compress, under the encoder's mask (causal, PIC or segment). A memory row does not sum to 1 over the
-    context: the rest of its weight goes to the memory tokens before it (and to itself). Memory of chunk c sees only
-    chunk c, so the matrix is block-diagonal over chunks. Group merging (GMSA) has no memory tokens, hence no such
-    attention: returns (memory, None)."""
+    """(memory, attention [M, T]): how much each memory slot attends to each context token in the encoder, averaged
+    over all layers and heads (PIC Figure 7; EPL Figure 6). Each layer's weights are recomputed (Attention.weights)
+    from its own inputs, captured with a forward pre-hook on its self_attn during a normal comp.compress, under the
+    encoder's mask (causal, PIC or segment). A memory row does not sum to 1 over the context: the rest of its weight
+    goes to the memory tokens before it (and to itself). Memory of chunk c sees only chunk c, so the matrix is
+    block-diagonal over chunks. Group merging (GMSA) has no memory tokens, hence no such attention: returns (memory,
+    None)."""
     calls = []
     hook = lambda attn, args: calls.append((attn, *args[:4]))         # (module, x, cos, sin, mask)
     handles = [layer.self_attn.register_forward_pre_hook(hook) for layer in comp.encoder.model.layers]
@@ -638,9 +625,9 @@ def encoder_attention(comp, enc_ids):
 
 
 def pyplot(path):
-    """matplotlib.pyplot on its file-only Agg backend, or None when matplotlib is not installed: figures are
-    optional (the numbers they draw are in the results either way), so a missing matplotlib skips the figure at
-    `path` with one line that says how to get it."""
+    """matplotlib.pyplot on its file-only Agg backend, or None when matplotlib is not installed: figures are optional
+    (the numbers they draw are in the results either way), so a missing matplotlib skips the figure at `path` with one
+    line that says how to get it."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -653,8 +640,8 @@ def pyplot(path):
 
 
 def heat_png(path, values, title, xlabel, ylabel):
-    """A [rows, cols] matrix as a PNG heatmap ("hot" colour map, one cell per entry, a colour bar); returns the
-    path, or None when the figure was skipped (no matplotlib)."""
+    """A [rows, cols] matrix as a PNG heatmap ("hot" colour map, one cell per entry, a colour bar); returns the path,
+    or None when the figure was skipped (no matplotlib)."""
     plt = pyplot(path)
     if plt is None:
         return None
@@ -672,8 +659,8 @@ RAMP = " .:-=+*#%@"   # text heatmap: low to high
 
 
 def render_text(values, max_cols=96, max_rows=48):
-    """A text heatmap, one character per cell by min-max scaled intensity; rows and columns beyond
-    max_rows / max_cols are averaged into bins so it fits a terminal."""
+    """A text heatmap, one character per cell by min-max scaled intensity; rows and columns beyond max_rows / max_cols
+    are averaged into bins so it fits a terminal."""
     v = np.asarray(values, dtype=np.float64)
     for axis, limit in ((0, max_rows), (1, max_cols)):
         if v.shape[axis] > limit:
@@ -739,21 +726,15 @@ NEEDLE_BUDGET = 16                          # new tokens: "The pass key is 71432
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")   # a haystack is cut only after . ! or ? and a space
 
 
-def passkey_score(generation, passkey):
-    """Exact match of the number: 1.0 when the passkey is one of the numbers in the generation, 0.0 when it is
-    not (another number, no number, or the passkey inside a longer number)."""
-    return {"passkey": float(passkey in re.findall(r"\d+", generation))}
-
-
 def find(ids, part):
     """Where the token list `part` first occurs in `ids`, or -1."""
     return next((i for i in range(len(ids) - len(part) + 1) if ids[i:i + len(part)] == part), -1)
 
 
 def haystack(tok, documents, length, depth, key, rng):
-    """One needle sample: at most `length` tokens of whole sentences from `documents` (lists of sentences, taken in
-    an order drawn from rng), the needle of `key` at the sentence boundary nearest `depth`. Returns the context,
-    its length in tokens, the token index at which the needle starts, and the depth it landed at."""
+    """One needle sample: at most `length` tokens of whole sentences from `documents` (lists of sentences, taken in an
+    order drawn from rng), the needle of `key` at the sentence boundary nearest `depth`. Returns the context, its
+    length in tokens, the token index at which the needle starts, and the depth it landed at."""
     needle = NEEDLE.format(key=key)
     room = length - len(tok.encode(" " + needle))
     if room < 0:
@@ -815,9 +796,9 @@ def needle_grid(rows, lengths):
 @torch.no_grad()
 def run_needle(comp, examples, lengths=None, n=None, seed=0, max_new_tokens=None, batch_size=8, ratio=None,
                png=None):
-    """Passkey retrieval at each depth x length, scored in the three rows of run_qa (without its losses, which
-    need a reference answer shared by the rows). Lengths count the context's tokens, needle included; the plain
-    LLM's prompt adds the template, the question and the answer, and must fit the model's positions."""
+    """Passkey retrieval at each depth x length, scored in the three rows of run_qa (without its losses, which need a
+    reference answer shared by the rows). Lengths count the context's tokens, needle included; the plain LLM's prompt
+    adds the template, the question and the answer, and must fit the model's positions."""
     n_new = max_new_tokens or NEEDLE_BUDGET
     parts = comp.qa_parts("", NEEDLE_QUESTION)   # the template around an empty context
     extra = 1 + len(parts["prefix"]) + len(parts["dec_context"]) + len(parts["prompt"]) + n_new   # + BOS, answer
@@ -837,8 +818,8 @@ def run_needle(comp, examples, lengths=None, n=None, seed=0, max_new_tokens=None
 
 
 def needle_png(path, result, name):
-    """The three grids side by side, depth on y and length on x, red (0) to green (1) as the long-context papers
-    draw them; returns the path, or None when matplotlib is missing."""
+    """The three grids side by side, depth on y and length on x, red (0) to green (1) as the long-context papers draw
+    them; returns the path, or None when matplotlib is missing."""
     plt = pyplot(path)
     if plt is None:
         return None
