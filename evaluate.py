@@ -3,15 +3,10 @@
     python evaluate.py --ckpt DIR --task {ae,lm,qa,needle,speed,interpolate,heatmap} [--data PATH] [--n N]
     python evaluate.py --method compllm --model tiny --task speed --lengths 512,1024,2048,4096,8192
 
-Tasks (`--help` explains each): ae reconstruction, lm completion perplexity, qa, needle (passkey
-retrieval at each depth x length, Mohtashami & Jaggi 2023), each next to the plain LLM with the full
-context and with none; speed (CompLLM's complexity claims: compression linear, prefill quadratic,
-TTFT speedup -> C²); interpolate (AOC Eq. 5); heatmap (PIC Figures 3 and 7: memory-token cosine and
-attention maps, written as PNG with matplotlib). Training curves (loss and own/other against steps) are
-recipes/curve.py's.
-
-The scores are metrics.py's (pure functions, one per paper's definition); the built-in examples are train.py's
-held-out set (train.py owns the built-in corpus, and this file reads .jsonl / .parquet records with its reader).
+Tasks (TASKS_HELP, `--help`, explains each), one section each below: ae, lm, qa (each next to the plain LLM with
+the full context and with none), speed (CompLLM's complexity claims), interpolate (AOC Eq. 5), heatmap (PIC Figures
+3 and 7), needle (passkey retrieval). Training curves are recipes/curve.py's. The scores are metrics.py's; the
+built-in examples are train.py's held-out set, and .jsonl / .parquet records are read with train.py's reader.
 """
 
 import argparse
@@ -40,22 +35,19 @@ from model import SHAPES, build_shape, load_pretrained
 
 # -----------------------------------------------------------------------------
 # ---- data ----
-# Each quality task scores three rows, as the papers report a method between two references
-# (EPL Table 4, PIC Table 2, GMSA Table 1):
+# Each quality task scores three rows, as the papers report a method between two references (EPL Table 4, PIC Table
+# 2, GMSA Table 1):
 #
 #     compressed   the decoder reads [memory, special token, prompt]         the method
 #     full         the plain LLM reads [BOS, context, "\n\n", prompt]        upper reference
 #     none         the plain LLM reads [BOS, prompt]                         lower reference
 #
-# "full" and "none" use the plain LLM: the base model (a shared encoder's LoRA switched off; after GMSA's
-# KEFT, a fresh copy of the base model, since KEFT changed the decoder's q/k/v), so they depend on the base
-# model, not on the checkpoint. For LM the continuation follows the context directly; QA uses the
-# checkpoint's template (Compressor.qa_parts) for all three rows.
+# "full" and "none" use the plain LLM (PlainLLM), so they depend on the base model, not on the checkpoint. For LM the
+# continuation follows the context directly; QA uses the checkpoint's template (Compressor.qa_parts) in all three.
 #
-# A lower loss with memory than without proves little: a learned constant prompt gets that too. So ae, lm
-# and qa also score, teacher-forced, the same targets after the memory of *another* text (a fixed derangement,
-# text i reads the memory of text i+1; qa: of the next document): own / other < 1 means each memory carries its
-# own text.
+# A lower loss with memory than without proves little: a learned constant prompt gets that too. So ae, lm and qa
+# also score, teacher-forced, the same targets after the memory of *another* text (a fixed derangement, text i reads
+# the memory of text i+1; qa: of the next document): own / other < 1 means each memory carries its own text.
 
 SEP = "\n\n"   # between the context and what follows it in the "full" row
 MODES = ("compressed", "full", "none")
@@ -79,18 +71,16 @@ def load_examples(path, task, n=None):
         with open(path, encoding="utf-8") as f:
             rows = [{"text": line.rstrip("\n")} for line in f if line.strip()]
     need = ("context", "question", "answer") if task == "qa" else ("text",)
-    out = []
-    for i, r in enumerate(rows, 1):
+    for i, r in enumerate(rows):
         if task != "qa" and isinstance(r, dict) and "text" not in r and "context" in r:
-            r = {"text": r["context"]}
+            rows[i] = r = {"text": r["context"]}
         if task == "qa" and isinstance(r, dict) and isinstance(r.get("answer"), dict):   # SQuAD {"text": [...]}
-            r = {**r, "answer": list(r["answer"].get("text", []))}
+            rows[i] = r = {**r, "answer": list(r["answer"].get("text", []))}
         if not isinstance(r, dict) or any(k not in r for k in need):
-            raise ValueError(f"--data {path} record {i} needs the fields {', '.join(need)} for --task {task}")
-        out.append(r)
-    if not out:
+            raise ValueError(f"--data {path} record {i + 1} needs the fields {', '.join(need)} for --task {task}")
+    if not rows:
         raise ValueError(f"--data {path} holds no examples")
-    return out[:n] if n else out
+    return rows[:n] if n else rows
 
 
 def protocol(comp, ckpt=None, max_len=None, train_args=None):
@@ -201,10 +191,10 @@ def memory_losses(rows):
                      "perplexity_own": math.exp(own), "tokens": sum(r["loss"]["own"][1] for r in rows)}}
 
 
-def derangement(n):
-    """The fixed derangement of the own/other test: text i reads the memory of text i + 1 (mod n); None for a single
-    text, which has no other."""
-    return [(i + 1) % n for i in range(n)] if n > 1 else None
+def derangement(n, k=1):
+    """The fixed derangement of the own/other test: text i reads the memory of text i + k (mod n); None when there
+    is no other (n <= k: qa's k questions of one long context share it)."""
+    return [(i + k) % n for i in range(n)] if n > k else None
 
 
 def memory_nll(comp, task, enc, follow, ratio=None, cache=None, **nll_args):
@@ -316,13 +306,12 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
            generate=True, score=qa_scores, losses=True):
     """Answer from memory + question (PIC/PCC SQuAD, EPL, CompLLM, GMSA KEFT), with the checkpoint's template
     (Compressor.qa_parts) in all three rows. The whole generation up to EOS is scored, as the papers' scripts do, by
-    score(generation, answer) -> {name: value} (default qa_scores; the needle task scores the passkey). concat > 1:
-    CompLLM's long contexts. reuse: a chunk's memory is computed once and kept (CompLLM's reusability), so a context
-    shared by several questions is compressed once; False compresses every time. losses: also the teacher-forced loss
-    of the reference answer (the first, QA training's target, without its EOS) after the question's own memory,
-    another document's memory, no context and the full context (ours: the papers score generations only): own / other
-    well below 1 means each memory carries its own context. max_len: contexts cut to their first max_len tokens, as QA
-    training cuts them. generate=False: the losses only ({"loss"}), as train.py's held-out check scores itself."""
+    score(generation, answer) -> {name: value} (default qa_scores; needle: the passkey). concat > 1: CompLLM's long
+    contexts. reuse: a chunk's memory is computed once and kept (CompLLM's reusability); False compresses every time.
+    losses (ours: the papers score generations only): also the teacher-forced loss of the reference answer (the
+    first, QA training's target, without its EOS) after its own memory, another document's, no context and the full
+    context. max_len: contexts cut as QA training cuts them. generate=False: the losses only ({"loss"}), as
+    train.py's held-out check scores itself."""
     tok, plain = comp.tok, PlainLLM(comp)
     n_new = max_new_tokens or QA_BUDGET.get(comp.cfg.method, 64)
     examples = concatenated(examples, concat) if concat > 1 else examples
@@ -333,12 +322,10 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
         parts = [{**p, "enc_context": p["enc_context"][:max_len], "dec_context": p["dec_context"][:max_len]}
                  for p in parts]
     answers = [tok.encode(train.first_answer(ex["answer"])) for ex in examples]
-    # the fixed derangement over documents: question i reads the memory of question i + concat's context (the
-    # next document; the concat questions of one long context share it); None when there is one document
-    n = len(examples)
-    other = [(i + concat) % n for i in range(n)] if n > concat else None
+    # over documents: question i reads the memory of question i + concat's context, the next document's
+    other = derangement(len(examples), concat)
     cache, rows = ({} if reuse else None), []
-    for idx in tqdm(batches(list(range(n)), batch_size), desc="qa", leave=False):
+    for idx in tqdm(batches(list(range(len(examples))), batch_size), desc="qa", leave=False):
         ps, ans = [parts[i] for i in idx], [answers[i] for i in idx]
         prefix, prompt = [p["prefix"] for p in ps], [p["prompt"] for p in ps]
         full = [lead + p["prefix"] + p["dec_context"] + p["prompt"] for p in ps]    # the plain LLM's prompts
@@ -390,18 +377,18 @@ def report_text(result):
 
 # -----------------------------------------------------------------------------
 # ---- speed ----
-# CompLLM §3 "complexity": compressing independent segments of S tokens costs O(N·S), linear in the
-# context length N; the decoder's prefill costs O(N²) with the full context and O(N²/C²) with the
-# concept embeddings, so the time-to-first-token (TTFT) speedup tends to C² for long contexts and
-# the KV cache shrinks by C. We time, at each context length:
+# CompLLM §3 "complexity": compressing independent segments of S tokens costs O(N·S), linear in the context length
+# N; the decoder's prefill costs O(N²) with the full context and O(N²/C²) with the concept embeddings, so the
+# time-to-first-token (TTFT) speedup tends to C² for long contexts and the KV cache shrinks by C. We time, at each
+# context length:
 #
 #     compress      encoder forward (+ segmentation, bridge): the cost of making the memory
 #     ttft_full     decoder prefill over [BOS, context, question] + the first token's logits
 #     ttft_comp     decoder prefill over [memory, special, question] + the first token's logits
 #     decode        per-token time of greedy steps with either KV cache
 #
-# offline speedup = ttft_full / ttft_comp (memory cached, e.g. a document queried many times);
-# online speedup = ttft_full / (compress + ttft_comp) (compressed on the fly).
+# offline speedup = ttft_full / ttft_comp (memory cached, e.g. a document queried many times); online speedup =
+# ttft_full / (compress + ttft_comp) (compressed on the fly).
 
 SPEED_QUESTION = " Question: What is this text about? Answer:"
 SPEED_LENGTHS = (512, 1024, 2048, 4096, 8192)   # default --lengths
@@ -573,13 +560,12 @@ def report_interpolate(result):
 
 
 def memory_cosine(comp, memory, ids):
-    """Cosine similarity [M, T] between each memory slot and each context token, in the space the
-    decoder reads them in.
-      embeds carrier: the memory vector (after the bridge) vs the decoder's input embedding of the
-          token (PIC Figure 3: do the memory vectors look like the tokens they stand for?);
-      kv carrier: the memory's last-layer keys vs the keys the frozen decoder computes for the plain
-          context in its last layer (heads concatenated): the cache entries the memory replaces. Keys
-          carry RoPE at their own positions, so this cosine mixes content with relative position."""
+    """Cosine similarity [M, T] between each memory slot and each context token, in the space the decoder reads them.
+      embeds carrier: the memory vector (after the bridge) vs the decoder's input embedding of the token (PIC Figure
+          3: do the memory vectors look like the tokens they stand for?);
+      kv carrier: the memory's last-layer keys vs the keys the frozen decoder computes for the plain context in its
+          last layer (heads concatenated): the cache entries the memory replaces. Keys carry RoPE at their own
+          positions, so this cosine mixes content with relative position."""
     dev = comp.decoder.model.embed_tokens.weight.device
     ids = torch.tensor([ids], device=dev)
     if comp.cfg.carrier == "embeds":
@@ -679,19 +665,18 @@ def run_heatmap(comp, text, png_stem):
     enc = comp.encoder_ids(ids)
     memory, attention = encoder_attention(comp, enc)
     cosine = memory_cosine(comp, memory, ids).float().cpu()   # to the host for numpy and the PNGs
-    attention = None if attention is None else attention.float().cpu()
-    M, T = cosine.shape
-    out = {"text": text, "tokens": ids, "encoder_tokens": enc, "memory_slots": M,
-           "cosine": cosine.tolist(), "attention": None, "attention_png": None}
-    name = comp.cfg.method
-    out["cosine_png"] = heat_png(f"{png_stem}_cosine.png", cosine.numpy(), f"{name}: cosine(memory slot, context "
-                                 "token)", "context token", "memory slot")
-    if attention is not None:
+    name, axes = comp.cfg.method, ("context token", "memory slot")
+    out = {"text": text, "tokens": ids, "encoder_tokens": enc, "memory_slots": cosine.shape[0],
+           "cosine": cosine.tolist(), "attention": None, "attention_png": None,
+           "cosine_png": heat_png(f"{png_stem}_cosine.png", cosine.numpy(), f"{name}: cosine(memory slot, context "
+                                  "token)", *axes)}
+    if attention is None:
+        out["attention_note"] = f"{name} merges hidden states into groups: no memory tokens attend"
+    else:
+        attention = attention.float().cpu()
         out["attention"] = attention.tolist()
         out["attention_png"] = heat_png(f"{png_stem}_attention.png", attention.numpy(), f"{name}: encoder "
-                                        "attention, memory -> context", "context token", "memory slot")
-    else:
-        out["attention_note"] = f"{comp.cfg.method} merges hidden states into groups: no memory tokens attend"
+                                        "attention, memory -> context", *axes)
     return out
 
 
@@ -724,11 +709,6 @@ NEEDLE_LENGTHS = (256, 512, 1024, 2048, 4096)   # default --lengths: those that 
 NEEDLE_N = 5                                # default samples per (depth, length) cell
 NEEDLE_BUDGET = 16                          # new tokens: "The pass key is 71432." is 10 of SmolLM2's
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")   # a haystack is cut only after . ! or ? and a space
-
-
-def find(ids, part):
-    """Where the token list `part` first occurs in `ids`, or -1."""
-    return next((i for i in range(len(ids) - len(part) + 1) if ids[i:i + len(part)] == part), -1)
 
 
 def haystack(tok, documents, length, depth, key, rng):
@@ -764,7 +744,7 @@ def haystack(tok, documents, length, depth, key, rng):
             break
         hay, sizes = hay[:-1], sizes[:-1]
     part = tok.encode(needle if i == 0 else " " + needle)   # the needle's tokens as they sit in the context
-    at = find(ids, part)
+    at = next((i for i in range(len(ids) - len(part) + 1) if ids[i:i + len(part)] == part), -1)   # where it starts
     if at < 0:
         raise ValueError("the needle's tokens are not in the context's: the tokenizer merges them with a neighbour")
     return dict(context=context, context_tokens=len(ids), needle_at=at, landed_depth=at / (len(ids) - len(part)))
@@ -849,45 +829,42 @@ def report_needle(result):
 
 TASKS_HELP = """\
 tasks:
-  ae           reconstruction: compress each text, regenerate it greedily from its memory. Scores:
-               bleu4_ids (EPL: token ids, no smoothing), bleu4_words (500x/AOC: words, smoothing
-               method1), prefix_em (AOC text, GMSA), token_accuracy (AOC Eq. 6 as printed),
-               rouge1/rouge2/rougeL (words).
-  lm           completion: cut each text at p = len/2 (EPL) and report the perplexity of the second
-               half given the memory of the first.
-  qa           question answering from memory + question (built-in: 5 triples). Scores: squad_f1,
-               squad_em (PCC/PIC, GMSA), exact_match, token_f1 (500x/AOC), substring_acc (GMSA Acc),
-               rouge1 (EPL's F1).
-  needle       passkey retrieval (Mohtashami & Jaggi 2023): "The pass key is 71432. Remember it.
-               71432 is the pass key." hidden at depths 0/25/50/75/100% of haystacks of held-out
-               texts (--data) at each --lengths (context tokens; default 256..4096, those the model's
-               positions allow), at the sentence boundary nearest the depth; asked "What is the pass
-               key?" with the QA template. Score: the passkey among the numbers generated. A depth x
-               length grid per row, --n samples per cell (default 5), --seed draws passkeys and
-               haystacks; a PNG next to --out.
-               ae, lm, qa and needle also score two references with the plain LLM: "full" (the whole
-               context in its prompt: upper bound) and "none" (no context: lower bound).
-  speed        at each --lengths context length: compression time, time to first token with and
-               without compression (offline: memory cached; online: compression included), decode
-               time per token, KV-cache bytes; fits time ~ length^k (CompLLM: compression linear,
-               prefill quadratic) and compares the TTFT speedup with its C^2 bound. Runs untrained
-               compressors too: --method M --model tiny instead of --ckpt.
-  interpolate  AOC Eq. 5: regenerate from Z0 + w (Z1 - Z0) for each --weights w, Z0 and Z1 the
-               memories of --text0 and --text1.
-  heatmap      for --text0 (default: the first text): cosine similarity of each memory slot with each
-               context token, and the encoder's memory -> context attention (mean over layers and
-               heads; none for gmsa, which has no memory tokens). PNGs next to --out, text on stdout.
+  ae           reconstruction: compress each text, regenerate it greedily from its memory. Scores: bleu4_ids (EPL:
+               token ids, no smoothing), bleu4_words (500x/AOC: words, smoothing method1), prefix_em (AOC text,
+               GMSA), token_accuracy (AOC Eq. 6 as printed), rouge1/rouge2/rougeL (words).
+  lm           completion: cut each text at p = len/2 (EPL), the perplexity of the second half given the memory
+               of the first.
+  qa           question answering from memory + question (built-in: 5 triples). Scores: squad_f1, squad_em
+               (PCC/PIC, GMSA), exact_match, token_f1 (500x/AOC), substring_acc (GMSA Acc), rouge1 (EPL's F1).
+  needle       passkey retrieval (Mohtashami & Jaggi 2023): "The pass key is 71432. Remember it. 71432 is the pass
+               key." hidden at depths 0/25/50/75/100% of haystacks of held-out texts (--data) at each --lengths
+               (context tokens; default 256..4096, those the model's positions allow), at the sentence boundary
+               nearest the depth; asked "What is the pass key?" with the QA template. Score: the passkey among
+               the numbers generated. A depth x length grid per row, --n samples per cell (default 5), --seed
+               draws passkeys and haystacks; a PNG next to --out.
+               ae, lm, qa and needle also score two references with the plain LLM: "full" (the whole context in
+               its prompt: upper bound) and "none" (no context: lower bound).
+  speed        at each --lengths context length: compression time, time to first token with and without
+               compression (offline: memory cached; online: compression included), decode time per token,
+               KV-cache bytes; fits time ~ length^k (CompLLM: compression linear, prefill quadratic) and compares
+               the TTFT speedup with its C^2 bound. Runs untrained compressors too: --method M --model tiny
+               instead of --ckpt.
+  interpolate  AOC Eq. 5: regenerate from Z0 + w (Z1 - Z0) for each --weights w, Z0 and Z1 the memories of --text0
+               and --text1.
+  heatmap      for --text0 (default: the first text): cosine similarity of each memory slot with each context
+               token, and the encoder's memory -> context attention (mean over layers and heads; none for gmsa,
+               which has no memory tokens). PNGs next to --out, text on stdout.
 
-ae, lm and qa also report, teacher-forced, the loss of their target (qa: the reference answer) with
-each text's own memory, with another text's memory (text i reads the memory of text i+1; qa: of the
-next document) and with none: own/other well below 1 means each memory carries its own text, 1.0
-means it is a constant prompt. A checkpoint trained with a head crop (AOC) is evaluated on the first
-n tokens of each text, padded as in training; one pretrained with AE + LM (EPL) reconstructs the
-first half of each text (of those n tokens under a head crop), what pretraining compressed.
+ae, lm and qa also report, teacher-forced, the loss of their target (qa: the reference answer) with each text's own
+memory, with another text's memory (text i reads the memory of text i+1; qa: of the next document) and with none:
+own/other well below 1 means each memory carries its own text, 1.0 means it is a constant prompt. A checkpoint
+trained with a head crop (AOC) is evaluated on the first n tokens of each text, padded as in training; one
+pretrained with AE + LM (EPL) reconstructs the first half of each text (of those n tokens under a head crop), what
+pretraining compressed.
 
-Results go to --out (default: CKPT/eval_TASK.json), a markdown table to stdout.
-Built-in data is used when --data is not given (.jsonl or .parquet with {"text"} or {"context",
-"question","answer"} records, or plain text with one text per line)."""
+Results go to --out (default: CKPT/eval_TASK.json), a markdown table to stdout. Built-in data is used when --data
+is not given (.jsonl or .parquet with {"text"} or {"context", "question","answer"} records, or plain text with one
+text per line)."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -914,8 +891,7 @@ def parse_args(argv=None):
                    "checkpoint, else reference + 8; qa the paper's: PCC 30, CompLLM 512, EPL 1024, else 64; "
                    f"needle {NEEDLE_BUDGET}; speed 16 timed decode steps)")
     p.add_argument("--max-len", type=int, help="ae, lm, interpolate: cut texts to their first N tokens; qa: cut "
-                   "contexts (default: the checkpoint's n when it was trained with --crop head; train.py's held-out "
-                   "check cuts at the run's --max-len, as training does)")
+                   "contexts (default: the checkpoint's n when it was trained with --crop head)")
     p.add_argument("--ratio", type=int, help="group merging (GMSA): the compression ratio r (group size) to evaluate "
                    "at, one of train.py's --ratios (default: the preset's first, 4)")
     p.add_argument("--concat", type=int, default=1, help="qa: join the contexts of K examples into one long "
@@ -929,7 +905,7 @@ def parse_args(argv=None):
     p.add_argument("--weights", default=DEFAULT_WEIGHTS, help=f"interpolate: values of w (default {DEFAULT_WEIGHTS})")
     p.add_argument("--text0", help=f"interpolate: first prompt (default {DEFAULT_TEXT0!r}); heatmap: the text")
     p.add_argument("--text1", help=f"interpolate: second prompt (default {DEFAULT_TEXT1!r})")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="default cuda if any")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--out", help="JSON results file (default CKPT/eval_TASK.json, or eval_speed_METHOD.json)")
     args = p.parse_args(argv)
@@ -986,14 +962,12 @@ class Task(NamedTuple):
     report: object      # result -> markdown
 
 
-TASKS = {
-    "ae": Task(True, lambda a, comp, ex, proto, out: run_ae(comp, ex, a.max_new_tokens, proto, batch_size=a.batch_size,
-                                                            ratio=a.ratio), report_text),
-    "lm": Task(True, lambda a, comp, ex, proto, out: run_lm(comp, ex, batch_size=a.batch_size, ratio=a.ratio,
-                                                            max_len=a.max_len), report_text),
-    "qa": Task(True, lambda a, comp, ex, proto, out: run_qa(comp, ex, a.max_new_tokens, batch_size=a.batch_size,
-                                                            ratio=a.ratio, concat=a.concat, reuse=not a.no_reuse,
-                                                            max_len=a.max_len), report_text),
+TASKS = {   # a: the parsed arguments, ex: the examples, out: the results' path without .json
+    "ae": Task(True, lambda a, comp, ex, proto, out: run_ae(comp, ex, a.max_new_tokens, proto, a.batch_size, a.ratio),
+               report_text),
+    "lm": Task(True, lambda a, comp, ex, proto, out: run_lm(comp, ex, a.batch_size, a.ratio, a.max_len), report_text),
+    "qa": Task(True, lambda a, comp, ex, proto, out: run_qa(comp, ex, a.max_new_tokens, a.batch_size, a.ratio, a.concat,
+                                                            not a.no_reuse, a.max_len), report_text),
     "needle": Task(True, lambda a, comp, ex, proto, out: run_needle(
         comp, ex, a.lengths, a.n, a.seed, a.max_new_tokens, a.batch_size, a.ratio, png=out + ".png"), report_needle),
     "speed": Task(False, lambda a, comp, ex, proto, out: run_speed(comp, a.lengths or SPEED_LENGTHS, a.max_new_tokens),
