@@ -356,6 +356,13 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
                             **(memory_losses(rows) if losses else {})})
 
 
+def markdown_table(header, rows):
+    """The stdout tables of every task's report (floats to 4 significant digits)."""
+    cell = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(map(cell, row)) + " |" for row in rows])
+
+
 def report_text(result):
     """ae, lm, qa: each context's scores, the teacher-forced losses, and (ae) texts next to their regenerations."""
     keys = list(result["scores"]["compressed"])
@@ -744,7 +751,7 @@ def haystack(tok, documents, length, depth, key, rng):
             break
         hay, sizes = hay[:-1], sizes[:-1]
     part = tok.encode(needle if i == 0 else " " + needle)   # the needle's tokens as they sit in the context
-    at = next((i for i in range(len(ids) - len(part) + 1) if ids[i:i + len(part)] == part), -1)   # where it starts
+    at = next((t for t in range(len(ids) - len(part) + 1) if ids[t:t + len(part)] == part), -1)   # where it starts
     if at < 0:
         raise ValueError("the needle's tokens are not in the context's: the tokenizer merges them with a neighbour")
     return dict(context=context, context_tokens=len(ids), needle_at=at, landed_depth=at / (len(ids) - len(part)))
@@ -944,15 +951,6 @@ def load_compressor(args):
     except (ValueError, TypeError) as e:   # TypeError: a config field this code does not know
         raise ValueError(f"cannot load checkpoint '{args.ckpt}' on its base model '{cfg['model']}': {e}") from None
     return comp.eval()
-
-
-def _fmt(v):
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-
-def markdown_table(header, rows):
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows])
 
 
 class Task(NamedTuple):
