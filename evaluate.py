@@ -3,15 +3,10 @@
     python evaluate.py --ckpt DIR --task {ae,lm,qa,needle,speed,interpolate,heatmap} [--data PATH] [--n N]
     python evaluate.py --method compllm --model tiny --task speed --lengths 512,1024,2048,4096,8192
 
-Tasks (`--help` explains each): ae reconstruction, lm completion perplexity, qa, needle (passkey
-retrieval at each depth x length, Mohtashami & Jaggi 2023), each next to the plain LLM with the full
-context and with none; speed (CompLLM's complexity claims: compression linear, prefill quadratic,
-TTFT speedup -> C²); interpolate (AOC Eq. 5); heatmap (PIC Figures 3 and 7: memory-token cosine and
-attention maps, written as PNG with matplotlib). Training curves (loss and own/other against steps) are
-recipes/curve.py's.
-
-The scores are metrics.py's (pure functions, one per paper's definition); the built-in examples are train.py's
-held-out set (train.py owns the built-in corpus, and this file reads .jsonl / .parquet records with its reader).
+Tasks (TASKS_HELP, `--help`, explains each), one section each below: ae, lm, qa (each next to the plain LLM with
+the full context and with none), speed (CompLLM's complexity claims), interpolate (AOC Eq. 5), heatmap (PIC Figures
+3 and 7), needle (passkey retrieval). Training curves are recipes/curve.py's. The scores are metrics.py's; the
+built-in examples are train.py's held-out set, and .jsonl / .parquet records are read with train.py's reader.
 """
 
 import argparse
@@ -35,39 +30,35 @@ from tqdm import tqdm
 import compressors as C
 import masks
 import train   # the built-in corpus and its held-out set; the one reader of .jsonl / .parquet records
-from metrics import ae_scores, mean_scores, perplexity, qa_scores
-from model import SHAPES, apply_rope, build_shape, load_pretrained
+from metrics import ae_scores, mean_scores, passkey_score, perplexity, qa_scores
+from model import SHAPES, build_shape, load_pretrained
 
 # -----------------------------------------------------------------------------
 # ---- data ----
-# Each quality task scores three rows, as the papers report a method between two references
-# (EPL Table 4, PIC Table 2, GMSA Table 1):
+# Each quality task scores three rows, as the papers report a method between two references (EPL Table 4, PIC Table
+# 2, GMSA Table 1):
 #
 #     compressed   the decoder reads [memory, special token, prompt]         the method
 #     full         the plain LLM reads [BOS, context, "\n\n", prompt]        upper reference
 #     none         the plain LLM reads [BOS, prompt]                         lower reference
 #
-# "full" and "none" use the plain LLM: the base model (a shared encoder's LoRA switched off; after GMSA's
-# KEFT, a fresh copy of the base model, since KEFT changed the decoder's q/k/v), so they depend on the base
-# model, not on the checkpoint. For LM the continuation follows the context directly; QA uses the
-# checkpoint's template (Compressor.qa_parts) for all three rows.
+# "full" and "none" use the plain LLM (PlainLLM), so they depend on the base model, not on the checkpoint. For LM the
+# continuation follows the context directly; QA uses the checkpoint's template (Compressor.qa_parts) in all three.
 #
-# A lower loss with memory than without proves little: a learned constant prompt gets that too. So ae, lm
-# and qa also score, teacher-forced, the same targets after the memory of *another* text (a fixed derangement,
-# text i reads the memory of text i+1; qa: of the next document): own / other < 1 means each memory carries its
-# own text.
+# A lower loss with memory than without proves little: a learned constant prompt gets that too. So ae, lm and qa
+# also score, teacher-forced, the same targets after the memory of *another* text (a fixed derangement, text i reads
+# the memory of text i+1; qa: of the next document): own / other < 1 means each memory carries its own text.
 
 SEP = "\n\n"   # between the context and what follows it in the "full" row
 MODES = ("compressed", "full", "none")
 
 
 def load_examples(path, task, n=None):
-    """The examples of a task: dicts with "text" (ae, lm, heatmap) or "context", "question",
-    "answer" (qa; answer is a str or a list of accepted answers). No path: the built-in sets.
-    path: .jsonl or .parquet, one record a row, as train.py reads them ({"text"} or
-    {"context", "question", "answer"}; a QA record serves the text tasks through its context),
-    or any other file as plain text, one text per non-empty line (train.py reads a whole .txt file
-    as one document to draw windows from; an evaluation needs fixed examples). n: keep the first n."""
+    """The examples of a task: dicts with "text" (ae, lm, heatmap) or "context", "question", "answer" (qa; answer is a
+    str or a list of accepted answers). No path: the built-in sets. path: .jsonl or .parquet, one record a row, as
+    train.py reads them ({"text"} or {"context", "question", "answer"}; a QA record serves the text tasks through its
+    context), or any other file as plain text, one text per non-empty line (train.py reads a whole .txt file as one
+    document to draw windows from; an evaluation needs fixed examples). n: keep the first n."""
     if path is None:
         rows = [dict(r) for r in train.EVAL_QA] if task == "qa" else [{"text": t} for t in train.held_out_texts()]
     elif not os.path.isfile(path):
@@ -80,26 +71,24 @@ def load_examples(path, task, n=None):
         with open(path, encoding="utf-8") as f:
             rows = [{"text": line.rstrip("\n")} for line in f if line.strip()]
     need = ("context", "question", "answer") if task == "qa" else ("text",)
-    out = []
-    for i, r in enumerate(rows, 1):
+    for i, r in enumerate(rows):
         if task != "qa" and isinstance(r, dict) and "text" not in r and "context" in r:
-            r = {"text": r["context"]}
+            rows[i] = r = {"text": r["context"]}
         if task == "qa" and isinstance(r, dict) and isinstance(r.get("answer"), dict):   # SQuAD {"text": [...]}
-            r = {**r, "answer": list(r["answer"].get("text", []))}
+            rows[i] = r = {**r, "answer": list(r["answer"].get("text", []))}
         if not isinstance(r, dict) or any(k not in r for k in need):
-            raise ValueError(f"--data {path} record {i} needs the fields {', '.join(need)} for --task {task}")
-        out.append(r)
-    if not out:
+            raise ValueError(f"--data {path} record {i + 1} needs the fields {', '.join(need)} for --task {task}")
+    if not rows:
         raise ValueError(f"--data {path} holds no examples")
-    return out[:n] if n else out
+    return rows[:n] if n else rows
 
 
 def protocol(comp, ckpt=None, max_len=None, train_args=None):
-    """How the checkpoint was trained, so the evaluation cuts texts the same way (train.py's args, saved with
-    it, or given as train_args by a run that scores itself): head crop -> every text is its first n tokens,
-    padded with EOS to n, and regenerated up to n tokens (AOC code); pretrain -> AE reconstructs the first
-    ⌊|X|/2⌋ tokens (of those n under a head crop), what pretraining compressed (EPL code). max_len: cut every text
-    to its first max_len tokens."""
+    """How the checkpoint was trained, so the evaluation cuts texts the same way (train.py's args, saved with it, or
+    given as train_args by a run that scores itself): head crop -> every text is its first n tokens, padded with EOS
+    to n, and regenerated up to n tokens (AOC code); pretrain -> AE reconstructs the first ⌊|X|/2⌋ tokens (of those n
+    under a head crop), what pretraining compressed (EPL code). max_len: cut every text to its first max_len
+    tokens."""
     if train_args is None:
         train_args = (C.read_checkpoint_config(ckpt).get("train_args") or {}) if ckpt else {}
     crop = train_args.get("crop", "window")
@@ -191,9 +180,9 @@ def summarize(rows, extra=None):
 
 
 def memory_losses(rows):
-    """Set-level teacher-forced losses (Σ NLL / Σ tokens, never a mean of per-example means) with the own
-    memory, another text's memory and no memory, and own / other: 1.0 when a memory says nothing about its own
-    text (a learned constant prompt), well below 1 when it carries it."""
+    """Set-level teacher-forced losses (Σ NLL / Σ tokens, never a mean of per-example means) with the own memory,
+    another text's memory and no memory, and own / other: 1.0 when a memory says nothing about its own text (a learned
+    constant prompt), well below 1 when it carries it."""
     total = lambda key: sum(r["loss"][key][0] for r in rows) / max(1, sum(r["loss"][key][1] for r in rows))
     own, none = total("own"), total("none")
     other = total("other") if rows[0]["loss"]["other"] is not None else None
@@ -202,10 +191,17 @@ def memory_losses(rows):
                      "perplexity_own": math.exp(own), "tokens": sum(r["loss"]["own"][1] for r in rows)}}
 
 
-def derangement(n):
-    """The fixed derangement of the own/other test: text i reads the memory of text i + 1 (mod n); None for a
-    single text, which has no other."""
-    return [(i + 1) % n for i in range(n)] if n > 1 else None
+def derangement(n, k=1):
+    """The fixed derangement of the own/other test: text i reads the memory of text i + k (mod n); None when there
+    is no other (n <= k: qa's k questions of one long context share it)."""
+    return [(i + k) % n for i in range(n)] if n > k else None
+
+
+def memory_nll(comp, task, enc, follow, ratio=None, cache=None, **nll_args):
+    """Compress `enc` (encoder ids per row) and score `follow` after that memory, teacher-forced (comp.nll): (memory,
+    per row (summed NLL, tokens)). The own and the other memory of the own/other test both go through it."""
+    memory = compress(comp, enc, ratio, cache=cache)
+    return memory, list(zip(*comp.nll(memory, task, follow, **nll_args)))
 
 
 # -----------------------------------------------------------------------------
@@ -214,11 +210,12 @@ def derangement(n):
 
 @torch.no_grad()
 def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=None, generate=True):
-    """Reconstruction: compress each text, regenerate it greedily from its memory (ICAE's AE task, AOC §3,
-    EPL Table 6), in batches. Default budget: the compressed length for a head-cropped checkpoint (AOC code: n;
-    after pretraining ⌊n/2⌋), else the reference length + 8. Also the teacher-forced AE loss on the text and its EOS with the own memory, another text's
-    memory and none (EPL Table 9 reports the AE loss and its perplexity). generate=False: the losses only
-    ({"protocol", "loss"}, no regeneration), as recipes/curve.py scores every kept checkpoint."""
+    """Reconstruction: compress each text, regenerate it greedily from its memory (ICAE's AE task, AOC §3, EPL Table
+    6), in batches. Default budget: the compressed length for a head-cropped checkpoint (AOC code: n; after
+    pretraining ⌊n/2⌋), else the reference length + 8. Also the teacher-forced AE loss on the text and its EOS with
+    the own memory, another text's memory and none (EPL Table 9 reports the AE loss and its perplexity).
+    generate=False: the losses only ({"protocol", "loss"}, no regeneration), as recipes/curve.py scores every kept
+    checkpoint."""
     tok, plain = comp.tok, PlainLLM(comp)
     proto = proto or protocol(comp)
     pairs = texts_as_trained(comp, [ex["text"] for ex in examples], proto)
@@ -227,14 +224,11 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
     for idx in tqdm(batches(list(range(len(pairs))), batch_size), desc="ae", leave=False):
         xs, refs = [pairs[i][0] for i in idx], [pairs[i][1] for i in idx]
         n_new = max_new_tokens or (len(xs[0]) if proto["crop"] == "head" else max(len(r) for r in refs) + 8)
-        own = compress(comp, [comp.encoder_ids(x) for x in xs], ratio)
         # targets: the AE target (comp.ae_target); the loss counts the text and its EOS, not a leading [BOS]
         follow, n_text = [comp.ae_target(x) for x in xs], [len(x) + 1 for x in xs]
-        nll_own = comp.nll(own, "ae", follow, n_text)
-        nll_other = ([None] * len(idx),) * 2
-        if other:
-            theirs = compress(comp, [comp.encoder_ids(pairs[other[i]][0]) for i in idx], ratio)
-            nll_other = comp.nll(theirs, "ae", follow, n_text)
+        own, nll_own = memory_nll(comp, "ae", [comp.encoder_ids(x) for x in xs], follow, ratio, n_supervised=n_text)
+        nll_other = other and memory_nll(comp, "ae", [comp.encoder_ids(pairs[other[i]][0]) for i in idx], follow,
+                                         ratio, n_supervised=n_text)[1]
         nll_none = plain.nll([[tok.start_id]] * len(xs), [x + [tok.eos_id] for x in xs])
         outs = {"compressed": comp.generate(own, "ae", max_new_tokens=n_new),
                 "full": plain.generate([[tok.start_id] + x + tok.encode(SEP) for x in xs], n_new),
@@ -242,8 +236,7 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
         for j, i in enumerate(idx):
             row = {"text": examples[i]["text"], "reference": tok.decode(refs[j]), "reference_ids": refs[j],
                    "memory_slots": sum(own.mem_counts[j]),
-                   "loss": {"own": (nll_own[0][j], nll_own[1][j]),
-                            "other": other and (nll_other[0][j], nll_other[1][j]), "none": nll_none[j]}}
+                   "loss": {"own": nll_own[j], "other": other and nll_other[j], "none": nll_none[j]}}
             for mode, gen in outs.items():
                 ids = gen[j]
                 stopped = ids + [tok.eos_id] if len(ids) < n_new else ids   # EPL keeps the EOS it generated
@@ -256,11 +249,10 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
 
 @torch.no_grad()
 def run_lm(comp, examples, batch_size=8, ratio=None, max_len=None):
-    """Completion: cut each text at p = ⌊|X|/2⌋ (EPL §4.1), compress the first half and score the second half
-    and EOS (the LM target of the EPL and PCC code) given that memory (PIC Eq. 7, EPL Table 4), the memory of
-    another text's first half, the full first half, or nothing. Perplexity is exp(Σ NLL / Σ tokens) over the
-    whole set, never a mean of per-example perplexities. max_len: each text cut to its first max_len tokens
-    first, as pretraining cut it."""
+    """Completion: cut each text at p = ⌊|X|/2⌋ (EPL §4.1), compress the first half and score the second half and EOS
+    (the LM target of the EPL and PCC code) given that memory (PIC Eq. 7, EPL Table 4), the memory of another text's
+    first half, the full first half, or nothing. Perplexity is exp(Σ NLL / Σ tokens) over the whole set, never a mean
+    of per-example perplexities. max_len: each text cut to its first max_len tokens first, as pretraining cut it."""
     tok, plain = comp.tok, PlainLLM(comp)
     cuts = []
     for ex in examples:
@@ -272,20 +264,16 @@ def run_lm(comp, examples, batch_size=8, ratio=None, max_len=None):
     rows = []
     for idx in tqdm(batches(list(range(len(cuts))), batch_size), desc="lm", leave=False):
         ctx, cont = [cuts[i][0] for i in idx], [cuts[i][1] for i in idx]
-        own = compress(comp, [comp.encoder_ids(c) for c in ctx], ratio)
-        last = lambda cs: [c[-1] for c in cs]
-        nll_own = comp.nll(own, "lm", cont, last_tokens=last(ctx))
-        nll_other = ([None] * len(idx),) * 2
-        if other:
-            theirs_ctx = [cuts[other[i]][0] for i in idx]
-            theirs = compress(comp, [comp.encoder_ids(c) for c in theirs_ctx], ratio)
-            nll_other = comp.nll(theirs, "lm", cont, last_tokens=last(theirs_ctx))
-        nlls = {"compressed": list(zip(*nll_own)), "other": [other and x for x in zip(*nll_other)],
-                "full": plain.nll([[tok.start_id] + c for c in ctx], cont),
+        # the decoder reads each memory with the last token of the text it compressed (the LM token, comp.nll)
+        lm_nll = lambda cs: memory_nll(comp, "lm", [comp.encoder_ids(c) for c in cs], cont, ratio,
+                                       last_tokens=[c[-1] for c in cs])
+        own, nll_own = lm_nll(ctx)
+        nll_other = other and lm_nll([cuts[other[i]][0] for i in idx])[1]
+        nlls = {"compressed": nll_own, "full": plain.nll([[tok.start_id] + c for c in ctx], cont),
                 "none": plain.nll([[tok.start_id]] * len(idx), cont)}
         for j, i in enumerate(idx):
             row = {"text": examples[i]["text"], "context_tokens": len(ctx[j]), "memory_slots": sum(own.mem_counts[j]),
-                   "loss": {"own": nlls["compressed"][j], "other": nlls["other"][j], "none": nlls["none"][j]}}
+                   "loss": {"own": nll_own[j], "other": other and nll_other[j], "none": nlls["none"][j]}}
             for mode in MODES:
                 nll, n = nlls[mode][j]
                 row[mode] = {"nll": nll, "tokens": n, "perplexity": perplexity(nll, n)}
@@ -304,8 +292,8 @@ QA_BUDGET = {"pcc": 30, "pic": 30,          # PCC evaluate_qa.py
 
 
 def concatenated(examples, k):
-    """CompLLM §4 (after LOFT): the contexts of k examples joined into one, each question then asked
-    against that longer context (one question per document, so the relevant one sits anywhere)."""
+    """CompLLM §4 (after LOFT): the contexts of k examples joined into one, each question then asked against that
+    longer context (one question per document, so the relevant one sits anywhere)."""
     out = []
     for group in batches(examples, k):
         context = SEP.join(ex["context"] for ex in group)
@@ -317,15 +305,13 @@ def concatenated(examples, k):
 def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat=1, reuse=True, max_len=None,
            generate=True, score=qa_scores, losses=True):
     """Answer from memory + question (PIC/PCC SQuAD, EPL, CompLLM, GMSA KEFT), with the checkpoint's template
-    (Compressor.qa_parts) in all three rows. The whole generation up to EOS is scored, as the papers' scripts
-    do, by score(generation, answer) -> {name: value} (default qa_scores; the needle task scores the passkey).
-    concat > 1: CompLLM's long contexts. reuse: a chunk's memory is computed once and kept (CompLLM's
-    reusability), so a context shared by several questions is compressed once; False compresses every time.
-    losses: also the teacher-forced loss of the reference answer (the first, QA training's target, without its
-    EOS) after the question's own memory, another document's memory, no context and the full context (ours: the
-    papers score generations only): own / other well below 1 means each memory carries its own context.
-    max_len: contexts cut to their first max_len tokens, as QA training cuts them. generate=False: the losses
-    only ({"loss"}), as train.py's held-out check scores itself."""
+    (Compressor.qa_parts) in all three rows. The whole generation up to EOS is scored, as the papers' scripts do, by
+    score(generation, answer) -> {name: value} (default qa_scores; needle: the passkey). concat > 1: CompLLM's long
+    contexts. reuse: a chunk's memory is computed once and kept (CompLLM's reusability); False compresses every time.
+    losses (ours: the papers score generations only): also the teacher-forced loss of the reference answer (the
+    first, QA training's target, without its EOS) after its own memory, another document's, no context and the full
+    context. max_len: contexts cut as QA training cuts them. generate=False: the losses only ({"loss"}), as
+    train.py's held-out check scores itself."""
     tok, plain = comp.tok, PlainLLM(comp)
     n_new = max_new_tokens or QA_BUDGET.get(comp.cfg.method, 64)
     examples = concatenated(examples, concat) if concat > 1 else examples
@@ -336,25 +322,21 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
         parts = [{**p, "enc_context": p["enc_context"][:max_len], "dec_context": p["dec_context"][:max_len]}
                  for p in parts]
     answers = [tok.encode(train.first_answer(ex["answer"])) for ex in examples]
-    # the fixed derangement over documents: question i reads the memory of question i + concat's context (the
-    # next document; the concat questions of one long context share it); None when there is one document
-    n = len(examples)
-    other = [(i + concat) % n for i in range(n)] if n > concat else None
+    # over documents: question i reads the memory of question i + concat's context, the next document's
+    other = derangement(len(examples), concat)
     cache, rows = ({} if reuse else None), []
-    for idx in tqdm(batches(list(range(n)), batch_size), desc="qa", leave=False):
+    for idx in tqdm(batches(list(range(len(examples))), batch_size), desc="qa", leave=False):
         ps, ans = [parts[i] for i in idx], [answers[i] for i in idx]
         prefix, prompt = [p["prefix"] for p in ps], [p["prompt"] for p in ps]
-        memory = compress(comp, [p["enc_context"] for p in ps], ratio, cache=cache)
         full = [lead + p["prefix"] + p["dec_context"] + p["prompt"] for p in ps]    # the plain LLM's prompts
         none = [lead + p["prefix"] + p["prompt"] for p in ps]
         follow, n_ans = [q + a for q, a in zip(prompt, ans)], [len(a) for a in ans]
-        nll = {}
+        memory = compress(comp, [p["enc_context"] for p in ps], ratio, cache=cache)
         if losses:
-            nll = {"own": list(zip(*comp.nll(memory, "qa", follow, n_ans, prefix=prefix))),
-                   "other": [None] * len(idx), "none": plain.nll(none, ans), "full": plain.nll(full, ans)}
-            if other:
-                theirs = compress(comp, [parts[other[i]]["enc_context"] for i in idx], ratio, cache=cache)
-                nll["other"] = list(zip(*comp.nll(theirs, "qa", follow, n_ans, prefix=prefix)))
+            nll_own = list(zip(*comp.nll(memory, "qa", follow, n_ans, prefix=prefix)))
+            nll_other = other and memory_nll(comp, "qa", [parts[other[i]]["enc_context"] for i in idx], follow, ratio,
+                                             cache, n_supervised=n_ans, prefix=prefix)[1]
+            nll_none, nll_full = plain.nll(none, ans), plain.nll(full, ans)
         outs = {"compressed": comp.generate(memory, "qa", prompt=prompt, max_new_tokens=n_new, prefix=prefix),
                 "full": plain.generate(full, n_new), "none": plain.generate(none, n_new)} if generate else {}
         for j, i in enumerate(idx):
@@ -362,7 +344,8 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
             row = {"context": ex["context"], "question": ex["question"], "answer": ex["answer"],
                    "memory_slots": sum(memory.mem_counts[j])}
             if losses:
-                row["loss"] = {k: v[j] for k, v in nll.items()}
+                row["loss"] = {"own": nll_own[j], "other": other and nll_other[j], "none": nll_none[j],
+                               "full": nll_full[j]}
             for mode, gen in outs.items():
                 text = tok.decode(gen[j])
                 row[mode] = {"text": text, "scores": score(text, ex["answer"])}
@@ -371,6 +354,13 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
         return memory_losses(rows)
     return summarize(rows, {"max_new_tokens": n_new, "concat": concat, "reuse": reuse,
                             **(memory_losses(rows) if losses else {})})
+
+
+def markdown_table(header, rows):
+    """The stdout tables of every task's report (floats to 4 significant digits)."""
+    cell = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(map(cell, row)) + " |" for row in rows])
 
 
 def report_text(result):
@@ -394,49 +384,37 @@ def report_text(result):
 
 # -----------------------------------------------------------------------------
 # ---- speed ----
-# CompLLM §3 "complexity": compressing independent segments of S tokens costs O(N·S), linear in the
-# context length N; the decoder's prefill costs O(N²) with the full context and O(N²/C²) with the
-# concept embeddings, so the time-to-first-token (TTFT) speedup tends to C² for long contexts and
-# the KV cache shrinks by C. We time, at each context length:
+# CompLLM §3 "complexity": compressing independent segments of S tokens costs O(N·S), linear in the context length
+# N; the decoder's prefill costs O(N²) with the full context and O(N²/C²) with the concept embeddings, so the
+# time-to-first-token (TTFT) speedup tends to C² for long contexts and the KV cache shrinks by C. We time, at each
+# context length:
 #
 #     compress      encoder forward (+ segmentation, bridge): the cost of making the memory
 #     ttft_full     decoder prefill over [BOS, context, question] + the first token's logits
 #     ttft_comp     decoder prefill over [memory, special, question] + the first token's logits
 #     decode        per-token time of greedy steps with either KV cache
 #
-# offline speedup = ttft_full / ttft_comp (memory cached, e.g. a document queried many times);
-# online speedup = ttft_full / (compress + ttft_comp) (compressed on the fly).
+# offline speedup = ttft_full / ttft_comp (memory cached, e.g. a document queried many times); online speedup =
+# ttft_full / (compress + ttft_comp) (compressed on the fly).
 
 SPEED_QUESTION = " Question: What is this text about? Answer:"
 SPEED_LENGTHS = (512, 1024, 2048, 4096, 8192)   # default --lengths
 
 
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()   # CUDA kernels run asynchronously: wait before reading the clock
-
-
 def timed(fn, device, repeats=3, warmup=1):
     """(median wall time in seconds over `repeats` calls after `warmup` untimed calls, last result)."""
+    # CUDA kernels run asynchronously: wait for them before reading the clock
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
     for _ in range(warmup):
         out = fn()
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync()
         t0 = time.perf_counter()
         out = fn()
-        _sync(device)
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), out
-
-
-def compressed_inputs(comp, memory, prompt):
-    """Decoder inputs [memory, special token, prompt] for one sample, as comp.generate builds them."""
-    batch = comp.decoder_batch(memory, "qa", [prompt], [0])
-    # one unpadded sample: decoder_batch passes no mask, so SDPA takes the same fused causal kernel as
-    # the full-context prefill (a dense mask would time a slower kernel)
-    assert batch["attn_mask"] is None
-    return batch
 
 
 def prefill(comp, inputs):
@@ -490,7 +468,9 @@ def run_speed(comp, lengths, max_new_tokens=None, repeats=3):
             M = sum(memory.mem_counts[0])
             full = dict(input_ids=torch.tensor([[tok.start_id] + ctx + question], device=dev))
             t_full, (kv_full, first_full) = timed(lambda: prefill(comp, full), dev, repeats)
-            mem_in = compressed_inputs(comp, memory, question)
+            mem_in = comp.decoder_batch(memory, "qa", [question], [0])   # [memory, special, question], as generate
+            # one unpadded sample: no mask, so SDPA takes the fused causal kernel the full-context prefill takes
+            assert mem_in["attn_mask"] is None
             t_mem, (kv_mem, first_mem) = timed(lambda: prefill(comp, mem_in), dev, repeats)
             next_full = full["input_ids"].shape[1]
             next_mem = int(mem_in["position_ids"][0, -1]) + 1
@@ -555,14 +535,13 @@ DEFAULT_WEIGHTS = "0,0.25,0.5,0.53,0.55,0.6,0.75,1"   # AOC Table 4 shows w = 0.
 
 @torch.no_grad()
 def run_interpolate(comp, text0, text1, weights, max_new_tokens=None, proto=None):
-    """AOC Eq. (5): regenerate from Z = Z0 + w (Z1 − Z0) for each w, where Z0, Z1 compress text0,
-    text1 (AOC Table 4 walks from one prompt to the other). Every tensor the decoder reads is mixed
-    (memory embeddings, or every layer's K and V); the rest of the memory (chunk lengths, hence the
-    EPL decoder positions) is Z0's. Needs memories of the same shape: always true for a fixed --mem
-    budget and texts of at least --mem tokens, but methods that size memory by length (CompLLM,
-    PCC/PIC, GMSA) need texts that compress to the same number of slots. A head-cropped checkpoint (AOC)
-    compresses each prompt padded with EOS to the trained length n, as AOC's compress() does, so the memory
-    and [BOS] sit where training put them."""
+    """AOC Eq. (5): regenerate from Z = Z0 + w (Z1 − Z0) for each w, where Z0, Z1 compress text0, text1 (AOC Table 4
+    walks from one prompt to the other). Every tensor the decoder reads is mixed (memory embeddings, or every layer's
+    K and V); the rest of the memory (chunk lengths, hence the EPL decoder positions) is Z0's. Needs memories of the
+    same shape: always true for a fixed --mem budget and texts of at least --mem tokens, but methods that size memory
+    by length (CompLLM, PCC/PIC, GMSA) need texts that compress to the same number of slots. A head-cropped checkpoint
+    (AOC) compresses each prompt padded with EOS to the trained length n, as AOC's compress() does, so the memory and
+    [BOS] sit where training put them."""
     tok = comp.tok
     (x0, ids0), (x1, ids1) = texts_as_trained(comp, [text0, text1], proto or protocol(comp))
     z0, z1 = compress(comp, [comp.encoder_ids(x0)]), compress(comp, [comp.encoder_ids(x1)])
@@ -588,13 +567,12 @@ def report_interpolate(result):
 
 
 def memory_cosine(comp, memory, ids):
-    """Cosine similarity [M, T] between each memory slot and each context token, in the space the
-    decoder reads them in.
-      embeds carrier: the memory vector (after the bridge) vs the decoder's input embedding of the
-          token (PIC Figure 3: do the memory vectors look like the tokens they stand for?);
-      kv carrier: the memory's last-layer keys vs the keys the frozen decoder computes for the plain
-          context in its last layer (heads concatenated): the cache entries the memory replaces. Keys
-          carry RoPE at their own positions, so this cosine mixes content with relative position."""
+    """Cosine similarity [M, T] between each memory slot and each context token, in the space the decoder reads them.
+      embeds carrier: the memory vector (after the bridge) vs the decoder's input embedding of the token (PIC Figure
+          3: do the memory vectors look like the tokens they stand for?);
+      kv carrier: the memory's last-layer keys vs the keys the frozen decoder computes for the plain context in its
+          last layer (heads concatenated): the cache entries the memory replaces. Keys carry RoPE at their own
+          positions, so this cosine mixes content with relative position."""
     dev = comp.decoder.model.embed_tokens.weight.device
     ids = torch.tensor([ids], device=dev)
     if comp.cfg.carrier == "embeds":
@@ -610,15 +588,13 @@ def memory_cosine(comp, memory, ids):
 
 
 def encoder_attention(comp, enc_ids):
-    """(memory, attention [M, T]): how much each memory slot attends to each context token in the
-    encoder, averaged over all layers and heads (PIC Figure 7; EPL Figure 6).
-
-    The weights are recomputed from each layer's own inputs, captured with a forward pre-hook on its
-    self_attn during a normal comp.compress: softmax(q kᵀ / √D) under the encoder's mask (causal, PIC
-    or segment). A memory row does not sum to 1 over the context: the rest of its weight goes to the
-    memory tokens before it (and to itself). Memory of chunk c sees only chunk c, so the matrix is
-    block-diagonal over chunks. Group merging (GMSA) has no memory tokens, hence no such attention:
-    returns (memory, None)."""
+    """(memory, attention [M, T]): how much each memory slot attends to each context token in the encoder, averaged
+    over all layers and heads (PIC Figure 7; EPL Figure 6). Each layer's weights are recomputed (Attention.weights)
+    from its own inputs, captured with a forward pre-hook on its self_attn during a normal comp.compress, under the
+    encoder's mask (causal, PIC or segment). A memory row does not sum to 1 over the context: the rest of its weight
+    goes to the memory tokens before it (and to itself). Memory of chunk c sees only chunk c, so the matrix is
+    block-diagonal over chunks. Group merging (GMSA) has no memory tokens, hence no such attention: returns (memory,
+    None)."""
     calls = []
     hook = lambda attn, args: calls.append((attn, *args[:4]))         # (module, x, cos, sin, mask)
     handles = [layer.self_attn.register_forward_pre_hook(hook) for layer in comp.encoder.model.layers]
@@ -629,23 +605,8 @@ def encoder_attention(comp, enc_ids):
             h.remove()
     if comp.cfg.source == "group_mean":
         return memory, None
-    probs = 0
-    for attn, x, cos, sin, mask in calls:
-        R, T, _ = x.shape
-        H, Hkv, D = attn.n_head, attn.n_kv_head, attn.head_dim
-        q = attn.q_proj(x).view(R, T, H, D)                         # (R, T, H, D)
-        k = attn.k_proj(x).view(R, T, Hkv, D)                       # (R, T, Hkv, D)
-        if attn.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)                 # (R, H, T, D)
-        k = apply_rope(k.transpose(1, 2), cos, sin)                 # (R, Hkv, T, D)
-        # GQA: query head h reads K/V head h // (H/Hkv), so repeat each K/V head H/Hkv times
-        k = k.repeat_interleave(H // Hkv, dim=1)                    # (R, H, T, D)
-        scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(D)   # (R, H, T, T)
-        if mask is None:
-            mask = masks.causal(T).to(x.device)   # the layer ran plain causal (no explicit mask)
-        probs = probs + scores.masked_fill(~mask, float("-inf")).softmax(-1).mean(1)  # (R, T, T)
-    probs = probs / len(calls)
+    # the probabilities SDPA applied in each layer, averaged over heads, then over layers
+    probs = sum(attn.weights(x, cos, sin, mask).mean(1) for attn, x, cos, sin, mask in calls) / len(calls)  # (R, T, T)
     # one encoder row per chunk, laid out [chunk (n), memory (m), padding]: gather memory -> context
     lens, counts = memory.chunk_lens[0], memory.mem_counts[0]
     out = torch.zeros(sum(counts), sum(lens))
@@ -657,9 +618,9 @@ def encoder_attention(comp, enc_ids):
 
 
 def pyplot(path):
-    """matplotlib.pyplot on its file-only Agg backend, or None when matplotlib is not installed: figures are
-    optional (the numbers they draw are in the results either way), so a missing matplotlib skips the figure at
-    `path` with one line that says how to get it."""
+    """matplotlib.pyplot on its file-only Agg backend, or None when matplotlib is not installed: figures are optional
+    (the numbers they draw are in the results either way), so a missing matplotlib skips the figure at `path` with one
+    line that says how to get it."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -672,8 +633,8 @@ def pyplot(path):
 
 
 def heat_png(path, values, title, xlabel, ylabel):
-    """A [rows, cols] matrix as a PNG heatmap ("hot" colour map, one cell per entry, a colour bar); returns the
-    path, or None when the figure was skipped (no matplotlib)."""
+    """A [rows, cols] matrix as a PNG heatmap ("hot" colour map, one cell per entry, a colour bar); returns the path,
+    or None when the figure was skipped (no matplotlib)."""
     plt = pyplot(path)
     if plt is None:
         return None
@@ -691,8 +652,8 @@ RAMP = " .:-=+*#%@"   # text heatmap: low to high
 
 
 def render_text(values, max_cols=96, max_rows=48):
-    """A text heatmap, one character per cell by min-max scaled intensity; rows and columns beyond
-    max_rows / max_cols are averaged into bins so it fits a terminal."""
+    """A text heatmap, one character per cell by min-max scaled intensity; rows and columns beyond max_rows / max_cols
+    are averaged into bins so it fits a terminal."""
     v = np.asarray(values, dtype=np.float64)
     for axis, limit in ((0, max_rows), (1, max_cols)):
         if v.shape[axis] > limit:
@@ -711,19 +672,18 @@ def run_heatmap(comp, text, png_stem):
     enc = comp.encoder_ids(ids)
     memory, attention = encoder_attention(comp, enc)
     cosine = memory_cosine(comp, memory, ids).float().cpu()   # to the host for numpy and the PNGs
-    attention = None if attention is None else attention.float().cpu()
-    M, T = cosine.shape
-    out = {"text": text, "tokens": ids, "encoder_tokens": enc, "memory_slots": M,
-           "cosine": cosine.tolist(), "attention": None, "attention_png": None}
-    name = comp.cfg.method
-    out["cosine_png"] = heat_png(f"{png_stem}_cosine.png", cosine.numpy(), f"{name}: cosine(memory slot, context "
-                                 "token)", "context token", "memory slot")
-    if attention is not None:
+    name, axes = comp.cfg.method, ("context token", "memory slot")
+    out = {"text": text, "tokens": ids, "encoder_tokens": enc, "memory_slots": cosine.shape[0],
+           "cosine": cosine.tolist(), "attention": None, "attention_png": None,
+           "cosine_png": heat_png(f"{png_stem}_cosine.png", cosine.numpy(), f"{name}: cosine(memory slot, context "
+                                  "token)", *axes)}
+    if attention is None:
+        out["attention_note"] = f"{name} merges hidden states into groups: no memory tokens attend"
+    else:
+        attention = attention.float().cpu()
         out["attention"] = attention.tolist()
         out["attention_png"] = heat_png(f"{png_stem}_attention.png", attention.numpy(), f"{name}: encoder "
-                                        "attention, memory -> context", "context token", "memory slot")
-    else:
-        out["attention_note"] = f"{comp.cfg.method} merges hidden states into groups: no memory tokens attend"
+                                        "attention, memory -> context", *axes)
     return out
 
 
@@ -758,21 +718,10 @@ NEEDLE_BUDGET = 16                          # new tokens: "The pass key is 71432
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")   # a haystack is cut only after . ! or ? and a space
 
 
-def passkey_score(generation, passkey):
-    """Exact match of the number: 1.0 when the passkey is one of the numbers in the generation, 0.0 when it is
-    not (another number, no number, or the passkey inside a longer number)."""
-    return {"passkey": float(passkey in re.findall(r"\d+", generation))}
-
-
-def find(ids, part):
-    """Where the token list `part` first occurs in `ids`, or -1."""
-    return next((i for i in range(len(ids) - len(part) + 1) if ids[i:i + len(part)] == part), -1)
-
-
 def haystack(tok, documents, length, depth, key, rng):
-    """One needle sample: at most `length` tokens of whole sentences from `documents` (lists of sentences, taken in
-    an order drawn from rng), the needle of `key` at the sentence boundary nearest `depth`. Returns the context,
-    its length in tokens, the token index at which the needle starts, and the depth it landed at."""
+    """One needle sample: at most `length` tokens of whole sentences from `documents` (lists of sentences, taken in an
+    order drawn from rng), the needle of `key` at the sentence boundary nearest `depth`. Returns the context, its
+    length in tokens, the token index at which the needle starts, and the depth it landed at."""
     needle = NEEDLE.format(key=key)
     room = length - len(tok.encode(" " + needle))
     if room < 0:
@@ -802,7 +751,7 @@ def haystack(tok, documents, length, depth, key, rng):
             break
         hay, sizes = hay[:-1], sizes[:-1]
     part = tok.encode(needle if i == 0 else " " + needle)   # the needle's tokens as they sit in the context
-    at = find(ids, part)
+    at = next((t for t in range(len(ids) - len(part) + 1) if ids[t:t + len(part)] == part), -1)   # where it starts
     if at < 0:
         raise ValueError("the needle's tokens are not in the context's: the tokenizer merges them with a neighbour")
     return dict(context=context, context_tokens=len(ids), needle_at=at, landed_depth=at / (len(ids) - len(part)))
@@ -834,9 +783,9 @@ def needle_grid(rows, lengths):
 @torch.no_grad()
 def run_needle(comp, examples, lengths=None, n=None, seed=0, max_new_tokens=None, batch_size=8, ratio=None,
                png=None):
-    """Passkey retrieval at each depth x length, scored in the three rows of run_qa (without its losses, which
-    need a reference answer shared by the rows). Lengths count the context's tokens, needle included; the plain
-    LLM's prompt adds the template, the question and the answer, and must fit the model's positions."""
+    """Passkey retrieval at each depth x length, scored in the three rows of run_qa (without its losses, which need a
+    reference answer shared by the rows). Lengths count the context's tokens, needle included; the plain LLM's prompt
+    adds the template, the question and the answer, and must fit the model's positions."""
     n_new = max_new_tokens or NEEDLE_BUDGET
     parts = comp.qa_parts("", NEEDLE_QUESTION)   # the template around an empty context
     extra = 1 + len(parts["prefix"]) + len(parts["dec_context"]) + len(parts["prompt"]) + n_new   # + BOS, answer
@@ -856,8 +805,8 @@ def run_needle(comp, examples, lengths=None, n=None, seed=0, max_new_tokens=None
 
 
 def needle_png(path, result, name):
-    """The three grids side by side, depth on y and length on x, red (0) to green (1) as the long-context papers
-    draw them; returns the path, or None when matplotlib is missing."""
+    """The three grids side by side, depth on y and length on x, red (0) to green (1) as the long-context papers draw
+    them; returns the path, or None when matplotlib is missing."""
     plt = pyplot(path)
     if plt is None:
         return None
@@ -887,45 +836,42 @@ def report_needle(result):
 
 TASKS_HELP = """\
 tasks:
-  ae           reconstruction: compress each text, regenerate it greedily from its memory. Scores:
-               bleu4_ids (EPL: token ids, no smoothing), bleu4_words (500x/AOC: words, smoothing
-               method1), prefix_em (AOC text, GMSA), token_accuracy (AOC Eq. 6 as printed),
-               rouge1/rouge2/rougeL (words).
-  lm           completion: cut each text at p = len/2 (EPL) and report the perplexity of the second
-               half given the memory of the first.
-  qa           question answering from memory + question (built-in: 5 triples). Scores: squad_f1,
-               squad_em (PCC/PIC, GMSA), exact_match, token_f1 (500x/AOC), substring_acc (GMSA Acc),
-               rouge1 (EPL's F1).
-  needle       passkey retrieval (Mohtashami & Jaggi 2023): "The pass key is 71432. Remember it.
-               71432 is the pass key." hidden at depths 0/25/50/75/100% of haystacks of held-out
-               texts (--data) at each --lengths (context tokens; default 256..4096, those the model's
-               positions allow), at the sentence boundary nearest the depth; asked "What is the pass
-               key?" with the QA template. Score: the passkey among the numbers generated. A depth x
-               length grid per row, --n samples per cell (default 5), --seed draws passkeys and
-               haystacks; a PNG next to --out.
-               ae, lm, qa and needle also score two references with the plain LLM: "full" (the whole
-               context in its prompt: upper bound) and "none" (no context: lower bound).
-  speed        at each --lengths context length: compression time, time to first token with and
-               without compression (offline: memory cached; online: compression included), decode
-               time per token, KV-cache bytes; fits time ~ length^k (CompLLM: compression linear,
-               prefill quadratic) and compares the TTFT speedup with its C^2 bound. Runs untrained
-               compressors too: --method M --model tiny instead of --ckpt.
-  interpolate  AOC Eq. 5: regenerate from Z0 + w (Z1 - Z0) for each --weights w, Z0 and Z1 the
-               memories of --text0 and --text1.
-  heatmap      for --text0 (default: the first text): cosine similarity of each memory slot with each
-               context token, and the encoder's memory -> context attention (mean over layers and
-               heads; none for gmsa, which has no memory tokens). PNGs next to --out, text on stdout.
+  ae           reconstruction: compress each text, regenerate it greedily from its memory. Scores: bleu4_ids (EPL:
+               token ids, no smoothing), bleu4_words (500x/AOC: words, smoothing method1), prefix_em (AOC text,
+               GMSA), token_accuracy (AOC Eq. 6 as printed), rouge1/rouge2/rougeL (words).
+  lm           completion: cut each text at p = len/2 (EPL), the perplexity of the second half given the memory
+               of the first.
+  qa           question answering from memory + question (built-in: 5 triples). Scores: squad_f1, squad_em
+               (PCC/PIC, GMSA), exact_match, token_f1 (500x/AOC), substring_acc (GMSA Acc), rouge1 (EPL's F1).
+  needle       passkey retrieval (Mohtashami & Jaggi 2023): "The pass key is 71432. Remember it. 71432 is the pass
+               key." hidden at depths 0/25/50/75/100% of haystacks of held-out texts (--data) at each --lengths
+               (context tokens; default 256..4096, those the model's positions allow), at the sentence boundary
+               nearest the depth; asked "What is the pass key?" with the QA template. Score: the passkey among
+               the numbers generated. A depth x length grid per row, --n samples per cell (default 5), --seed
+               draws passkeys and haystacks; a PNG next to --out.
+               ae, lm, qa and needle also score two references with the plain LLM: "full" (the whole context in
+               its prompt: upper bound) and "none" (no context: lower bound).
+  speed        at each --lengths context length: compression time, time to first token with and without
+               compression (offline: memory cached; online: compression included), decode time per token,
+               KV-cache bytes; fits time ~ length^k (CompLLM: compression linear, prefill quadratic) and compares
+               the TTFT speedup with its C^2 bound. Runs untrained compressors too: --method M --model tiny
+               instead of --ckpt.
+  interpolate  AOC Eq. 5: regenerate from Z0 + w (Z1 - Z0) for each --weights w, Z0 and Z1 the memories of --text0
+               and --text1.
+  heatmap      for --text0 (default: the first text): cosine similarity of each memory slot with each context
+               token, and the encoder's memory -> context attention (mean over layers and heads; none for gmsa,
+               which has no memory tokens). PNGs next to --out, text on stdout.
 
-ae, lm and qa also report, teacher-forced, the loss of their target (qa: the reference answer) with
-each text's own memory, with another text's memory (text i reads the memory of text i+1; qa: of the
-next document) and with none: own/other well below 1 means each memory carries its own text, 1.0
-means it is a constant prompt. A checkpoint trained with a head crop (AOC) is evaluated on the first
-n tokens of each text, padded as in training; one pretrained with AE + LM (EPL) reconstructs the
-first half of each text (of those n tokens under a head crop), what pretraining compressed.
+ae, lm and qa also report, teacher-forced, the loss of their target (qa: the reference answer) with each text's own
+memory, with another text's memory (text i reads the memory of text i+1; qa: of the next document) and with none:
+own/other well below 1 means each memory carries its own text, 1.0 means it is a constant prompt. A checkpoint
+trained with a head crop (AOC) is evaluated on the first n tokens of each text, padded as in training; one
+pretrained with AE + LM (EPL) reconstructs the first half of each text (of those n tokens under a head crop), what
+pretraining compressed.
 
-Results go to --out (default: CKPT/eval_TASK.json), a markdown table to stdout.
-Built-in data is used when --data is not given (.jsonl or .parquet with {"text"} or {"context",
-"question","answer"} records, or plain text with one text per line)."""
+Results go to --out (default: CKPT/eval_TASK.json), a markdown table to stdout. Built-in data is used when --data
+is not given (.jsonl or .parquet with {"text"} or {"context", "question","answer"} records, or plain text with one
+text per line)."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -952,8 +898,7 @@ def parse_args(argv=None):
                    "checkpoint, else reference + 8; qa the paper's: PCC 30, CompLLM 512, EPL 1024, else 64; "
                    f"needle {NEEDLE_BUDGET}; speed 16 timed decode steps)")
     p.add_argument("--max-len", type=int, help="ae, lm, interpolate: cut texts to their first N tokens; qa: cut "
-                   "contexts (default: the checkpoint's n when it was trained with --crop head; train.py's held-out "
-                   "check cuts at the run's --max-len, as training does)")
+                   "contexts (default: the checkpoint's n when it was trained with --crop head)")
     p.add_argument("--ratio", type=int, help="group merging (GMSA): the compression ratio r (group size) to evaluate "
                    "at, one of train.py's --ratios (default: the preset's first, 4)")
     p.add_argument("--concat", type=int, default=1, help="qa: join the contexts of K examples into one long "
@@ -967,7 +912,7 @@ def parse_args(argv=None):
     p.add_argument("--weights", default=DEFAULT_WEIGHTS, help=f"interpolate: values of w (default {DEFAULT_WEIGHTS})")
     p.add_argument("--text0", help=f"interpolate: first prompt (default {DEFAULT_TEXT0!r}); heatmap: the text")
     p.add_argument("--text1", help=f"interpolate: second prompt (default {DEFAULT_TEXT1!r})")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="default cuda if any")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--out", help="JSON results file (default CKPT/eval_TASK.json, or eval_speed_METHOD.json)")
     args = p.parse_args(argv)
@@ -1008,15 +953,6 @@ def load_compressor(args):
     return comp.eval()
 
 
-def _fmt(v):
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-
-def markdown_table(header, rows):
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows])
-
-
 class Task(NamedTuple):
     """One evaluation task: what it reads, how it runs from the command line's arguments, how stdout shows it."""
     examples: bool      # reads held-out examples (--data, --n)
@@ -1024,14 +960,12 @@ class Task(NamedTuple):
     report: object      # result -> markdown
 
 
-TASKS = {
-    "ae": Task(True, lambda a, comp, ex, proto, out: run_ae(comp, ex, a.max_new_tokens, proto, batch_size=a.batch_size,
-                                                            ratio=a.ratio), report_text),
-    "lm": Task(True, lambda a, comp, ex, proto, out: run_lm(comp, ex, batch_size=a.batch_size, ratio=a.ratio,
-                                                            max_len=a.max_len), report_text),
-    "qa": Task(True, lambda a, comp, ex, proto, out: run_qa(comp, ex, a.max_new_tokens, batch_size=a.batch_size,
-                                                            ratio=a.ratio, concat=a.concat, reuse=not a.no_reuse,
-                                                            max_len=a.max_len), report_text),
+TASKS = {   # a: the parsed arguments, ex: the examples, out: the results' path without .json
+    "ae": Task(True, lambda a, comp, ex, proto, out: run_ae(comp, ex, a.max_new_tokens, proto, a.batch_size, a.ratio),
+               report_text),
+    "lm": Task(True, lambda a, comp, ex, proto, out: run_lm(comp, ex, a.batch_size, a.ratio, a.max_len), report_text),
+    "qa": Task(True, lambda a, comp, ex, proto, out: run_qa(comp, ex, a.max_new_tokens, a.batch_size, a.ratio, a.concat,
+                                                            not a.no_reuse, a.max_len), report_text),
     "needle": Task(True, lambda a, comp, ex, proto, out: run_needle(
         comp, ex, a.lengths, a.n, a.seed, a.max_new_tokens, a.batch_size, a.ratio, png=out + ".png"), report_needle),
     "speed": Task(False, lambda a, comp, ex, proto, out: run_speed(comp, a.lengths or SPEED_LENGTHS, a.max_new_tokens),

@@ -1,13 +1,14 @@
 """The metrics the five papers report, written from scratch (stdlib only, no torch) and tested against the
 reference packages the papers used (nltk's sentence_bleu, Google's rouge-score, the `rouge` 1.0.1 package of
 pltrdy, the official SQuAD v1.1 script) in tests/test_metrics.py. evaluate.py scores every generation with
-ae_scores and qa_scores. Every score is a float in [0, 1] except perplexity.
+ae_scores and qa_scores (the needle task with passkey_score). Every score is a float in [0, 1] except perplexity.
 
     reconstruction (AE)   bleu4, bleu_n_precision, rouge_n_f1, rouge_l_f1 (rouge-score),
                           rouge_pltrdy (rouge 1.0.1), prefix_em, aoc_exact_match, token_accuracy
     completion (LM)       perplexity = exp(Σ NLL / N)
     question answering    squad_em, squad_f1 (normalised) · exact_match, token_f1 (unnormalised)
                           · substring_acc (GMSA "Acc") · epl_qa_f1, epl_qa_em (EPL)
+    passkey retrieval     passkey_score (Mohtashami & Jaggi 2023)
 
 Which paper scores how (each paper's scoring code, as cited at each function): what it computes, our
 function for it, and [its key] in ae_scores / qa_scores.
@@ -520,3 +521,10 @@ def qa_scores(prediction, answers):
     if refs and all(len(a) == 1 and a.isalpha() for a in refs):
         scores["mc_accuracy"] = float(answer_letter(prediction) in {a.upper() for a in refs})   # CompLLM
     return scores
+
+
+def passkey_score(generation, passkey):
+    """Passkey retrieval (Mohtashami & Jaggi 2023), exact match of the number: 1.0 when the passkey is one of the
+    numbers in the generation, 0.0 when it is not (another number, no number, or the passkey inside a longer
+    number)."""
+    return {"passkey": float(passkey in re.findall(r"\d+", generation))}

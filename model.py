@@ -436,7 +436,8 @@ class Attention(nn.Module):
         # (HF modeling_gemma3: self.scaling = config.query_pre_attn_scalar**-0.5; 27B: 168 with D = 128)
         self.scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5
 
-    def forward(self, x, cos, sin, mask, past=None, cache=None):
+    def qkv(self, x, cos, sin):
+        """Queries (B, H, T, D), keys and values (B, Hkv, T, D) of x (B, T, d); q and k RoPE-rotated."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)      # (B, T, H, D)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)   # (B, T, Hkv, D)
@@ -446,7 +447,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
-        v = v.transpose(1, 2)                        # (B, Hkv, T, D)
+        return q, k, v.transpose(1, 2)               # v: (B, Hkv, T, D)
+
+    def forward(self, x, cos, sin, mask, past=None, cache=None):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin)
         # the prefix keys were rotated at their own positions when they were computed; never re-rotate
         if past is not None:   # a given prefix (the 500x/AOC carrier): concatenated, so gradients reach it
             k = torch.cat([past[0], k], dim=2)  # (B, Hkv, S, D)
@@ -460,6 +465,19 @@ class Attention(nn.Module):
                                            scale=self.scale, enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, H*D)
         return self.o_proj(y), (k, v)
+
+    def weights(self, x, cos, sin, mask):
+        """The attention probabilities (B, H, T, T), fp32, that forward's SDPA applies to x with no prefix: softmax
+        of q kᵀ · scale under mask (None = plain causal, as in forward). SDPA never materializes them; this is for
+        looking at them (evaluate.py's heatmap, PIC Figure 7), not for running the model."""
+        q, k, _ = self.qkv(x, cos, sin)
+        # GQA: query head h reads K/V head h // (H/Hkv), so repeat each K/V head H/Hkv times
+        k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)     # (B, H, T, D)
+        scores = q.float() @ k.float().transpose(-1, -2)                   # (B, H, T, T)
+        scores = scores / math.sqrt(self.head_dim) if self.scale is None else scores * self.scale
+        if mask is None:
+            mask = masks.causal(x.shape[1]).to(x.device)
+        return scores.masked_fill(~mask, float("-inf")).softmax(-1)
 
 
 class MLP(nn.Module):

@@ -130,3 +130,30 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def assert_attention_weights_are_sdpas(model, ids, **forward_kwargs):
+    """Attention.weights against the attention SDPA ran, in every layer of one forward: weights @ V (each K/V
+    head repeated for its H/Hkv query heads) must equal the layer's output before o_proj. Returns the layers'
+    weights (B, H, T, T)."""
+    seen = []
+    hooks = [h for layer in model.model.layers for h in (
+        layer.self_attn.register_forward_pre_hook(lambda attn, args: seen.append((attn, *args[:4]))),
+        layer.self_attn.o_proj.register_forward_pre_hook(lambda proj, args: seen.append(args[0])))]
+    try:
+        with torch.no_grad():
+            model(ids, **forward_kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = []
+    for (attn, x, cos, sin, mask), y in zip(seen[0::2], seen[1::2]):
+        with torch.no_grad():
+            w = attn.weights(x, cos, sin, mask)                                           # (B, H, T, T)
+            _, _, v = attn.qkv(x, cos, sin)                                               # (B, Hkv, T, D)
+        v = v.repeat_interleave(attn.n_head // attn.n_kv_head, dim=1)                     # (B, H, T, D)
+        B, T, _ = x.shape
+        torch.testing.assert_close(w.sum(-1), torch.ones_like(w[..., 0]))
+        torch.testing.assert_close((w @ v.float()).transpose(1, 2).reshape(B, T, -1), y.float(), atol=1e-5, rtol=0)
+        out.append(w)
+    return out

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 import compressors as C
 import masks
-from conftest import randomize_
+from conftest import assert_attention_weights_are_sdpas, randomize_
 from model import SHAPES, ModelConfig, Tokenizer, Transformer, byte_tokenizer, copy_model, load_pretrained
 
 # special ids of the test tokenizer (gemma_tokenizer): the byte tokenizer's <|eos|> and <|pad|>, then Gemma's <bos>
@@ -158,6 +158,17 @@ def test_kv_prefix_equals_one_pass(gemma, device):
             out = ours(ids[:, t:t + 1], past_kv=out.kv, return_kv=True)
             steps.append(out.logits)
         close(torch.cat(steps, dim=1), ref[:, 18:])
+
+
+def test_attention_weights_are_what_sdpa_applies(gemma, device):
+    """Attention.weights with Gemma's query_pre_attn_scalar scale, local RoPE and the sliding window: each layer's
+    weights @ V equal its SDPA output, and a local layer puts no weight W or more slots back."""
+    _, _, ours = gemma
+    weights = assert_attention_weights_are_sdpas(ours, ids_(device))
+    T = weights[0].shape[-1]
+    far = ~masks.sliding_window(T, T, W).to(device) & masks.causal(T).to(device)   # causal, but W or more back
+    for layer, w in zip(ours.model.layers, weights):
+        assert (w[..., far] == 0).all() == layer.sliding
 
 
 def test_sliding_window_band_number_by_number():

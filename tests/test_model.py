@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import masks
-from conftest import SMOLLM2, needs_smollm2
+from conftest import SMOLLM2, assert_attention_weights_are_sdpas, needs_smollm2
 from model import (LoRALinear, ModelConfig, add_lora, build_tiny, chunked_cross_entropy, copy_model,
                    load_pretrained, lora_disabled, rope_attention_factor, rope_frequencies)
 
@@ -224,6 +224,18 @@ def test_explicit_causal_mask_equals_default(pairs, device):
         blind = mask.clone()
         blind[:, :4] = False
         assert not torch.allclose(ours(ids[:, 4:], past_kv=prefix, attn_mask=blind).logits, ref[:, 4:])
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_attention_weights_are_what_sdpa_applies(pairs, name, device):
+    """Attention.weights (evaluate.py's heatmap reads them) reproduce each layer's SDPA output, with GQA, Qwen2's
+    biases and Qwen3's q/k norms, under the default causal mask and under an explicit one (a PIC-like block mask)."""
+    ours = pairs[name][2]
+    ids = ids_(device, T=12)
+    assert_attention_weights_are_sdpas(ours, ids)
+    block = masks.causal(12) & (torch.arange(12)[:, None] // 4 == torch.arange(12)[None] // 4)   # (T, T)
+    for w in assert_attention_weights_are_sdpas(ours, ids, attn_mask=block.to(device)):
+        assert (w[..., ~block.to(device)] == 0).all()
 
 
 def test_grad_ckpt_gives_the_same_loss_and_gradients(pairs, device):
