@@ -353,7 +353,7 @@ def test_heatmap_attention_shows_the_pic_mask(device):
 def test_heatmap_group_merging_has_cosine_but_no_attention(ckpt, tmp_path, device):
     result, _ = run(["--ckpt", ckpt["gmsa"], "--task", "heatmap", "--text0", "x" * 40, "--out", tmp_path / "g.json"],
                     device)
-    assert np.array(result["cosine"]).shape == (10, 40)     # groups of r = 4 (the evaluation rate)
+    assert np.array(result["cosine"]).shape == (11, 40)     # [BOS] and 40 tokens in groups of r = 4 (GMSA's bos)
     assert result["attention"] is None and "no memory tokens" in result["attention_note"]
     assert not (tmp_path / "g_attention.png").exists() and (tmp_path / "g_cosine.png").exists()
 
