@@ -1,12 +1,12 @@
 """Evaluation: the tasks that score a compressor as the five papers do, and the command line.
 
-    python evaluate.py --ckpt DIR --task {ae,lm,qa,needle,speed,interpolate,heatmap} [--data PATH] [--n N]
-    python evaluate.py --method compllm --model tiny --task speed --lengths 512,1024,2048,4096,8192
+    python evaluate.py --ckpt DIR --task {ae,lm,qa,needle,interpolate,heatmap} [--data PATH] [--n N]
 
-Tasks (TASKS_HELP, `--help`, explains each), one section each below: ae, lm, qa (each next to the plain LLM with
-the full context and with none), speed (CompLLM's complexity claims), interpolate (AOC Eq. 5), heatmap (PIC Figures
-3 and 7), needle (passkey retrieval). Training curves are recipes/curve.py's. The scores are metrics.py's; the
-built-in examples are train.py's held-out set, and .jsonl / .parquet records are read with train.py's reader.
+Tasks (TASKS, `--help`, describes each), one section each below: ae, lm, qa (each next to the plain LLM with the
+full context and with none), interpolate (AOC Eq. 5), heatmap (PIC Figures 3 and 7), needle (passkey retrieval).
+CompLLM's speed and KV-cache claims are a benchmark, tests/bench_speed.py; training curves are recipes/curve.py's.
+The scores are metrics.py's; the built-in examples are train.py's held-out set, and .jsonl / .parquet records are
+read with train.py's reader.
 """
 
 import argparse
@@ -17,7 +17,6 @@ import random
 import re
 import statistics
 import sys
-import time
 from contextlib import nullcontext
 from dataclasses import asdict
 from typing import NamedTuple
@@ -31,7 +30,7 @@ import compressors as C
 import masks
 import train   # the built-in corpus and its held-out set; the one reader of .jsonl / .parquet records
 from metrics import ae_scores, mean_scores, passkey_score, perplexity, qa_scores
-from model import SHAPES, build_shape, load_pretrained
+from model import load_pretrained
 
 # -----------------------------------------------------------------------------
 # ---- data ----
@@ -383,149 +382,6 @@ def report_text(result):
 
 
 # -----------------------------------------------------------------------------
-# ---- speed ----
-# CompLLM §3 "complexity": compressing independent segments of S tokens costs O(N·S), linear in the context length
-# N; the decoder's prefill costs O(N²) with the full context and O(N²/C²) with the concept embeddings, so the
-# time-to-first-token (TTFT) speedup tends to C² for long contexts and the KV cache shrinks by C. We time, at each
-# context length:
-#
-#     compress      encoder forward (+ segmentation, bridge): the cost of making the memory
-#     ttft_full     decoder prefill over [BOS, context, question] + the first token's logits
-#     ttft_comp     decoder prefill over [memory, special, question] + the first token's logits
-#     decode        per-token time of greedy steps with either KV cache
-#
-# offline speedup = ttft_full / ttft_comp (memory cached, e.g. a document queried many times); online speedup =
-# ttft_full / (compress + ttft_comp) (compressed on the fly).
-
-SPEED_QUESTION = " Question: What is this text about? Answer:"
-SPEED_LENGTHS = (512, 1024, 2048, 4096, 8192)   # default --lengths
-
-
-def timed(fn, device, repeats=3, warmup=1):
-    """(median wall time in seconds over `repeats` calls after `warmup` untimed calls, last result)."""
-    # CUDA kernels run asynchronously: wait for them before reading the clock
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
-    for _ in range(warmup):
-        out = fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        out = fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
-
-
-def prefill(comp, inputs):
-    """One decoder forward over the prompt, then the first generated token: the TTFT work."""
-    with comp.decoding():
-        out = comp.decoder(**inputs, return_kv=True, compute_logits=False)
-        first = comp.decoder.lm_head(out.last_hidden[:, -1]).argmax(-1)      # (1,)
-    return out.kv, first
-
-
-def decode(comp, kv, token, next_pos, n):
-    """n greedy steps on a KV cache (what Transformer.generate does after its prefill)."""
-    with comp.decoding():
-        for i in range(n):
-            pos = torch.tensor([[next_pos + i]], device=token.device)
-            out = comp.decoder(token[:, None], position_ids=pos, past_kv=kv, return_kv=True, compute_logits=False)
-            kv, token = out.kv, comp.decoder.lm_head(out.last_hidden[:, -1]).argmax(-1)
-    return token
-
-
-def kv_bytes(kv, start, n):
-    """Bytes of cache slots start .. start+n-1 over all layers, K and V: n · layers · 2 · Hkv · D · bytes."""
-    return sum(t[:, :, start:start + n].numel() * t.element_size() for k, v in kv for t in (k, v))
-
-
-def fit_exponent(lengths, times):
-    """k in time ≈ a · length^k: the least-squares slope of log time against log length."""
-    if len(lengths) < 2:
-        return float("nan")
-    return float(np.polyfit(np.log(lengths), np.log(times), 1)[0])
-
-
-@torch.no_grad()
-def run_speed(comp, lengths, max_new_tokens=None, repeats=3):
-    """Time compression, TTFT and decoding, and measure KV-cache bytes, at each context length."""
-    tok = comp.tok
-    dev = comp.decoder.model.embed_tokens.weight.device
-    question = tok.encode(SPEED_QUESTION)
-    n_decode = max_new_tokens or 16
-    text = tok.encode(" ".join(train.EVAL_TEXTS) + " ")
-    rows, stopped = [], None
-    for T in tqdm(lengths, desc="speed", leave=False):
-        ctx = (text * (T // len(text) + 1))[:T]          # the built-in texts repeated to T tokens
-        try:
-            enc = comp.encoder_ids(ctx)
-            t_comp, memory = timed(lambda: compress(comp, [enc]), dev, repeats)
-            # CompLLM §1 "reusability": the same context again, its chunks' memories already cached
-            cache = {}
-            compress(comp, [enc], cache=cache)
-            t_cached, _ = timed(lambda: compress(comp, [enc], cache=cache), dev, repeats)
-            M = sum(memory.mem_counts[0])
-            full = dict(input_ids=torch.tensor([[tok.start_id] + ctx + question], device=dev))
-            t_full, (kv_full, first_full) = timed(lambda: prefill(comp, full), dev, repeats)
-            mem_in = comp.decoder_batch(memory, "qa", [question], [0])   # [memory, special, question], as generate
-            # one unpadded sample: no mask, so SDPA takes the fused causal kernel the full-context prefill takes
-            assert mem_in["attn_mask"] is None
-            t_mem, (kv_mem, first_mem) = timed(lambda: prefill(comp, mem_in), dev, repeats)
-            next_full = full["input_ids"].shape[1]
-            next_mem = int(mem_in["position_ids"][0, -1]) + 1
-            d_full, _ = timed(lambda: decode(comp, kv_full, first_full, next_full, n_decode), dev, repeats)
-            d_mem, _ = timed(lambda: decode(comp, kv_mem, first_mem, next_mem, n_decode), dev, repeats)
-        except torch.cuda.OutOfMemoryError:   # on CPU the operating system ends the process instead
-            stopped = f"out of memory at {T} tokens"
-            torch.cuda.empty_cache()
-            break
-        # the cache that holds the context: its T token slots (after BOS) vs the M memory slots, which
-        # come first in both carriers (KV prefix, or the first M input embeddings)
-        b_full, b_mem = kv_bytes(kv_full, 1, T), kv_bytes(kv_mem, 0, M)
-        rows.append(dict(context_tokens=T, memory_slots=M, compression=T / M,
-                         compress_s=t_comp, compress_cached_s=t_cached, ttft_full_s=t_full, ttft_compressed_s=t_mem,
-                         ttft_online_s=t_comp + t_mem, speedup_offline=t_full / t_mem,
-                         speedup_online=t_full / (t_comp + t_mem),
-                         decode_full_s_per_token=d_full / n_decode, decode_compressed_s_per_token=d_mem / n_decode,
-                         kv_bytes_full=b_full, kv_bytes_compressed=b_mem, kv_ratio=b_mem / b_full))
-    if not rows:
-        raise ValueError(f"speed: no context length could run ({stopped})")
-    Ls = [r["context_tokens"] for r in rows]
-    exponents = {k: fit_exponent(Ls, [r[k] for r in rows]) for k in ("compress_s", "ttft_full_s", "ttft_compressed_s")}
-    # the same fit over the two longest lengths only: short contexts are dominated by fixed overheads
-    tail = {k: fit_exponent(Ls[-2:], [r[k] for r in rows[-2:]]) for k in exponents}
-    last = rows[-1]
-    # CompLLM's bound: the prefill is quadratic, so TTFT can shrink by at most (N / M)² = C². The
-    # measured N / M sits a little under the nominal C, as every segment rounds its ⌈n / C⌉ slots up.
-    bound = last["compression"] ** 2
-    nominal = comp.cfg.ratio ** 2 if comp.cfg.ratio > 0 else None
-    return {"rows": rows, "decode_tokens": n_decode, "exponents": exponents, "exponents_longest_two": tail,
-            "ttft_bound_c2": bound, "ttft_ratio_of_bound": last["speedup_offline"] / bound,
-            "nominal_c2": nominal, "stopped": stopped}
-
-
-def report_speed(result):
-    header = ["tokens", "mem", "compress ms", "TTFT full ms", "TTFT comp ms", "speedup off", "speedup on",
-              "decode full ms/tok", "decode comp ms/tok", "KV full MB", "KV comp MB", "KV ratio"]
-    rows = [[r["context_tokens"], r["memory_slots"], 1e3 * r["compress_s"], 1e3 * r["ttft_full_s"],
-             1e3 * r["ttft_compressed_s"], r["speedup_offline"], r["speedup_online"],
-             1e3 * r["decode_full_s_per_token"], 1e3 * r["decode_compressed_s_per_token"],
-             r["kv_bytes_full"] / 2**20, r["kv_bytes_compressed"] / 2**20, r["kv_ratio"]] for r in result["rows"]]
-    e, t = result["exponents"], result["exponents_longest_two"]
-    lines = [markdown_table(header, rows), "",
-             "time ~ length^k: " + ", ".join(f"{k[:-2]} k={e[k]:.2f} (longest two: {t[k]:.2f})" for k in e),
-             f"TTFT speedup at {rows[-1][0]} tokens: {result['rows'][-1]['speedup_offline']:.2f} of the "
-             f"(N/M)^2 = C^2 = {result['ttft_bound_c2']:.3g} bound ({100 * result['ttft_ratio_of_bound']:.0f}%)"
-             + (f"; nominal C^2 = {result['nominal_c2']:g} "
-                f"({100 * result['rows'][-1]['speedup_offline'] / result['nominal_c2']:.0f}%)"
-                if result["nominal_c2"] else "")]
-    if result["stopped"]:
-        lines.append(f"stopped: {result['stopped']}")
-    return "\n".join(lines)
-
-
-# -----------------------------------------------------------------------------
 # ---- interpolate (AOC Eq. 5) ----
 
 DEFAULT_TEXT0 = "We present an awesome new idea."
@@ -834,44 +690,20 @@ def report_needle(result):
 # -----------------------------------------------------------------------------
 # ---- command line ----
 
-TASKS_HELP = """\
-tasks:
-  ae           reconstruction: compress each text, regenerate it greedily from its memory. Scores: bleu4_ids (EPL:
-               token ids, no smoothing), bleu4_words (500x/AOC: words, smoothing method1), prefix_em (AOC text,
-               GMSA), token_accuracy (AOC Eq. 6 as printed), rouge1/rouge2/rougeL (words).
-  lm           completion: cut each text at p = len/2 (EPL), the perplexity of the second half given the memory
-               of the first.
-  qa           question answering from memory + question (built-in: 5 triples). Scores: squad_f1, squad_em
-               (PCC/PIC, GMSA), exact_match, token_f1 (500x/AOC), substring_acc (GMSA Acc), rouge1 (EPL's F1).
-  needle       passkey retrieval (Mohtashami & Jaggi 2023): "The pass key is 71432. Remember it. 71432 is the pass
-               key." hidden at depths 0/25/50/75/100% of haystacks of held-out texts (--data) at each --lengths
-               (context tokens; default 256..4096, those the model's positions allow), at the sentence boundary
-               nearest the depth; asked "What is the pass key?" with the QA template. Score: the passkey among
-               the numbers generated. A depth x length grid per row, --n samples per cell (default 5), --seed
-               draws passkeys and haystacks; a PNG next to --out.
-               ae, lm, qa and needle also score two references with the plain LLM: "full" (the whole context in
-               its prompt: upper bound) and "none" (no context: lower bound).
-  speed        at each --lengths context length: compression time, time to first token with and without
-               compression (offline: memory cached; online: compression included), decode time per token,
-               KV-cache bytes; fits time ~ length^k (CompLLM: compression linear, prefill quadratic) and compares
-               the TTFT speedup with its C^2 bound. Runs untrained compressors too: --method M --model tiny
-               instead of --ckpt.
-  interpolate  AOC Eq. 5: regenerate from Z0 + w (Z1 - Z0) for each --weights w, Z0 and Z1 the memories of --text0
-               and --text1.
-  heatmap      for --text0 (default: the first text): cosine similarity of each memory slot with each context
-               token, and the encoder's memory -> context attention (mean over layers and heads; none for gmsa,
-               which has no memory tokens). PNGs next to --out, text on stdout.
+TASKS_NOTES = """\
+ae, lm, qa and needle also score the plain LLM with the whole context in its prompt ("full": upper bound) and with
+none ("none": lower bound). Needle: the key is hidden at the sentence boundary nearest each depth (0-100%) and asked
+for with the QA template; it scores when the key is among the numbers generated.
 
 ae, lm and qa also report, teacher-forced, the loss of their target (qa: the reference answer) with each text's own
-memory, with another text's memory (text i reads the memory of text i+1; qa: of the next document) and with none:
-own/other well below 1 means each memory carries its own text, 1.0 means it is a constant prompt. A checkpoint
-trained with a head crop (AOC) is evaluated on the first n tokens of each text, padded as in training; one
-pretrained with AE + LM (EPL) reconstructs the first half of each text (of those n tokens under a head crop), what
-pretraining compressed.
+memory, with another text's (text i reads text i+1's; qa: the next document's) and with none: own/other well below
+1 means each memory carries its own text, 1.0 a constant prompt. A checkpoint trained with a head crop (AOC) is
+evaluated on the first n tokens of each text, padded as in training; one pretrained with AE + LM (EPL) reconstructs
+the first half of each text (of those n tokens under a head crop), what pretraining compressed.
 
-Results go to --out (default: CKPT/eval_TASK.json), a markdown table to stdout. Built-in data is used when --data
-is not given (.jsonl or .parquet with {"text"} or {"context", "question","answer"} records, or plain text with one
-text per line)."""
+Results go to --out (default: CKPT/eval_TASK.json), a markdown table to stdout. Without --data the built-in sets;
+--data: .jsonl or .parquet with {"text"} or {"context", "question", "answer"} records, or one text per line.
+Time to first token and KV-cache size (CompLLM): tests/bench_speed.py."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -882,21 +714,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None):
-    p = _Parser(prog="evaluate.py", description="Evaluate a context compressor.", epilog=TASKS_HELP,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    tasks = "\n".join(f"  {name:<12} {task.help}" for name, task in TASKS.items())
+    p = _Parser(prog="evaluate.py", description="Evaluate a context compressor.",
+                epilog=f"tasks:\n{tasks}\n\n{TASKS_NOTES}", formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", help="checkpoint directory written by train.py --out")
     p.add_argument("--task", required=True, help=f"one of {', '.join(TASKS)} (see below)")
-    p.add_argument("--method", help=f"without --ckpt (speed only): an untrained preset, {', '.join(C.METHODS)}")
-    p.add_argument("--model", help="base LLM (HF id, directory or tiny); with --ckpt it must match the checkpoint's")
-    p.add_argument("--shape", choices=tuple(SHAPES), help="speed without --ckpt: a random model of this paper "
-                   "model's shape instead of --model (no download; times depend on the shape alone)")
+    p.add_argument("--method", help=f"one of {', '.join(C.METHODS)}: it must match the checkpoint's")
+    p.add_argument("--model", help="base LLM (HF id, directory or tiny): it must match the checkpoint's")
     p.add_argument("--data", help="examples (.jsonl, .parquet or .txt); default: the built-in sets")
     p.add_argument("--n", type=int, help=f"use the first N examples (default: all); needle: samples per depth and "
                    f"length (default {NEEDLE_N})")
     p.add_argument("--batch-size", type=int, default=8, help="ae, lm, qa, needle: examples per batch (default 8)")
     p.add_argument("--max-new-tokens", type=int, help="generation budget (default: ae n for a head-cropped "
                    "checkpoint, else reference + 8; qa the paper's: PCC 30, CompLLM 512, EPL 1024, else 64; "
-                   f"needle {NEEDLE_BUDGET}; speed 16 timed decode steps)")
+                   f"needle {NEEDLE_BUDGET})")
     p.add_argument("--max-len", type=int, help="ae, lm, interpolate: cut texts to their first N tokens; qa: cut "
                    "contexts (default: the checkpoint's n when it was trained with --crop head)")
     p.add_argument("--ratio", type=int, help="group merging (GMSA): the compression ratio r (group size) to evaluate "
@@ -905,24 +736,21 @@ def parse_args(argv=None):
                    "context and ask each question against it (CompLLM §4); default 1")
     p.add_argument("--no-reuse", action="store_true", help="qa: compress every context anew (default: a chunk's "
                    "memory is kept and reused, CompLLM's reusability)")
-    p.add_argument("--lengths", help="speed, needle: context lengths in tokens, comma-separated (default: speed "
-                   f"{','.join(map(str, SPEED_LENGTHS))}; needle those of {','.join(map(str, NEEDLE_LENGTHS))} the "
-                   "model's positions allow)")
+    p.add_argument("--lengths", help="needle: context lengths in tokens, comma-separated (default: those of "
+                   f"{','.join(map(str, NEEDLE_LENGTHS))} the model's positions allow)")
     p.add_argument("--seed", type=int, default=0, help="needle: seeds the passkeys and the haystacks (default 0)")
     p.add_argument("--weights", default=DEFAULT_WEIGHTS, help=f"interpolate: values of w (default {DEFAULT_WEIGHTS})")
     p.add_argument("--text0", help=f"interpolate: first prompt (default {DEFAULT_TEXT0!r}); heatmap: the text")
     p.add_argument("--text1", help=f"interpolate: second prompt (default {DEFAULT_TEXT1!r})")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="default cuda if any")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="default bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--out", help="JSON results file (default CKPT/eval_TASK.json, or eval_speed_METHOD.json)")
+    p.add_argument("--out", help="JSON results file (default CKPT/eval_TASK.json)")
     args = p.parse_args(argv)
     if args.task not in TASKS:
         raise SystemExit(f"error: unknown task '{args.task}': choose one of {', '.join(TASKS)}")
-    if args.ckpt is None and (args.method is None or args.task != "speed"):
-        raise SystemExit(f"error: --task {args.task} needs --ckpt DIR (only speed runs an untrained compressor, "
-                         "with --method M [--model tiny])")
-    if args.shape and (args.ckpt is not None or args.model is not None):
-        raise SystemExit("error: --shape replaces --model and needs no --ckpt (speed with --method M only)")
+    if args.ckpt is None:   # an untrained preset is timed by tests/bench_speed.py, never scored
+        raise SystemExit(f"error: --task {args.task} needs --ckpt DIR (an untrained preset's speed: "
+                         "tests/bench_speed.py --method M)")
     for name in ("n", "max_new_tokens", "batch_size", "max_len", "ratio", "concat"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -933,12 +761,9 @@ def parse_args(argv=None):
 
 
 def load_compressor(args):
-    """The checkpoint's compressor, or (speed without --ckpt) an untrained preset; one-line errors."""
+    """The checkpoint's compressor (args: ckpt, model, method, device, dtype); one-line errors. Also
+    tests/bench_speed.py's."""
     dtype = DTYPES[args.dtype]
-    if args.ckpt is None:
-        decoder, tok = (build_shape(args.shape, args.device, dtype) if args.shape else
-                        load_pretrained(args.model or "tiny", dtype=dtype, device=args.device))
-        return C.build(args.method, decoder, tok).eval()
     cfg = C.read_checkpoint_config(args.ckpt).get("config")
     if not isinstance(cfg, dict) or "method" not in cfg or "model" not in cfg:
         raise ValueError(f"'{args.ckpt}/compressor.json' has no compressor config: restore it or retrain")
@@ -954,25 +779,33 @@ def load_compressor(args):
 
 
 class Task(NamedTuple):
-    """One evaluation task: what it reads, how it runs from the command line's arguments, how stdout shows it."""
+    """One evaluation task: what it does (--help), what it reads, how it runs from the command line's arguments,
+    how stdout shows it."""
+    help: str           # one line of --help: what the task does, reads and writes
     examples: bool      # reads held-out examples (--data, --n)
     run: object         # (args, comp, examples, proto, out) -> result dict
     report: object      # result -> markdown
 
 
 TASKS = {   # a: the parsed arguments, ex: the examples, out: the results' path without .json
-    "ae": Task(True, lambda a, comp, ex, proto, out: run_ae(comp, ex, a.max_new_tokens, proto, a.batch_size, a.ratio),
+    "ae": Task("regenerate each text from its memory: bleu4_ids, bleu4_words, prefix_em, token_accuracy, rouge1/2/L",
+               True, lambda a, comp, ex, proto, out: run_ae(comp, ex, a.max_new_tokens, proto, a.batch_size, a.ratio),
                report_text),
-    "lm": Task(True, lambda a, comp, ex, proto, out: run_lm(comp, ex, a.batch_size, a.ratio, a.max_len), report_text),
-    "qa": Task(True, lambda a, comp, ex, proto, out: run_qa(comp, ex, a.max_new_tokens, a.batch_size, a.ratio, a.concat,
-                                                            not a.no_reuse, a.max_len), report_text),
-    "needle": Task(True, lambda a, comp, ex, proto, out: run_needle(
-        comp, ex, a.lengths, a.n, a.seed, a.max_new_tokens, a.batch_size, a.ratio, png=out + ".png"), report_needle),
-    "speed": Task(False, lambda a, comp, ex, proto, out: run_speed(comp, a.lengths or SPEED_LENGTHS, a.max_new_tokens),
-                  report_speed),
-    "interpolate": Task(False, lambda a, comp, ex, proto, out: run_interpolate(
-        comp, a.text0 or DEFAULT_TEXT0, a.text1 or DEFAULT_TEXT1, a.weights, a.max_new_tokens, proto), report_interpolate),
-    "heatmap": Task(True, lambda a, comp, ex, proto, out: run_heatmap(comp, a.text0 or ex[0]["text"], out),
+    "lm": Task("the perplexity of each text's second half (cut at len/2, EPL) given the memory of its first half",
+               True, lambda a, comp, ex, proto, out: run_lm(comp, ex, a.batch_size, a.ratio, a.max_len), report_text),
+    "qa": Task("answer from memory + question (5 built-in): squad_f1/em, exact_match, token_f1, substring_acc, rouge1",
+               True, lambda a, comp, ex, proto, out: run_qa(comp, ex, a.max_new_tokens, a.batch_size, a.ratio,
+                                                            a.concat, not a.no_reuse, a.max_len), report_text),
+    "needle": Task("passkey retrieval: a 5-digit key in --data haystacks, a depth x --lengths grid, its PNG by --out",
+                   True, lambda a, comp, ex, proto, out: run_needle(comp, ex, a.lengths, a.n, a.seed, a.max_new_tokens,
+                                                                    a.batch_size, a.ratio, png=out + ".png"),
+                   report_needle),
+    "interpolate": Task("AOC Eq. 5: regenerate from Z0 + w (Z1 - Z0) per --weights w, Z0/Z1 the memories of --text0/1",
+                        False, lambda a, comp, ex, proto, out: run_interpolate(
+                            comp, a.text0 or DEFAULT_TEXT0, a.text1 or DEFAULT_TEXT1, a.weights, a.max_new_tokens,
+                            proto), report_interpolate),
+    "heatmap": Task("slot-token cosine, memory -> context attention (not gmsa) of --text0 or the first text; PNGs",
+                    True, lambda a, comp, ex, proto, out: run_heatmap(comp, a.text0 or ex[0]["text"], out),
                     report_heatmap),
 }
 
@@ -988,9 +821,8 @@ def numbers(text, kind, name):
 def main(argv=None):
     """Run one task; returns the result dict (also written as JSON). Bad input -> SystemExit('error: ...')."""
     args = parse_args(argv)
-    torch.manual_seed(0)   # an untrained preset's memory tokens, and anything else random, repeat run to run
-    out = args.out or (os.path.join(args.ckpt, f"eval_{args.task}.json") if args.ckpt
-                       else f"eval_{args.task}_{args.method}.json")
+    torch.manual_seed(0)   # anything random repeats run to run
+    out = args.out or os.path.join(args.ckpt, f"eval_{args.task}.json")
     try:
         args.lengths = args.lengths and numbers(args.lengths, int, "lengths")
         args.weights = numbers(args.weights, float, "weights")

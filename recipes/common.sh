@@ -67,17 +67,31 @@ train_arm() {
   fi
 }
 
-# eval_arm NAME TASK[:LABEL] EVALUATE.PY-FLAGS...: score the arm; its JSON lands in $OUT/NAME/eval_LABEL.json
-# (LABEL defaults to TASK; give one to score the same task twice with different flags). A score newer than the
-# arm's checkpoint is kept, unless REEVAL=1
-eval_arm() {
-  local name=$1 task=${2%%:*} label=${2#*:}; shift 2
-  [ "$SMOKE" = 1 ] && set -- "$@" --n 2 --max-new-tokens 4
+# scored NAME LABEL SCRIPT FLAGS...: run SCRIPT --ckpt $OUT/NAME FLAGS into $OUT/NAME/eval_LABEL.json, its markdown into
+# eval_LABEL.md. A score newer than the arm's checkpoint is kept, unless REEVAL=1
+scored() {
+  local name=$1 label=$2 script=$3; shift 3
   if [ "${REEVAL:-0}" != 1 ] && [ "$OUT/$name/eval_$label.json" -nt "$OUT/$name/compressor.safetensors" ]; then
     echo "== $name: $label already scored"; return
   fi
-  echo "== $name: python evaluate.py --ckpt $OUT/$name --task $task $*"
-  $PY evaluate.py --ckpt "$OUT/$name" --task "$task" "$@" --out "$OUT/$name/eval_$label.json" > "$OUT/$name/eval_$label.md"
+  echo "== $name: python $script --ckpt $OUT/$name $*"
+  $PY "$script" --ckpt "$OUT/$name" "$@" --out "$OUT/$name/eval_$label.json" > "$OUT/$name/eval_$label.md"
+}
+
+# eval_arm NAME TASK[:LABEL] EVALUATE.PY-FLAGS...: score the arm; its JSON lands in $OUT/NAME/eval_LABEL.json
+# (LABEL defaults to TASK; give one to score the same task twice with different flags)
+eval_arm() {
+  local name=$1 task=${2%%:*} label=${2#*:}; shift 2
+  [ "$SMOKE" = 1 ] && set -- "$@" --n 2 --max-new-tokens 4
+  scored "$name" "$label" evaluate.py --task "$task" "$@"
+}
+
+# speed_arm NAME BENCH_SPEED.PY-FLAGS...: time to first token and KV-cache size of the arm against the full context
+# (tests/bench_speed.py, CompLLM's claims), into $OUT/NAME/eval_speed.json as an evaluation
+speed_arm() {
+  local name=$1; shift
+  [ "$SMOKE" = 1 ] && set -- "$@" --max-new-tokens 4
+  scored "$name" speed tests/bench_speed.py "$@"
 }
 
 # diagnose_arm NAME HELD-FLAGS...: what the decoder sees of a trained arm's memory (recipes/diagnosis.py), measured

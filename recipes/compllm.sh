@@ -36,7 +36,7 @@ if [ "$SCALE" = paper ]; then
   # two questions per long context: compressed once (reused) or anew; the answers must be identical
   eval_arm compllm qa:reuse "${QA[@]}" --concat 2
   eval_arm compllm qa:fresh "${QA[@]}" --concat 2 --no-reuse
-  eval_arm compllm speed --lengths $LENGTHS
+  speed_arm compllm --lengths $LENGTHS
   reuse_check "$OUT/compllm"
   $PY recipes/summarize.py --out "$OUT" --arms compllm --curves distill \
     --title "CompLLM: C = 2 concept embeddings vs full and no context (held-out questions)" \
@@ -95,7 +95,7 @@ PY
   # the mechanics, on the first seed: cached CEs answer as freshly compressed ones, and speed / KV size
   eval_arm $ONE qa:reuse "${QA[@]}" --concat 2
   eval_arm $ONE qa:fresh "${QA[@]}" --concat 2 --no-reuse
-  eval_arm $ONE speed --lengths $LENGTHS
+  speed_arm $ONE --lengths $LENGTHS
   reuse_check "$OUT/$ONE"
   $PY recipes/summarize.py --out "$OUT" --arms $ARMS --curves distill \
     --title "CompLLM: C = 2 concept embeddings vs full and no context (held-out questions), every run" \

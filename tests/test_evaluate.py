@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+import bench_speed
 import compressors as C
 import evaluate as E
 import metrics as M
@@ -243,16 +244,18 @@ def test_data_files(tmp_path):
     assert M.qa_scores("in Paris", ["Paris", "in Paris"])["epl_em"] == 0.0         # EPL: answers[0] only
 
 
-# ---- speed ----
+# ---- speed (tests/bench_speed.py, a benchmark that reuses evaluate.py's loading and compression) ----
 
 
 @pytest.mark.parametrize("method", ["aoc", "compllm"])
 def test_speed_reports_times_and_the_analytic_kv_bytes(method, tmp_path, capsys, device):
     out_file = tmp_path / "speed.json"
     lengths = [64, 128, 256, 512]
-    result, out = run(["--method", method, "--model", "tiny", "--task", "speed", "--out", out_file,
-                       "--lengths", ",".join(map(str, lengths)), "--max-new-tokens", 2], device, capsys, dtype=None)
-    assert json.loads(out_file.read_text())["rows"] == result["rows"]
+    argv = ["--method", method, "--model", "tiny", "--out", out_file, "--lengths", ",".join(map(str, lengths)),
+            "--max-new-tokens", 2, "--device", device]
+    result = bench_speed.main([str(a) for a in argv])
+    out = capsys.readouterr().out
+    assert json.loads(out_file.read_text())["rows"] == result["rows"] and result["task"] == "speed"
     assert "TTFT full ms" in out and "C^2" in out
     cfg = ModelConfig.from_hf(TINY_CONFIG)
     # evaluate.py's own dtype for the device (what a GPU user times): fp32 on the CPU, bf16 on CUDA
@@ -272,9 +275,18 @@ def test_speed_reports_times_and_the_analytic_kv_bytes(method, tmp_path, capsys,
     assert result["ttft_bound_c2"] == pytest.approx((lengths[-1] / result["rows"][-1]["memory_slots"]) ** 2)
 
 
+def test_speed_of_a_checkpoint_writes_its_eval_speed_json(ckpt, capsys, device):
+    """What recipes/compllm.sh runs on its arm: --ckpt, the record next to the checkpoint as evaluate.py writes it."""
+    argv = ["--ckpt", ckpt["compllm"], "--lengths", 64, "--max-new-tokens", 1, "--device", device]
+    result = bench_speed.main([str(a) for a in argv])
+    assert json.loads(Path(ckpt["compllm"], "eval_speed.json").read_text()) == json.loads(json.dumps(result))
+    assert result["checkpoint"] == ckpt["compllm"] and result["config"]["method"] == "compllm"
+    assert result["rows"][-1]["speedup_offline"] > 0 and "C^2" in capsys.readouterr().out
+
+
 def test_fit_exponent():
-    assert E.fit_exponent([512, 1024, 2048], [3.0 * n ** 2 for n in (512, 1024, 2048)]) == pytest.approx(2.0)
-    assert E.fit_exponent([512, 1024, 2048], [0.5 * n for n in (512, 1024, 2048)]) == pytest.approx(1.0)
+    assert bench_speed.fit_exponent([512, 1024, 2048], [3.0 * n ** 2 for n in (512, 1024, 2048)]) == pytest.approx(2.0)
+    assert bench_speed.fit_exponent([512, 1024, 2048], [0.5 * n for n in (512, 1024, 2048)]) == pytest.approx(1.0)
 
 
 # ---- interpolate ----
@@ -363,10 +375,11 @@ def test_heatmap_group_merging_has_cosine_but_no_attention(ckpt, tmp_path, devic
 
 @pytest.fixture
 def one_line_error(device):
-    """one_line_error(argv): evaluate.py's main on the test device must exit with one line `error: ...`."""
-    def check(argv):
+    """one_line_error(argv[, main]): evaluate.py's main (or bench_speed's) on the test device must exit with one line
+    `error: ...`."""
+    def check(argv, main=E.main):
         with pytest.raises(SystemExit) as e:
-            E.main([str(a) for a in [*argv, "--device", device]])
+            main([str(a) for a in [*argv, "--device", device]])
         msg = str(e.value.code)
         assert msg.startswith("error: ") and "\n" not in msg, msg
         return msg
@@ -378,8 +391,7 @@ def test_bad_input_is_a_one_line_error(ckpt, tmp_path, one_line_error):
     assert "compressor.json is missing" in one_line_error(["--ckpt", tmp_path, "--task", "ae"])
     assert "unknown task 'sing'" in one_line_error(["--ckpt", ckpt["aoc"], "--task", "sing"])
     assert "needs --ckpt" in one_line_error(["--task", "ae", "--method", "aoc"])
-    assert "unknown method 'foo'" in one_line_error(["--task", "speed", "--method", "foo", "--lengths", "64"])
-    assert "comma-separated" in one_line_error(["--task", "speed", "--method", "aoc", "--lengths", "1k"])
+    assert "needs --ckpt" in one_line_error(["--task", "needle", "--method", "aoc", "--model", "tiny"])
     assert "not 'HuggingFaceTB/SmolLM2-135M'" in one_line_error(
         ["--ckpt", ckpt["aoc"], "--task", "ae", "--model", "HuggingFaceTB/SmolLM2-135M"])
     assert "holds method 'aoc', not 'icae'" in one_line_error(
@@ -391,6 +403,16 @@ def test_bad_input_is_a_one_line_error(ckpt, tmp_path, one_line_error):
         ["--ckpt", ckpt["icae"], "--task", "qa", "--data", bad])
     # CompLLM sizes memory by length: the two default prompts (31 and 34 bytes) give 16 and 17 slots
     assert "same size" in one_line_error(["--ckpt", ckpt["compllm"], "--task", "interpolate"])
+
+
+def test_speed_bad_input_is_a_one_line_error(ckpt, one_line_error):
+    error = lambda argv: one_line_error(argv, bench_speed.main)
+    assert "unknown method 'foo'" in error(["--method", "foo", "--lengths", "64"])
+    assert "comma-separated" in error(["--method", "aoc", "--lengths", "1k"])
+    assert "must be positive" in error(["--method", "aoc", "--lengths", "0"])
+    assert "give --ckpt DIR, or --method M" in error(["--lengths", "64"])
+    assert "--shape replaces --model" in error(["--method", "aoc", "--shape", "qwen3-4b", "--model", "tiny"])
+    assert "holds method 'compllm', not 'aoc'" in error(["--ckpt", ckpt["compllm"], "--method", "aoc"])
 
 
 def test_checkpoint_of_another_base_model(ckpt, tmp_path, one_line_error):
@@ -433,7 +455,7 @@ def test_every_method_runs_every_task(method, tmp_path, device):
     assert set(E.run_qa(comp, train.EVAL_QA[:1], max_new_tokens=4)["scores"]) == {"compressed", "full", "none"}
     heat = E.run_heatmap(comp, text, str(tmp_path / "h"))
     assert (heat["attention"] is None) == (method == "gmsa")
-    speed = E.run_speed(comp, [128, 256], max_new_tokens=1, repeats=1)
+    speed = bench_speed.run_speed(comp, [128, 256], max_new_tokens=1, repeats=1)
     assert all(r["kv_bytes_compressed"] < r["kv_bytes_full"] for r in speed["rows"])
     interp = E.run_interpolate(comp, "a" * 64, "b" * 64, [0, 1], max_new_tokens=4)   # equal lengths: equal sizes
     assert len(interp["rows"]) == 2
