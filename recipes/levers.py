@@ -24,9 +24,12 @@ BASELINE = {"lora": ("500x", "lora")}   # ladder arms that are a preset under a 
 
 def read_arm(path, threshold):
     """The arm's checks along the run, its final own/other, last step, and first step at or below the threshold."""
-    curve = json.load(open(os.path.join(path, "eval_curve.json"))) if os.path.isfile(
-        os.path.join(path, "eval_curve.json")) else {"points": []}
-    points = [(p["step"], p["ratio"]) for p in curve["points"]]
+    if os.path.isfile(os.path.join(path, "eval_curve.json")):   # recipes/curve.py's points
+        points = [(p["step"], p["ratio"]) for p in json.load(open(os.path.join(path, "eval_curve.json")))["points"]]
+    else:   # not summarized yet: the checks the run logged (train.py --eval-every)
+        log = os.path.join(path, "log.jsonl")
+        rows = [json.loads(line) for line in open(log)] if os.path.isfile(log) else []
+        points = [(r["step"], r["eval"]["own_other"]) for r in rows if "eval" in r]
     ae = os.path.join(path, "eval_ae.json")
     final = json.load(open(ae))["loss"]["own_other_ratio"] if os.path.isfile(ae) else (points[-1][1] if points
                                                                                        else None)
