@@ -29,6 +29,8 @@ if [ "$SMOKE" = 1 ]; then
 else
   MODEL=${MODEL:-HuggingFaceTB/SmolLM2-135M-Instruct}
 fi
+# how the records name the model: a hub id as given, a local folder by its own name (no machine-local path)
+if [ -d "$MODEL" ]; then MODEL_NAME="a local folder, $(basename "$MODEL")"; else MODEL_NAME=$MODEL; fi
 
 # the real English corpus (recipes/corpus.py): trains on train.jsonl, scores on heldout.jsonl only
 CORPUS=${CORPUS:-runs/corpus}

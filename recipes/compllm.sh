@@ -43,7 +43,7 @@ if [ "$SCALE" = paper ]; then
     --metric "F1 CEs=qa:scores.compressed.squad_f1" --metric "F1 full=qa:scores.full.squad_f1" \
     --metric "F1 none=qa:scores.none.squad_f1" --metric "own/other=qa:loss.own_other_ratio" \
     --metric "cached CEs: same answers=reuse_check:identical_answers" \
-    --metric "TTFT speedup (longest)=speed:rows.-1.speedup_offline" --note "model $MODEL"
+    --metric "TTFT speedup (longest)=speed:rows.-1.speedup_offline" --note "model $MODEL_NAME"
 else
   # ours: the fill-in-the-blank training questions, the LLM's own answers of up to 48 tokens, batch 4, lr 1e-4.
   # Distilled in stages of STAGE steps, each scored on the held-out questions, until the CEs answer clearly better
@@ -105,7 +105,7 @@ PY
     --metric "own/other=qa:loss.own_other_ratio" --metric "answer loss CEs=qa:loss.own" \
     --metric "other CEs=qa:loss.other" --metric "none=qa:loss.none" --metric "full=qa:loss.full" \
     --metric "cached CEs: same answers=reuse_check:identical_answers" \
-    --metric "TTFT speedup (longest)=speed:rows.-1.speedup_offline" --note "model $MODEL"
+    --metric "TTFT speedup (longest)=speed:rows.-1.speedup_offline" --note "model $MODEL_NAME"
   for B in none full; do
     # CompLLM Fig. 5: the CEs answer "comparable or slightly lower" than the full context at short contexts
     $PY recipes/verdict.py --out "$OUT" --claim "CompLLM: the CEs answer $([ $B = none ] && echo "better than no context" || echo "as well as the full context")" \

@@ -108,7 +108,7 @@ $PY recipes/summarize.py --out "$OUT" --arms $ALL --curves \
   --metric "first step at own/other 0.5=curve:first_at_threshold" --metric "own/other=ae:loss.own_other_ratio" \
   --metric "BLEU-4 (words)=ae:scores.compressed.bleu4_words" --metric "ROUGE-L=ae:scores.compressed.rougeL" \
   --metric "AE loss own=ae:loss.own" --metric "no memory=ae:loss.none" --metric "trained parameters=params:" \
-  --metric "s/step=curve:s_per_step" --note "model $MODEL; the figure: curve.png; the diagnosis: diagnosis.md"
+  --metric "s/step=curve:s_per_step" --note "model $MODEL_NAME; the figure: curve.png; the diagnosis: diagnosis.md"
 # the lever table (recipes/levers.py): every preset x lever x rung; LEVER_EXTRA="PRESET:LEVER@RUNG=FOLDER ..." adds arms
 # kept by another recipe under the same protocol (e.g. aoc.sh's 1,500-step AOC at 16 tokens as aoc:long@1x)
 # shellcheck disable=SC2046

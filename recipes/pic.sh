@@ -28,7 +28,7 @@ if [ "$SCALE" = paper ]; then
     eval_arm ${arm}_qa qa --data $SQUAD_TEST
   done
   $PY recipes/summarize.py --out "$OUT" --arms pcc pic --curves ae lm \
-    --title "PIC vs PCC at 16x: pretraining (TR = ae, TC = lm)" --metric "TR loss own=ae:loss.own" --note "model $MODEL"
+    --title "PIC vs PCC at 16x: pretraining (TR = ae, TC = lm)" --metric "TR loss own=ae:loss.own" --note "model $MODEL_NAME"
   $PY recipes/summarize.py --out "$OUT" --append --arms pcc_qa pic_qa --curves qa \
     --title "PIC vs PCC at 16x: QA after pretraining and the same fine-tune" \
     --metric "F1=qa:scores.compressed.squad_f1" --metric "EM=qa:scores.compressed.squad_em"
@@ -85,7 +85,7 @@ else
   $PY recipes/summarize.py --out "$OUT" --arms $(echo $PROBES $(runs pcc) $(runs pic) | tr ' ' '\n' | awk '!seen[$0]++') \
     --curves ae lm --title "PIC vs PCC: pretraining (TR = ae, TC = lm), the probes of PCC and the rung ${RATIO}x" \
     --metric "TR loss own=ae:loss.own" --metric "own/other=ae:loss.own_other_ratio" \
-    --metric "AE BLEU-4 (words)=ae:scores.compressed.bleu4_words" --note "model $MODEL"
+    --metric "AE BLEU-4 (words)=ae:scores.compressed.bleu4_words" --note "model $MODEL_NAME"
   $PY recipes/summarize.py --out "$OUT" --append --arms $(runs pcc _qa) $(runs pic _qa) --curves qa \
     --title "PIC vs PCC at ${RATIO}x: QA after the same fine-tune (held-out questions)" \
     --metric "F1=qa:scores.compressed.squad_f1" --metric "EM=qa:scores.compressed.squad_em" \

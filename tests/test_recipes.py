@@ -344,3 +344,21 @@ def test_lever_table_names_the_lever_that_carries_at_4x(tmp_path):
     assert ("pcc", "none") not in rows   # no arm, no row
     kept = json.loads((tmp_path / "levers.json").read_text())
     assert not any(k.startswith("pcc:") for k in kept) and kept["500x:lora@4x"]["first"] == 100
+
+
+def test_records_name_a_local_model_folder_without_its_path(tmp_path):
+    """A recipe run on a local Hugging Face folder names it by its own name in results.md, not by a path that only
+    exists on the machine that ran it (common.sh's MODEL_NAME, which every recipe's --note uses)."""
+    folder = tmp_path / "machine" / "local" / "smollm2-135m"
+    folder.mkdir(parents=True)
+    got = subprocess.run(["bash", "-c", 'PAPER=t; source recipes/common.sh; echo "$MODEL_NAME"'], cwd=REPO,
+                         env={**os.environ, "MODEL": str(folder), "HELD": "x.jsonl", "OUT": str(tmp_path / "out")},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert got == "a local folder, smollm2-135m"
+    hub = subprocess.run(["bash", "-c", 'PAPER=t; source recipes/common.sh; echo "$MODEL_NAME"'], cwd=REPO,
+                         env={**os.environ, "MODEL": "HuggingFaceTB/SmolLM2-135M-Instruct", "HELD": "x.jsonl",
+                              "OUT": str(tmp_path / "out")}, capture_output=True, text=True, check=True).stdout.strip()
+    assert hub == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    scripts = [p for p in (REPO / "recipes").glob("*.sh") if "--note" in p.read_text()]
+    assert scripts and not any('--note "model $MODEL"' in p.read_text() or '--note "model $MODEL;' in p.read_text()
+                               for p in scripts)
