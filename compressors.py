@@ -269,9 +269,10 @@ PRESETS = {
     # Its learning rates are not legible in our copy of the paper: 1e-4 (AE) / 1e-5 (KEFT) are ours, as are betas,
     # weight decay (PyTorch's AdamW defaults), warmup, and the shortest text.
     # bos=True: GMSA trains LLaMA-2-7B, whose Hugging Face tokenizer adds <s> to every text by default
-    # (add_bos_token), so its encoder reads <s> x; without it the first token's hidden state is the attention sink,
-    # nearly the same for every text, and the memory loses the first token (recipes/README.md, GMSA: first-token
-    # AE loss 10.47 vs 0.026 for the rest; with [BOS] 3.58 / 0.139, held-out own/other 0.039 vs 0.138 at 300 steps)
+    # (add_bos_token), so its encoder reads <s> x. Measured at our scale, it does not decide it either way: without
+    # [BOS] the memory loses the first token (gmsa.sh 1:1, 1,000 steps: AE loss 10.47 on it, 0.026 on the rest); with
+    # it, gmsa.sh's 1:1 flags recover it at 300 steps (3.58 / 0.139, own/other 0.039 vs 0.138), the ladder's 1:1
+    # flags do not (12.50 / 3.28, own/other 0.653 vs 0.551): recipes/README.md, the lever phase
     "gmsa": Preset("GMSA §3.2-3.5, App. C Table 3 (no public code)",
                    frozen(encoder="first_k", lora_r=64, lora_alpha=128, source="group_mean", chunk_len=512,
                           bridge="lsa", lm_token="none", bos=True),
