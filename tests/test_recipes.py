@@ -251,7 +251,8 @@ def test_diagnosis_splits_the_own_loss_at_the_first_token():
                                             "A second text about something else entirely, longer.")]
     d = diagnosis.measure(comp, xs)
     memory = comp.compress([comp.encoder_ids(x) for x in xs])
-    sums, counts = comp.nll(memory, "ae", [x[:1] for x in xs], [1, 1])
+    lead = len(comp.target_bos)   # GMSA reconstructs [BOS] x [EOS]; the loss starts at x's first token
+    sums, counts = comp.nll(memory, "ae", [comp.ae_target(x)[:lead + 1] for x in xs], [1, 1])
     assert counts == [1, 1]
     assert d["loss_own_first"] == pytest.approx(sum(sums) / 2, rel=1e-4)
     n = len(xs[0]) + 1
