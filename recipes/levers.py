@@ -16,8 +16,14 @@ import argparse
 import json
 import os
 import re
+import sys
 
-PRESETS = ("icae", "500x", "pcc", "pic", "compllm", "gmsa", "aoc")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import compressors as C  # noqa: E402
+import evaluate as E  # noqa: E402
+import train  # noqa: E402
+
+PRESETS = C.METHODS
 RUNGS = ("1x", "4x")
 BASELINE = {"lora": ("500x", "lora")}   # ladder arms that are a preset under a lever: AOC's LoRA baseline is 500x + lora
 
@@ -27,9 +33,8 @@ def read_arm(path, threshold):
     if os.path.isfile(os.path.join(path, "eval_curve.json")):   # recipes/curve.py's points
         points = [(p["step"], p["ratio"]) for p in json.load(open(os.path.join(path, "eval_curve.json")))["points"]]
     else:   # not summarized yet: the checks the run logged (train.py --eval-every)
-        log = os.path.join(path, "log.jsonl")
-        rows = [json.loads(line) for line in open(log)] if os.path.isfile(log) else []
-        points = [(r["step"], r["eval"]["own_other"]) for r in rows if "eval" in r]
+        checks = train.read_log(path)[1] if os.path.isfile(os.path.join(path, "log.jsonl")) else []
+        points = [(r["step"], r["eval"]["own_other"]) for r in checks]
     ae = os.path.join(path, "eval_ae.json")
     final = json.load(open(ae))["loss"]["own_other_ratio"] if os.path.isfile(ae) else (points[-1][1] if points
                                                                                        else None)
@@ -85,12 +90,8 @@ def table(arms, threshold):
 
 
 def figure(arms, png, threshold):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("levers.py: no figure (pip install matplotlib)")
+    plt = E.pyplot(png)   # None without matplotlib: the table is the result, the figure a view of it
+    if plt is None:
         return None
     fig, axes = plt.subplots(2, len(PRESETS), figsize=(3 * len(PRESETS), 6), sharey=True, squeeze=False)
     for col, preset in enumerate(PRESETS):
