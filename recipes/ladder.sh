@@ -13,13 +13,16 @@
 #   RUNGS=1x bash recipes/ladder.sh     # one rung only; ARMS="icae aoc" for some presets only
 #   SEED=1 OUT=runs/recipes/ladder_s1 bash recipes/ladder.sh   # another seed (data order and init)
 #   LEVERS="icae:epl aoc:long@1x 500x:warm=500x_1x@4x" bash recipes/ladder.sh   # the lever phase (ours, below)
+#   JOBS=14 ARMS=" " LONG_STEPS=2000 LEVERS="icae:long+batch16 ..." bash recipes/ladder.sh   # lever arms side by side (a GPU)
 #
 # The lever phase (issue 29; ours): for a preset whose memory carries nothing, the same protocol with one lever on top
 # of the preset's own flags, as an arm PRESET_LEVER_RUNG in the rung's panel. Levers (lever_flags): epl (EPL's
 # positions), lora (the LoRA baseline's r 64 on q,k,v,o at lr 2e-4), long (LONG_STEPS, default 1500), batch16,
 # curriculum (texts from 4 tokens up over the first third of the run), memlr (the memory tokens at MEM_LR, 1e-3),
 # pretrain (AE + LM on texts of twice the rung's length: the rung's length is what is compressed), warm=ARM (start
-# from ARM's trained tensors, e.g. the 4x arm from the 1:1 arm that carries).
+# from ARM's trained tensors, e.g. the 4x arm from the 1:1 arm that carries). Levers joined by + stack, in order
+# (long+batch16: the paper batch for LONG_STEPS). JOBS=N (ours) trains up to N lever arms at once, each one's output in
+# OUT/NAME.out: on one GPU a small model leaves the device mostly idle, so arms side by side cost little more than one.
 PAPER=ladder
 source "$(dirname "$0")/common.sh"
 [ "$SCALE" = paper ] && { echo "the ladder is ours (no paper ran it): it has no SCALE=paper setup"; exit 2; }
@@ -47,7 +50,7 @@ arm_flags() {
 }
 
 # a lever's flags, given the rung's text length n (they come after the arm's own: the last of a flag wins)
-lever_flags() {
+lever_flag() {
   local lever=${1%%=*} value=${1#*=} n=$2
   case $lever in
     epl)        echo --layout epl ;;
@@ -62,16 +65,26 @@ lever_flags() {
     *)          echo "unknown lever $1 (epl lora long batch16 curriculum memlr pretrain warm=ARM nobos)" >&2; exit 2 ;;
   esac
 }
-[ "$SMOKE" = 1 ] && LEVERS=${LEVERS:-"icae:epl aoc:memlr 500x:pretrain"}
+lever_flags() {   # one lever, or several joined by +: each one's flags in turn
+  local one
+  for one in ${1//+/ }; do lever_flag "$one" "$2" || return 2; done
+}
+# lever_arm NAME LEN TRAIN.PY-FLAGS...: train the lever arm, then score it on held-out texts of LEN tokens
+lever_arm() {
+  local name=$1 len=$2; shift 2
+  train_arm "$name" "$@"
+  eval_arm "$name" ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len "$len"
+}
+[ "$SMOKE" = 1 ] && LEVERS=${LEVERS:-"icae:epl aoc:memlr+curriculum 500x:pretrain"} && JOBS=${JOBS:-2}   # CI: + and JOBS too
 
-GROUPS_ARGS=()
+GROUPS_ARGS=() PIDS=()
 for rung in ${RUNGS:-1x 4x}; do
   case $rung in 1x) n=16 r=1 ;; 4x) n=64 r=4 ;; *) echo "unknown rung $rung (1x or 4x)"; exit 2 ;; esac
   names=()
   for arm in $ARMS $([ $rung = 1x ] && echo $DIAG_ARMS); do
     # shellcheck disable=SC2046
     train_arm ${arm}_$rung $(arm_flags $arm $n $r) --objective ae --crop window --min-len $n --max-len $n \
-      --batch-size 4 --steps $STEPS --save-every $EVERY --eval-every $EVERY --eval-n ${N:-32} "${HELD_EVAL[@]}" \
+      --batch-size 4 --steps $STEPS --save-every ${SAVE_EVERY:-$EVERY} --eval-every $EVERY --eval-n ${N:-32} "${HELD_EVAL[@]}" \
       --seed ${SEED:-0} "${TRAIN_TEXT[@]}"
     eval_arm ${arm}_$rung ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len $n
     # the run logged its held-out own/other every $EVERY steps (train.py --eval-every); at 1:1, what the decoder sees
@@ -86,19 +99,28 @@ for rung in ${RUNGS:-1x 4x}; do
     preset=${pair%%:*} lever=${pair#*:}
     name=${preset}_${lever%%=*}_$rung
     flags=$(lever_flags $lever $n) || exit 2
-    len=$n; [ "${lever%%=*}" = pretrain ] && len=$((2 * n))   # the text whose first half is compressed
+    len=$n; [[ +$lever+ == *+pretrain+* ]] && len=$((2 * n))   # the text whose first half is compressed
     # shellcheck disable=SC2046,SC2086
-    train_arm $name $(arm_flags $preset $n $r) --objective ae --crop window --min-len $n --max-len $n \
-      --batch-size 4 --steps $STEPS --save-every $EVERY --eval-every $EVERY --eval-n ${N:-32} "${HELD_EVAL[@]}" \
-      --seed ${SEED:-0} "${TRAIN_TEXT[@]}" $flags
-    eval_arm $name ae "${HELD_TEXT[@]}" --n ${N:-32} --max-len $len
+    set -- $name $len $(arm_flags $preset $n $r) --objective ae --crop window --min-len $n --max-len $n \
+      --batch-size 4 --steps $STEPS --save-every ${SAVE_EVERY:-$EVERY} --eval-every $EVERY --eval-n ${N:-32} \
+      "${HELD_EVAL[@]}" --seed ${SEED:-0} "${TRAIN_TEXT[@]}" $flags
+    if [ "${JOBS:-1}" -gt 1 ]; then   # side by side: wait for a free place, then start it in the background
+      while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 1; done
+      lever_arm "$@" > "$OUT/$name.out" 2>&1 &
+      PIDS+=($!)
+    else
+      lever_arm "$@"
+    fi
     names+=($name)
     LEVER_ARMS="${LEVER_ARMS:-} $name"
   done
-  GROUPS_ARGS+=(--group "$rung ($n tokens)" "${names[@]}")
+  [ ${#names[@]} -gt 0 ] && GROUPS_ARGS+=(--group "$rung ($n tokens)" "${names[@]}")
+done
+for pid in "${PIDS[@]}"; do   # the arms trained side by side (JOBS): any that failed stops the recipe here
+  wait "$pid" || { echo "a lever arm failed: see its output in $OUT/NAME.out" >&2; exit 1; }
 done
 $PY recipes/curve.py --out "$OUT" "${HELD_TEXT[@]}" --n ${N:-32} "${GROUPS_ARGS[@]}" --title "held-out own/other"
-if [[ " ${RUNGS:-1x 4x} " == *" 1x "* ]]; then
+if [[ " ${RUNGS:-1x 4x} " == *" 1x "* && -n "${ARMS// }" ]]; then   # ARMS=" ": the lever arms alone
   $PY recipes/diagnosis.py --runs $(for arm in $ARMS $DIAG_ARMS; do echo "$OUT/${arm}_1x"; done) "${HELD_TEXT[@]}" \
     --texts ${DIAG_TEXTS:-8} --out "$OUT/diagnosis"
 fi

@@ -46,7 +46,7 @@ def collect(out, extras, threshold):
     """{(preset, lever, rung): arm} from the folder names in OUT and the --extra arms."""
     arms = {}
     for name in sorted(os.listdir(out)):
-        m = re.fullmatch(r"(?P<preset>[a-z0-9]+)(?:_(?P<lever>[a-z0-9]+))?_(?P<rung>1x|4x)", name)
+        m = re.fullmatch(r"(?P<preset>[a-z0-9]+)(?:_(?P<lever>[a-z0-9+]+))?_(?P<rung>1x|4x)", name)
         if not m or not os.path.isfile(os.path.join(out, name, "args.json")):
             continue
         preset, lever = BASELINE.get(m["preset"], (m["preset"], m["lever"] or "none"))

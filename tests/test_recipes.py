@@ -52,6 +52,10 @@ def test_recipe_runs_end_to_end_without_matplotlib(paper, tmp_path):
     if any(table.get("curves") for table in results["tables"]):
         assert "(figure skipped: no matplotlib)" in (tmp_path / "results.md").read_text()
     assert not list(tmp_path.rglob("*.png"))
+    if paper == "ladder":   # at SMOKE the lever arms train two at a time (JOBS), one of them under two levers
+        args = json.loads((tmp_path / "aoc_memlr+curriculum_1x" / "args.json").read_text())
+        assert args["mem_lr"] == 1e-3 and args["len_curriculum"] and (tmp_path / "aoc_memlr+curriculum_1x.out").is_file()
+        assert "aoc_memlr+curriculum_1x" in results["tables"][0]["arms"]
     if paper == "pic":   # at SMOKE PCC carries nothing at 1x, so the probe stops there, and neither memory carries
         assert "PCC at 1x" in p.stdout and not list(tmp_path.glob("*_r4_*")) and not list(tmp_path.glob("*_r16_*"))
         assert "neither memory carries its text at 1x" in p.stdout   # so seed 1 of the default SEEDS is not run
@@ -335,6 +339,7 @@ def test_lever_table_names_the_lever_that_carries_at_4x(tmp_path):
     arm("icae_1x", [1.0, 0.99], 0.99)
     arm("icae_epl_1x", [0.9, 0.6, 0.52], 0.51)   # 0.51 > 0.5: does not carry
     arm("icae_epl_4x", [0.9, 0.5], 0.5)          # at the threshold: carries, first at step 100
+    arm("pcc_long+batch16_4x", [0.8, 0.4], 0.4)  # two levers at once: one lever "long+batch16"
     levers.main(["--out", str(tmp_path)])
     rows = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in line.split("|")[3:-1]]
             for line in (tmp_path / "levers.md").read_text().splitlines() if line.startswith("| ") and "---" not in line}
@@ -342,9 +347,10 @@ def test_lever_table_names_the_lever_that_carries_at_4x(tmp_path):
     assert rows[("500x", "none")] == ["-", "0.780 (never <= 0.5, 100 steps)", "lora"]
     assert rows[("icae", "epl")][0] == "0.510 (never <= 0.5, 150 steps)"
     assert rows[("icae", "none")][2] == "epl" and rows[("icae", "epl")][1].startswith("**0.500 (step 100")
+    assert rows[("pcc", "long+batch16")] == ["-", "**0.400 (step 100, 100 steps)**", "long+batch16"]
     assert ("pcc", "none") not in rows   # no arm, no row
     kept = json.loads((tmp_path / "levers.json").read_text())
-    assert not any(k.startswith("pcc:") for k in kept) and kept["500x:lora@4x"]["first"] == 100
+    assert list(k for k in kept if k.startswith("pcc:")) == ["pcc:long+batch16@4x"] and kept["500x:lora@4x"]["first"] == 100
 
 
 def test_records_name_a_local_model_folder_without_its_path(tmp_path):
