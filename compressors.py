@@ -1091,11 +1091,17 @@ def read_checkpoint_config(ckpt_dir: str) -> dict:
         raise ValueError(f"'{path}' is corrupt ({e.msg}): restore it or retrain") from None
 
 
+def saved_config(ckpt_dir: str) -> CompressorConfig:
+    """The settings a checkpoint was trained with (its compressor.json); one added since it was saved takes its
+    default, as load() and train.py --init both build it."""
+    saved = read_checkpoint_config(ckpt_dir)["config"]
+    return CompressorConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+
+
 def load(ckpt_dir: str, dtype=torch.float32, device="cpu", trained=True) -> Compressor:
     """Rebuild a compressor from a checkpoint: base model(s) from the config, trained tensors on top.
     trained=False: the same compressor as first built, untrained (seeding torch as the run did reproduces its init)."""
-    meta = read_checkpoint_config(ckpt_dir)
-    cfg = CompressorConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in meta["config"].items()})
+    cfg = saved_config(ckpt_dir)
     decoder, tok = load_pretrained(cfg.model, dtype=dtype, device=device)
     encoder, enc_tok = None, None
     if cfg.encoder == "separate" and cfg.compressor_model:

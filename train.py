@@ -46,7 +46,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from glob import glob
 
 import numpy as np
@@ -282,12 +282,10 @@ def resolve_defaults(args):
     on --model tiny from its demo settings (TINY) instead, where they have a value."""
     init = None
     if args.init:   # the models and compressor settings are the --init run's
-        try:
-            init = C.read_checkpoint_config(args.init)["config"]
+        try:   # a setting added after that run was saved has its default there, as compressors.load builds it
+            init = asdict(C.saved_config(args.init))
         except (ValueError, OSError) as e:
             fail(e)
-        # a setting added after that run was saved has its default there, as compressors.load builds it
-        init = {**{f.name: f.default for f in fields(C.CompressorConfig) if f.default is not MISSING}, **init}
         args.model = init["compressor_model"] or init["model"]
         args.decoder = init["model"] if init["compressor_model"] else None
     preset = C.PRESETS[args.method]
