@@ -57,7 +57,7 @@ lever_flag() {
     lora)       echo --lora-r 64 --lora-alpha 32 --lora-dropout 0.05 --lora-targets q_proj k_proj v_proj o_proj --lr 2e-4 ;;
     long)       echo --steps ${LONG_STEPS:-1500} ;;
     batch16)    echo --batch-size 16 ;;
-    curriculum) echo --len-curriculum 4 $(( (STEPS + 2) / 3 )) ;;
+    curriculum) echo --len-curriculum 4 $(( (${RUN_STEPS:-$STEPS} + 2) / 3 )) ;;
     memlr)      echo --mem-lr ${MEM_LR:-1e-3} ;;
     pretrain)   echo --objective pretrain --min-len $((2 * n)) --max-len $((2 * n)) ;;
     warm)       echo --warm-start "$OUT/$value" ;;
@@ -65,8 +65,9 @@ lever_flag() {
     *)          echo "unknown lever $1 (epl lora long batch16 curriculum memlr pretrain warm=ARM nobos)" >&2; exit 2 ;;
   esac
 }
-lever_flags() {   # one lever, or several joined by +: each one's flags in turn
-  local one
+lever_flags() {   # one lever, or several joined by +: each one's flags in turn (curriculum spans long's steps)
+  local one RUN_STEPS=$STEPS
+  [[ +$1+ == *+long+* ]] && RUN_STEPS=${LONG_STEPS:-1500}
   for one in ${1//+/ }; do lever_flag "$one" "$2" || return 2; done
 }
 # lever_arm NAME LEN TRAIN.PY-FLAGS...: train the lever arm, then score it on held-out texts of LEN tokens
