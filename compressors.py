@@ -1095,6 +1095,10 @@ def saved_config(ckpt_dir: str) -> CompressorConfig:
     """The settings a checkpoint was trained with (its compressor.json); one added since it was saved takes its
     default, as load() and train.py --init both build it."""
     saved = read_checkpoint_config(ckpt_dir)["config"]
+    unknown = sorted(set(saved) - {f.name for f in fields(CompressorConfig)})
+    if unknown:
+        raise ValueError(f"'{ckpt_dir}/compressor.json' has settings this code does not know ({', '.join(unknown)}): "
+                         "evaluate it with the code that trained it, or retrain")
     return CompressorConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
 
 

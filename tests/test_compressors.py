@@ -4,12 +4,13 @@ written out literally, never recomputed with positions.py."""
 
 import dataclasses
 import inspect
+import json
 import math
 import os
 import sys
 from collections.abc import Mapping
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -423,6 +424,20 @@ def test_save_load_roundtrip_gives_the_same_memory(tmp_path, device):
     wrong = C.build("gmsa", *tiny(device), enc_layers=2)
     with pytest.raises(ValueError, match="checkpoint does not match"):
         wrong.load_trained(comp.trained_state())
+
+
+def test_a_saved_config_fills_new_settings_and_names_unknown_ones(tmp_path):
+    """compressors.saved_config (load and train.py --init): a setting missing from an older compressor.json takes its
+    default, a list comes back a tuple, and a setting this code does not know is a one-line error naming it."""
+    saved = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(C.make_config("gmsa", ratios=(2,))).items()}
+    del saved["mem_norm"]
+    (tmp_path / "compressor.json").write_text(json.dumps({"config": saved}))
+    cfg = C.saved_config(str(tmp_path))
+    assert cfg.mem_norm == C.CompressorConfig.mem_norm and cfg.ratios == (2,) and cfg.method == "gmsa"
+    (tmp_path / "compressor.json").write_text(json.dumps({"config": {**saved, "gone_setting": 1}}))
+    with pytest.raises(ValueError, match=r"does not know \(gone_setting\)") as e:
+        C.saved_config(str(tmp_path))
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("method,overrides,message", [
