@@ -6,7 +6,11 @@ pairs read from those runs' checkpoints.
     python tests/regress.py --check tests/regress.json    # after it: every difference, exit 1 on any
 
 Not part of the suite (a few minutes on a 2-core CPU): a refactor's own check. Numbers are compared exactly, on the
-machine and torch build that wrote them (the CPU, one thread); timings and paths are left out.
+machine and torch build that wrote them (the CPU, one thread); timings and paths are left out. Besides the losses, each
+training run records the settings it resolved (its args.json without paths): where a default comes from may move,
+what it is may not. Two kinds of runs take their defaults from train.py itself rather than from BASE: `--model tiny`'s
+demo defaults (each preset, no flag but --steps), and each preset's paper recipe, pinned (the tiny model saved as a
+local folder, so that it is not `tiny` and gets the paper's settings; --batch-size 2 --max-len 24 keep it cheap).
 """
 
 import argparse
@@ -17,11 +21,13 @@ import sys
 import tempfile
 
 import torch
+from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import compressors as C  # noqa: E402
 import evaluate as E  # noqa: E402
 import train  # noqa: E402
+from model import TINY_CONFIG, build_tiny, byte_tokenizer  # noqa: E402
 
 BASE = ["--model", "tiny", "--steps", "3", "--batch-size", "2", "--lr", "1e-3", "--warmup", "1", "--mem", "4",
         "--chunk-len", "16", "--min-len", "8", "--max-len", "24", "--lora-r", "4", "--lora-alpha", "8",
@@ -65,6 +71,15 @@ ARMS += [
     ("gmsa_ratios", "gmsa", ["--objective", "ae", "--ratios", "2", "3"]),
     ("compllm_fixed", "compllm", ["--objective", "ae", "--chunking", "fixed"]),
 ]
+ARMS = [(name, method, BASE + flags) for name, method, flags in ARMS]
+# defaults from train.py, not BASE: --model tiny's demo, and each preset's paper recipe on a local copy of tiny
+# (PAPER_MODEL: not "tiny", so the paper's row applies; batch and length pinned so that 3 steps stay cheap)
+DEMO = ["--model", "tiny", "--steps", "3", "--eval-every", "0", "--device", "cpu"]
+PAPER = ["--steps", "3", "--batch-size", "2", "--max-len", "24", "--eval-every", "0", "--device", "cpu"]
+ARMS += [(f"{m}_tiny_demo", m, DEMO) for m in C.METHODS]
+ARMS += [(f"{m}_paper", m, ["--model", "PAPER_MODEL", *PAPER]) for m in C.METHODS]
+ARMS += [("icae_paper_chunk", "icae", ["--model", "PAPER_MODEL", *PAPER[:4], "--chunk-len", "255", *PAPER[6:]])]
+SETTINGS_DROP = {"out", "model", "decoder", "data", "init", "warm_start", "resume", "cache_dir", "device"}
 # evaluate.py on (preset, task): ae and lm from each preset's pretrain run, qa from its qa run; needle, interpolate
 # and heatmap on a few
 EVALS = [(f"{m}_pretrain", t, []) for m in C.METHODS for t in ("ae", "lm")]
@@ -84,14 +99,30 @@ def clean(x):
     return x
 
 
+def tiny_folder(path):
+    """The tiny model as a Hugging Face folder: the same weights and tokenizer, under a name that is not "tiny"."""
+    model, _ = build_tiny()
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"},   # tied
+              os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(TINY_CONFIG, f)
+    byte_tokenizer().save(os.path.join(path, "tokenizer.json"))
+    return path
+
+
 def record(root):
-    out = {"train": {}, "evaluate": {}}
+    out = {"train": {}, "settings": {}, "evaluate": {}}
+    paper_model = tiny_folder(os.path.join(root, "tiny_hf"))
     for name, method, flags in ARMS:
         run = os.path.join(root, name)
         torch.manual_seed(0)
-        train.main(["--method", method, *BASE, *flags, "--out", run])
+        flags = [paper_model if f == "PAPER_MODEL" else f for f in flags]
+        train.main(["--method", method, *flags, "--out", run])
         rows, _ = train.read_log(run)
         out["train"][name] = [r["loss"] for r in rows]
+        with open(os.path.join(run, "args.json")) as f:
+            out["settings"][name] = {k: v for k, v in json.load(f).items() if k not in SETTINGS_DROP}
         print(name, out["train"][name], flush=True)
     for name, task, flags in EVALS:
         res = E.main(["--ckpt", os.path.join(root, name), "--task", task, "--n", "3", "--max-new-tokens", "4",
