@@ -5,8 +5,8 @@
 Tasks (TASKS, `--help`, describes each), one section each below: ae, lm, qa (each next to the plain LLM with the
 full context and with none), interpolate (AOC Eq. 5), heatmap (PIC Figures 3 and 7), needle (passkey retrieval).
 CompLLM's speed and KV-cache claims are a benchmark, tests/bench_speed.py; training curves are recipes/curve.py's.
-The scores are metrics.py's; the built-in examples are train.py's held-out set, and .jsonl / .parquet records are
-read with train.py's reader.
+The scores are metrics.py's; the built-in examples are data.py's held-out set, and .jsonl / .parquet records are
+read with data.py's reader (train.py's).
 """
 
 import argparse
@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import compressors as C
+import data as D   # the built-in corpus and its held-out set; the one reader of .jsonl / .parquet records
 import masks
-import train   # the built-in corpus and its held-out set; the one reader of .jsonl / .parquet records
+import presets as P
 from metrics import ae_scores, mean_scores, passkey_score, perplexity, qa_scores
 from model import load_pretrained
 
@@ -59,13 +60,13 @@ def load_examples(path, task, n=None):
     context), or any other file as plain text, one text per non-empty line (train.py reads a whole .txt file as one
     document to draw windows from; an evaluation needs fixed examples). n: keep the first n."""
     if path is None:
-        rows = [dict(r) for r in train.EVAL_QA] if task == "qa" else [{"text": t} for t in train.held_out_texts()]
+        rows = [dict(r) for r in D.EVAL_QA] if task == "qa" else [{"text": t} for t in D.held_out_texts()]
     elif not os.path.isfile(path):
         raise FileNotFoundError(f"--data {path}: no such file")
     elif path.endswith((".jsonl", ".parquet")):
-        rows = [rec for _, rec in train.records(path)]
+        rows = [rec for _, rec in D.records(path)]
         for r in rows:
-            train.record_kind(r)   # SQuAD's "answers" -> "answer"
+            D.record_kind(r)   # SQuAD's "answers" -> "answer"
     else:
         with open(path, encoding="utf-8") as f:
             rows = [{"text": line.rstrip("\n")} for line in f if line.strip()]
@@ -96,7 +97,7 @@ def protocol(comp, ckpt=None, max_len=None, train_args=None):
 
 
 def texts_as_trained(comp, texts, proto):
-    """(what is compressed, the reference) ids of each text under the checkpoint's protocol, as train.py draw_text
+    """(what is compressed, the reference) ids of each text under the checkpoint's protocol, as data.draw_text
     cuts a training text."""
     tok, pad = comp.tok, comp.tok.pad_id if comp.tok.pad_id is not None else comp.tok.eos_id
     out = []
@@ -317,10 +318,10 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
     # a chat template carries its own start; otherwise the plain LLM's prompt starts with BOS
     lead = [] if comp.template()[0] else [tok.start_id]
     parts = [comp.qa_parts(ex["context"], ex["question"]) for ex in examples]
-    if max_len:   # train.py draw_qa: contexts cut at --max-len
+    if max_len:   # data.draw_qa: contexts cut at --max-len
         parts = [{**p, "enc_context": p["enc_context"][:max_len], "dec_context": p["dec_context"][:max_len]}
                  for p in parts]
-    answers = [tok.encode(train.first_answer(ex["answer"])) for ex in examples]
+    answers = [tok.encode(D.first_answer(ex["answer"])) for ex in examples]
     # over documents: question i reads the memory of question i + concat's context, the next document's
     other = derangement(len(examples), concat)
     cache, rows = ({} if reuse else None), []
@@ -719,7 +720,7 @@ def parse_args(argv=None):
                 epilog=f"tasks:\n{tasks}\n\n{TASKS_NOTES}", formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", help="checkpoint directory written by train.py --out")
     p.add_argument("--task", required=True, help=f"one of {', '.join(TASKS)} (see below)")
-    p.add_argument("--method", help=f"one of {', '.join(C.METHODS)}: it must match the checkpoint's")
+    p.add_argument("--method", help=f"one of {', '.join(P.METHODS)}: it must match the checkpoint's")
     p.add_argument("--model", help="base LLM (HF id, directory or tiny): it must match the checkpoint's")
     p.add_argument("--data", help="examples (.jsonl, .parquet or .txt); default: the built-in sets")
     p.add_argument("--n", type=int, help=f"use the first N examples (default: all); needle: samples per depth and "

@@ -26,7 +26,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import compressors as C  # noqa: E402
 import evaluate as E  # noqa: E402
-import train  # noqa: E402
+import checkpoint  # noqa: E402
 
 
 def kept(result, run):
@@ -53,7 +53,7 @@ def score(ckpt, examples):
 def smoothed_losses(run, key="loss", window=20):
     """(step, mean of the logged `key` over the last `window` steps that logged it) for every such step of a run's
     log: the one definition of a run's training loss at a step, which every steps-to-a-loss here reads."""
-    rows = [r for r in train.read_log(run)[0] if key in r]
+    rows = [r for r in checkpoint.read_log(run)[0] if key in r]
     return [(r["step"], statistics.mean(x[key] for x in rows[max(0, i + 1 - window):i + 1]))
             for i, r in enumerate(rows)]
 
@@ -93,7 +93,7 @@ def arm_curve(run, examples, threshold, loss_at=None):
     """Every kept checkpoint of a run, scored: {points, first step <= threshold (None: never), s/step}; with loss_at,
     also the first step where the training loss (smoothed over 20 steps) is at or below it (EPL §4's "converges
     9.7 times faster": the steps each layout needs to reach the same training loss)."""
-    steps, checks = train.read_log(run)
+    steps, checks = checkpoint.read_log(run)
     points = [dict(step=r["step"], own=r["eval"]["own"], other=r["eval"]["other"], none=r["eval"]["none"],
                    ratio=r["eval"]["own_other"]) for r in checks]
     if points and checks[-1]["eval"]["n"] != len(examples):

@@ -19,11 +19,11 @@ import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import compressors as C  # noqa: E402
+import presets as P  # noqa: E402
 import evaluate as E  # noqa: E402
-import train  # noqa: E402
+import checkpoint  # noqa: E402
 
-PRESETS = C.METHODS
+PRESETS = P.METHODS
 RUNGS = ("1x", "4x")
 BASELINE = {"lora": ("500x", "lora")}   # ladder arms that are a preset under a lever: AOC's LoRA baseline is 500x + lora
 
@@ -33,7 +33,7 @@ def read_arm(path, threshold):
     if os.path.isfile(os.path.join(path, "eval_curve.json")):   # recipes/curve.py's points
         points = [(p["step"], p["ratio"]) for p in json.load(open(os.path.join(path, "eval_curve.json")))["points"]]
     else:   # not summarized yet: the checks the run logged (train.py --eval-every)
-        checks = train.read_log(path)[1] if os.path.isfile(os.path.join(path, "log.jsonl")) else []
+        checks = checkpoint.read_log(path)[1] if os.path.isfile(os.path.join(path, "log.jsonl")) else []
         points = [(r["step"], r["eval"]["own_other"]) for r in checks]
     ae = os.path.join(path, "eval_ae.json")
     final = json.load(open(ae))["loss"]["own_other_ratio"] if os.path.isfile(ae) else (points[-1][1] if points

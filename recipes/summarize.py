@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import curve  # noqa: E402
-import train  # noqa: E402
+import checkpoint  # noqa: E402
 
 
 def lookup(obj, path):
@@ -36,7 +36,7 @@ def read_metric(out, arm, spec):
     task, _, path = spec.partition(":")
     run = os.path.join(out, arm)
     if task == "log":
-        rows = train.read_log(run)[0]   # the training rows (not the held-out checks)
+        rows = checkpoint.read_log(run)[0]   # the training rows (not the held-out checks)
         return lookup(rows[-1], path) if rows else None
     if task == "params":   # written by Compressor.save
         return json.load(open(os.path.join(run, "compressor.json"))).get("trained_parameters")

@@ -25,8 +25,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import compressors as C  # noqa: E402
+import presets as P  # noqa: E402
 import evaluate as E  # noqa: E402
-import train  # noqa: E402
+import data as D  # noqa: E402
 from model import SHAPES, build_shape, load_pretrained  # noqa: E402
 
 # CompLLM §3 "complexity": compressing independent segments of S tokens costs O(N·S), linear in the context length
@@ -99,7 +100,7 @@ def run_speed(comp, lengths, max_new_tokens=None, repeats=3):
     dev = comp.decoder.model.embed_tokens.weight.device
     question = tok.encode(SPEED_QUESTION)
     n_decode = max_new_tokens or 16
-    text = tok.encode(" ".join(train.EVAL_TEXTS) + " ")
+    text = tok.encode(" ".join(D.EVAL_TEXTS) + " ")
     rows, stopped = [], None
     for T in tqdm(lengths, desc="speed", leave=False):
         ctx = (text * (T // len(text) + 1))[:T]          # the built-in texts repeated to T tokens
@@ -174,7 +175,7 @@ def parse_args(argv=None):
     p = E._Parser(prog="bench_speed.py", description=__doc__.split("\n\n")[0],
                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", help="checkpoint directory written by train.py --out")
-    p.add_argument("--method", help=f"without --ckpt: an untrained preset, {', '.join(C.METHODS)}; with it, a check")
+    p.add_argument("--method", help=f"without --ckpt: an untrained preset, {', '.join(P.METHODS)}; with it, a check")
     p.add_argument("--model", help="base LLM (HF id, directory or tiny; default tiny); with --ckpt it must match")
     p.add_argument("--shape", choices=tuple(SHAPES), help="without --ckpt: a random model of this paper model's "
                    "shape instead of --model")

@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import compressors as C  # noqa: E402
+import presets as P  # noqa: E402
+import checkpoint  # noqa: E402
 import train  # noqa: E402
 from model import SHAPES, build_shape  # noqa: E402
 
@@ -45,7 +47,7 @@ def bench(method, device, steps, model):
                 "--save-every", str(10 * steps)]
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             train.main(argv)
-        rows = train.read_log(out)[0][2:]   # skip warm-up steps
+        rows = checkpoint.read_log(out)[0][2:]   # skip warm-up steps
         args = json.load(open(os.path.join(out, "args.json")))
     return args, statistics.median(r["dt"] for r in rows), statistics.median(r["tokens"] for r in rows)
 
@@ -85,7 +87,7 @@ def profile(argv, steps=6, skip=2, top=12):
                                 "--eval-every", "0"])
             finally:
                 train.train_step = step_fn
-            dts = [r["dt"] for r in train.read_log(out)[0][skip:]]
+            dts = [r["dt"] for r in checkpoint.read_log(out)[0][skip:]]
     events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
     total = sum(e.self_cpu_time_total for e in events)
     per_step = statistics.mean(dts)
@@ -109,7 +111,7 @@ def bench_shape(shape, method, device, steps, batch=4):
     torch.manual_seed(0)
     decoder, tok = build_shape(shape, device)   # ids below the tiny vocabulary: any tokenizer will do
     comp = C.build(method, decoder, tok)
-    recipe = C.PRESETS[method].recipe
+    recipe = P.PRESETS[method].recipe
     n = recipe.lengths[1] // (2 if recipe.objective == "pretrain" else 1)
     opt = torch.optim.AdamW(comp.trainable_parameters(), lr=1e-5, fused=device == "cuda")
     g = torch.Generator().manual_seed(0)
@@ -141,7 +143,7 @@ def bench_shape(shape, method, device, steps, batch=4):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--methods", nargs="+", default=list(C.METHODS), choices=C.METHODS)
+    p.add_argument("--methods", nargs="+", default=list(P.METHODS), choices=P.METHODS)
     p.add_argument("--model", default="tiny")
     p.add_argument("--shape", choices=tuple(SHAPES), help="a random model of this shape instead of train.py")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -95,12 +95,12 @@ def trace(method):
 
 
 def guide():
-    import compressors as C
+    import presets as P
     parsed = {f: statements(ROOT / f) for f in FILES.values()}
     rows, totals = [], {}
-    presets = next(n.value for n in ast.parse((ROOT / "compressors.py").read_text()).body
+    presets = next(n.value for n in ast.parse((ROOT / "presets.py").read_text()).body
                    if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "PRESETS")
-    for method in C.METHODS:
+    for method in P.METHODS:
         runs, forward = trace(method)
         entry = next(v for k, v in zip(presets.keys, presets.values) if k.value == method)
         size = entry.end_lineno - entry.lineno + 1         # the preset record itself, then the code it runs

@@ -24,8 +24,9 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import compressors as C  # noqa: E402
+import presets as P  # noqa: E402
 import evaluate as E  # noqa: E402
+import checkpoint  # noqa: E402
 import train  # noqa: E402
 from model import TINY_CONFIG, build_tiny, byte_tokenizer  # noqa: E402
 
@@ -34,7 +35,7 @@ BASE = ["--model", "tiny", "--steps", "3", "--batch-size", "2", "--lr", "1e-3", 
         "--eval-every", "0", "--device", "cpu"]
 MEM_TOKENS = ("icae", "500x", "pcc", "pic", "aoc")   # presets with memory tokens: the layouts apply to them
 # (name, method, extra flags): every preset under every objective, then each option once on a preset it changes
-ARMS = [(f"{m}_{o}", m, ["--objective", o]) for m in C.METHODS for o in ("pretrain", "ae", "qa", "distill")]
+ARMS = [(f"{m}_{o}", m, ["--objective", o]) for m in P.METHODS for o in ("pretrain", "ae", "qa", "distill")]
 ARMS += [(f"{m}_{lay}", m, ["--objective", "pretrain", "--layout", lay]) for m in MEM_TOKENS for lay in ("upl", "epl")]
 ARMS += [
     ("icae_pic_mask", "icae", ["--objective", "ae", "--mask", "pic"]),
@@ -76,14 +77,14 @@ ARMS = [(name, method, BASE + flags) for name, method, flags in ARMS]
 # (PAPER_MODEL: not "tiny", so the paper's row applies; batch and length pinned so that 3 steps stay cheap)
 DEMO = ["--model", "tiny", "--steps", "3", "--eval-every", "0", "--device", "cpu"]
 PAPER = ["--steps", "3", "--batch-size", "2", "--max-len", "24", "--eval-every", "0", "--device", "cpu"]
-ARMS += [(f"{m}_tiny_demo", m, DEMO) for m in C.METHODS]
-ARMS += [(f"{m}_paper", m, ["--model", "PAPER_MODEL", *PAPER]) for m in C.METHODS]
+ARMS += [(f"{m}_tiny_demo", m, DEMO) for m in P.METHODS]
+ARMS += [(f"{m}_paper", m, ["--model", "PAPER_MODEL", *PAPER]) for m in P.METHODS]
 ARMS += [("icae_paper_chunk", "icae", ["--model", "PAPER_MODEL", *PAPER[:4], "--chunk-len", "255", *PAPER[6:]])]
 SETTINGS_DROP = {"out", "model", "decoder", "data", "init", "warm_start", "resume", "cache_dir", "device"}
 # evaluate.py on (preset, task): ae and lm from each preset's pretrain run, qa from its qa run; needle, interpolate
 # and heatmap on a few
-EVALS = [(f"{m}_pretrain", t, []) for m in C.METHODS for t in ("ae", "lm")]
-EVALS += [(f"{m}_qa", "qa", []) for m in C.METHODS]
+EVALS = [(f"{m}_pretrain", t, []) for m in P.METHODS for t in ("ae", "lm")]
+EVALS += [(f"{m}_qa", "qa", []) for m in P.METHODS]
 EVALS += [("500x_ae", "needle", ["--lengths", "160", "--n", "1"]), ("aoc_ae", "interpolate", []),
           ("icae_ae", "heatmap", []), ("icae_ae", "ae", ["--ratio", "2"]), ("compllm_qa", "qa", ["--concat", "2", "--no-reuse"])]
 DROP = {"seconds", "checkpoint", "device", "s_per_step", "wall_s", "model", "out", "png", "figure"}
@@ -119,7 +120,7 @@ def record(root):
         torch.manual_seed(0)
         flags = [paper_model if f == "PAPER_MODEL" else f for f in flags]
         train.main(["--method", method, *flags, "--out", run])
-        rows, _ = train.read_log(run)
+        rows, _ = checkpoint.read_log(run)
         out["train"][name] = [r["loss"] for r in rows]
         with open(os.path.join(run, "args.json")) as f:
             out["settings"][name] = {k: v for k, v in json.load(f).items() if k not in SETTINGS_DROP}

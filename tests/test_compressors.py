@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import compressors as C  # noqa: E402
+import presets as P  # noqa: E402
 import masks  # noqa: E402
 from model import LLAMA_3_2_1B_CONFIG, ModelConfig, Transformer, build_tiny  # noqa: E402
 
@@ -429,11 +430,11 @@ def test_save_load_roundtrip_gives_the_same_memory(tmp_path, device):
 def test_a_saved_config_fills_new_settings_and_names_unknown_ones(tmp_path):
     """compressors.saved_config (load and train.py --init): a setting missing from an older compressor.json takes its
     default, a list comes back a tuple, and a setting this code does not know is a one-line error naming it."""
-    saved = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(C.make_config("gmsa", ratios=(2,))).items()}
+    saved = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(P.make_config("gmsa", ratios=(2,))).items()}
     del saved["mem_norm"]
     (tmp_path / "compressor.json").write_text(json.dumps({"config": saved}))
     cfg = C.saved_config(str(tmp_path))
-    assert cfg.mem_norm == C.CompressorConfig.mem_norm and cfg.ratios == (2,) and cfg.method == "gmsa"
+    assert cfg.mem_norm == P.CompressorConfig.mem_norm and cfg.ratios == (2,) and cfg.method == "gmsa"
     (tmp_path / "compressor.json").write_text(json.dumps({"config": {**saved, "gone_setting": 1}}))
     with pytest.raises(ValueError, match=r"does not know \(gone_setting\)") as e:
         C.saved_config(str(tmp_path))
@@ -452,7 +453,7 @@ def test_a_saved_config_fills_new_settings_and_names_unknown_ones(tmp_path):
 ])
 def test_bad_settings_are_one_line_errors(method, overrides, message):
     with pytest.raises(ValueError, match=message) as e:
-        C.make_config(method, **overrides)
+        P.make_config(method, **overrides)
     assert "\n" not in str(e.value)
 
 
@@ -463,7 +464,7 @@ def test_empty_context_is_an_error(device):
 
 
 def test_gmsa_ratio_fixes_the_group_size(device):
-    cfg = C.make_config("gmsa", ratio=2.0)
+    cfg = P.make_config("gmsa", ratio=2.0)
     assert cfg.ratios == (2,) and cfg.ratio == 0.0
     comp = C.Compressor(cfg, *tiny(device))
     memory = comp.compress([list(range(9))])
@@ -677,7 +678,7 @@ def test_lm_loss_under_bf16_autocast_is_finite_and_close_to_fp32(method, device)
         torch.testing.assert_close(l16, l32, rtol=5e-3, atol=0)
 
 
-@pytest.mark.parametrize("method, overrides", [(m, {}) for m in C.METHODS] +
+@pytest.mark.parametrize("method, overrides", [(m, {}) for m in P.METHODS] +
                          [("500x", dict(lm_token="none"))])   # a K/V memory with nothing after it (LM)
 def test_supervised_tokens_counts_what_lm_loss_supervises(method, overrides, device):
     """train.py divides each micro-batch's summed NLL by the whole step's supervised tokens, counted in advance
@@ -699,7 +700,7 @@ def test_supervised_tokens_counts_what_lm_loss_supervises(method, overrides, dev
 
 def test_the_readme_method_table_is_the_presets():
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    assert C.method_table() in readme, "README's method table is out of date: paste the output of python compressors.py"
+    assert P.method_table() in readme, "README's method table is out of date: paste the output of python compressors.py"
 
 
 def test_every_preset_reads_in_200_lines_and_aoc_with_at_most_4_config_conditions():
@@ -722,7 +723,7 @@ def test_no_preset_shares_a_mutable_recipe_or_settings_object():
             yield path
         for k, v in (x.items() if isinstance(x, Mapping) else enumerate(x) if isinstance(x, tuple) else ()):
             yield from mutable(v, f"{path}[{k!r}]")
-    for name, p in C.PRESETS.items():
+    for name, p in P.PRESETS.items():
         recipe = tuple(getattr(p.recipe, f.name) for f in dataclasses.fields(p.recipe))
         found = list(mutable(tuple(p), name)) + list(mutable(recipe, name + ".recipe"))
         assert not found, found
@@ -731,16 +732,16 @@ def test_no_preset_shares_a_mutable_recipe_or_settings_object():
         with pytest.raises(TypeError):
             p.settings["mem"] = 1
     # icae and 500x still read the same EPL values, from frozen records
-    assert C.PRESETS["icae"].recipe.values("qa")["lr"] == C.PRESETS["500x"].recipe.values("qa")["lr"] == 5e-5
+    assert P.PRESETS["icae"].recipe.values("qa")["lr"] == P.PRESETS["500x"].recipe.values("qa")["lr"] == 5e-5
 
 
 def test_a_recipe_is_a_typed_record_whose_fields_carry_their_help():
-    assert dataclasses.is_dataclass(C.Recipe)
-    assert all(f.metadata.get("help") for f in dataclasses.fields(C.Recipe))
-    assert all(isinstance(p.recipe, C.Recipe) for p in C.PRESETS.values())
+    assert dataclasses.is_dataclass(P.Recipe)
+    assert all(f.metadata.get("help") for f in dataclasses.fields(P.Recipe))
+    assert all(isinstance(p.recipe, P.Recipe) for p in P.PRESETS.values())
     # the compressor settings an objective changes live apart from the recipe's values (500x's original AE setup)
-    assert C.PRESETS["500x"].settings_for("ae")["ae_token"] == "bos" and not C.PRESETS["500x"].settings_for("qa")
-    assert not set(C.PRESETS["500x"].recipe.values("ae")) & {f.name for f in dataclasses.fields(C.CompressorConfig)}
+    assert P.PRESETS["500x"].settings_for("ae")["ae_token"] == "bos" and not P.PRESETS["500x"].settings_for("qa")
+    assert not set(P.PRESETS["500x"].recipe.values("ae")) & {f.name for f in dataclasses.fields(P.CompressorConfig)}
 
 
 def test_memory_has_no_dead_encoder_positions():
@@ -785,17 +786,17 @@ def test_dpl_decoder_inputs_compute_no_positions_they_throw_away(monkeypatch):
 
 
 def test_the_ratio_settings_are_one_concept_with_documented_mappings():
-    help_of = {f.name: f.metadata["help"] for f in C.FLAG_FIELDS}
+    help_of = {f.name: f.metadata["help"] for f in P.FLAG_FIELDS}
     assert "compression ratio" in help_of["ratio"] and "--ratios" in help_of["ratio"]   # GMSA: --ratio R = --ratios R
     assert "compression ratios" in help_of["ratios"]
     assert "--ratio" in help_of["mem"]                                                 # --mem drops a preset's ratio
-    assert "mappings" in C.make_config.__doc__
-    assert C.make_config("compllm", mem=4).ratio == 0.0 and C.make_config("gmsa", ratio=2).ratios == (2,)
+    assert "mappings" in P.make_config.__doc__
+    assert P.make_config("compllm", mem=4).ratio == 0.0 and P.make_config("gmsa", ratio=2).ratios == (2,)
     assert "ratios" in inspect.signature(C.Compressor.compress).parameters   # one word: no "rates"
 
 
 def test_the_three_bos_uses_are_named_apart(device):
-    help_of = {f.name: f.metadata["help"] for f in C.FLAG_FIELDS}
+    help_of = {f.name: f.metadata["help"] for f in P.FLAG_FIELDS}
     assert "context BOS" in help_of["bos"] and "leading [BOS]" in help_of["delimiters"]
     assert "[BOS] as the special token" in help_of["ae_token"]
     dec, tok = tiny(device)
@@ -826,6 +827,6 @@ def test_mem_norm_puts_the_memory_at_the_token_embeddings_scale(device):
     torch.testing.assert_close(memory.embeds.norm(dim=-1), target.expand(1, 8), rtol=1e-4, atol=1e-4)
     comp.lm_loss(memory, "ae", [comp.ae_target(tok.encode("Some text to compress."))])[0].backward()
     assert comp.mem_tokens.grad.abs().sum() > 0                      # the direction still trains
-    assert all(not C.make_config(m).mem_norm for m in C.METHODS)     # no preset uses it
+    assert all(not P.make_config(m).mem_norm for m in P.METHODS)     # no preset uses it
     with pytest.raises(ValueError, match="--mem-norm"):
-        C.make_config("aoc", mem_norm=True)
+        P.make_config("aoc", mem_norm=True)

@@ -18,12 +18,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import compressors as C  # noqa: E402
+import presets as P  # noqa: E402
 from model import TINY_CONFIG, ModelConfig, Transformer, build_tiny  # noqa: E402
 
 SETTINGS = {"icae": dict(mem=4, chunk_len=16, lora_r=2, lora_alpha=4), "500x": dict(mem=4, chunk_len=16, lora_r=2),
             "pcc": dict(mem=4, chunk_len=16), "pic": dict(mem=4, chunk_len=16), "compllm": dict(lora_r=2),
             "gmsa": dict(lora_r=2, lora_alpha=4), "aoc": dict(mem=4, chunk_len=16)}
-VARIANTS = [(m, {}) for m in C.METHODS] + [
+VARIANTS = [(m, {}) for m in P.METHODS] + [
     ("icae", dict(layout="epl")), ("500x", dict(layout="upl")), ("aoc", dict(encoder="lora", lora_r=2)),
     ("aoc", dict(mask="pic")), ("gmsa", dict(decoder_train="keft"))]
 

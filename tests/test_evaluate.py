@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,9 +21,10 @@ import torch
 
 import bench_speed
 import compressors as C
+import presets as P
 import evaluate as E
 import metrics as M
-import train
+import data as D
 from conftest import SMOLLM2, needs_smollm2, randomize_
 from model import TINY_CONFIG, ModelConfig, Transformer, build_tiny
 
@@ -128,7 +128,7 @@ def test_ae_scores_the_compressed_generation_against_its_own_context(monkeypatch
     10 / |ref| (and so is AOC's character prefix EM: one byte per token), token accuracy and BLEU are
     above zero, and the references are untouched by the patch."""
     comp = random_comp("aoc", device, mem=4, chunk_len=64)
-    text = train.EVAL_TEXTS[1]
+    text = D.EVAL_TEXTS[1]
     ref = comp.tok.encode(text)
     wrong = (ref[10] + 1) % 256
     monkeypatch.setattr(comp, "generate", lambda memory, task, **kw: [ref[:10] + [wrong] + ref[11:40]])
@@ -153,7 +153,7 @@ def test_lm_perplexity_is_exp_of_the_summed_nll(ckpt, capsys, device):
         assert result["scores"][mode]["perplexity"] == pytest.approx(math.exp(nll / n))
         # EPL: the second half, from p = ⌊|X|/2⌋, and its EOS (the LM target of the EPL and PCC code) are scored
         # in full in every row (ICAE puts [LM] before it)
-        lens = [len(tok.encode(t)) for t in train.held_out_texts()[:3]]
+        lens = [len(tok.encode(t)) for t in D.held_out_texts()[:3]]
         assert [r["tokens"] for r in rows] == [n - n // 2 + 1 for n in lens]
     # the byte-level model's vocabulary is 259: a random model sits near uniform, nowhere near 0 or 10^4
     assert 50 < result["scores"]["none"]["perplexity"] < 2000
@@ -175,7 +175,7 @@ def test_full_context_beats_no_context_on_smollm2(tmp_path, device):
 
 def test_qa_runs_on_the_builtin_set_and_scores_the_whole_generation(ckpt, capsys, device):
     result, out = run(["--ckpt", ckpt["icae"], "--task", "qa", "--max-new-tokens", 8], device, capsys)
-    assert len(result["examples"]) == len(train.EVAL_QA) and "squad_f1" in out and result["max_new_tokens"] == 8
+    assert len(result["examples"]) == len(D.EVAL_QA) and "squad_f1" in out and result["max_new_tokens"] == 8
     for ex in result["examples"]:
         for mode in ("compressed", "full", "none"):
             assert ex[mode]["scores"] == M.qa_scores(ex[mode]["text"], ex["answer"])
@@ -183,7 +183,7 @@ def test_qa_runs_on_the_builtin_set_and_scores_the_whole_generation(ckpt, capsys
 
 def test_qa_right_answer_scores_one_and_what_follows_it_counts(monkeypatch, device):
     comp = random_comp("icae", device, mem=4, chunk_len=64, lora_r=4, lora_alpha=8)
-    ex = train.EVAL_QA[4]   # answer "away from the Sun"
+    ex = D.EVAL_QA[4]   # answer "away from the Sun"
     answer = comp.tok.encode(" Away from the Sun")
     monkeypatch.setattr(comp, "generate", lambda memory, task, prompt=None, **kw: [answer])
     s = E.run_qa(comp, [ex], max_new_tokens=4)["scores"]["compressed"]
@@ -200,7 +200,7 @@ def test_qa_right_answer_scores_one_and_what_follows_it_counts(monkeypatch, devi
 def test_qa_rows_share_the_checkpoints_template(monkeypatch, device):
     """One prompt builder for every row: EPL's template in the compressed row and in the plain LLM's rows."""
     comp = random_comp("icae", device, mem=4, chunk_len=64, lora_r=4, lora_alpha=8)   # EPL's QA template
-    ex, plain, contexts = train.EVAL_QA[0], [], []
+    ex, plain, contexts = D.EVAL_QA[0], [], []
     monkeypatch.setattr(E.PlainLLM, "generate", lambda self, prompts, n: plain.append(prompts) or [[]] * len(prompts))
     compressed = comp.compress
     monkeypatch.setattr(comp, "compress", lambda ctx, **kw: contexts.append(ctx) or compressed(ctx, **kw))
@@ -222,9 +222,9 @@ def test_multiple_choice_regex_and_long_concatenated_contexts(monkeypatch, devic
     calls = []
     compressed = comp.compress
     monkeypatch.setattr(comp, "compress", lambda ctx, **kw: calls.append(kw.get("cache")) or compressed(ctx, **kw))
-    result = E.run_qa(comp, train.EVAL_QA[:4], max_new_tokens=2, batch_size=1, concat=2)
+    result = E.run_qa(comp, D.EVAL_QA[:4], max_new_tokens=2, batch_size=1, concat=2)
     contexts = [ex["context"] for ex in result["examples"]]
-    assert contexts[0] == contexts[1] == train.EVAL_QA[0]["context"] + "\n\n" + train.EVAL_QA[1]["context"]
+    assert contexts[0] == contexts[1] == D.EVAL_QA[0]["context"] + "\n\n" + D.EVAL_QA[1]["context"]
     # each batch compresses its own context and another document's (the own/other loss), all through one cache
     assert len(calls) == 8 and all(c is calls[0] for c in calls) and len(calls[0]) > 0
 
@@ -443,16 +443,16 @@ def test_help_explains_every_task(capsys):
     assert "\nae, lm and qa also report, teacher-forced" in out
 
 
-@pytest.mark.parametrize("method", C.METHODS)
+@pytest.mark.parametrize("method", P.METHODS)
 def test_every_method_runs_every_task(method, tmp_path, device):
     """Each preset through each task on one short example (tiny budgets); GMSA has no attention map."""
     kw = {"icae": dict(mem=8), "500x": dict(mem=8), "aoc": dict(mem=8), "compllm": {}}.get(method, {})
     comp = random_comp(method, device, **kw, **({} if method == "compllm" else dict(chunk_len=64)))
-    text = train.EVAL_TEXTS[0]
+    text = D.EVAL_TEXTS[0]
     ae = E.run_ae(comp, [{"text": text}], max_new_tokens=4)
     assert ae["examples"][0]["memory_slots"] < len(comp.tok.encode(text))
     assert math.isfinite(E.run_lm(comp, [{"text": text}])["scores"]["compressed"]["perplexity"])
-    assert set(E.run_qa(comp, train.EVAL_QA[:1], max_new_tokens=4)["scores"]) == {"compressed", "full", "none"}
+    assert set(E.run_qa(comp, D.EVAL_QA[:1], max_new_tokens=4)["scores"]) == {"compressed", "full", "none"}
     heat = E.run_heatmap(comp, text, str(tmp_path / "h"))
     assert (heat["attention"] is None) == (method == "gmsa")
     speed = bench_speed.run_speed(comp, [128, 256], max_new_tokens=1, repeats=1)
@@ -473,7 +473,7 @@ def test_own_other_is_exactly_one_for_a_memory_that_ignores_its_text(monkeypatch
     monkeypatch.setattr(comp, "compress", lambda ctx, **kw: compress([fixed] * len(ctx), **kw))
     for run_task in (E.run_ae, E.run_lm, E.run_qa):
         kw = dict(max_new_tokens=2) if run_task is not E.run_lm else {}
-        examples = train.EVAL_QA[:4] if run_task is E.run_qa else [{"text": t} for t in train.EVAL_TEXTS[:4]]
+        examples = D.EVAL_QA[:4] if run_task is E.run_qa else [{"text": t} for t in D.EVAL_TEXTS[:4]]
         L = run_task(comp, examples, batch_size=3, **kw)["loss"]
         assert L["own"] == pytest.approx(L["other"], abs=1e-6) and L["own_other_ratio"] == pytest.approx(1.0, abs=1e-6)
 
@@ -485,7 +485,7 @@ def test_own_other_uses_the_memory_of_the_next_text(monkeypatch, device):
     seen = []
     compress = comp.compress
     monkeypatch.setattr(comp, "compress", lambda ctx, **kw: seen.append([list(c) for c in ctx]) or compress(ctx, **kw))
-    texts = train.EVAL_TEXTS[:3]
+    texts = D.EVAL_TEXTS[:3]
     E.run_ae(comp, [{"text": t} for t in texts], max_new_tokens=1, batch_size=8)
     ids = [comp.tok.encode(t) for t in texts]
     assert seen[0] == ids and seen[1] == ids[1:] + ids[:1]
@@ -499,7 +499,7 @@ def test_qa_own_other_scores_the_reference_answer_after_the_next_documents_memor
     seen = []
     compress = comp.compress
     monkeypatch.setattr(comp, "compress", lambda ctx, **kw: seen.append([list(c) for c in ctx]) or compress(ctx, **kw))
-    qa = train.EVAL_QA[:4]
+    qa = D.EVAL_QA[:4]
     result = E.run_qa(comp, qa, max_new_tokens=1, batch_size=4, concat=2)
     pair = lambda a, b: comp.qa_parts(qa[a]["context"] + "\n\n" + qa[b]["context"], "")["enc_context"]
     assert seen[0] == [pair(0, 1)] * 2 + [pair(2, 3)] * 2 and seen[1] == [pair(2, 3)] * 2 + [pair(0, 1)] * 2
@@ -518,7 +518,7 @@ def test_batched_evaluation_equals_one_at_a_time(device):
         for p in comp.parameters():
             if p.requires_grad:
                 p.normal_(0, 0.3)                    # a trained-looking LoRA and [AE], so the memory matters
-    examples = [{"text": t[:n]} for t, n in zip(train.EVAL_TEXTS, (90, 40, 140, 25, 70))]
+    examples = [{"text": t[:n]} for t, n in zip(D.EVAL_TEXTS, (90, 40, 140, 25, 70))]
     one = E.run_ae(comp, examples, max_new_tokens=20, batch_size=1)
     many = E.run_ae(comp, examples, max_new_tokens=20, batch_size=5)
     for a, b in zip(one["examples"], many["examples"]):
@@ -527,8 +527,8 @@ def test_batched_evaluation_equals_one_at_a_time(device):
         for key in ("own", "other", "none"):
             assert a["loss"][key][0] == pytest.approx(b["loss"][key][0], rel=1e-5) and a["loss"][key][1] == b["loss"][key][1]
     assert len({tuple(a["compressed"]["ids"]) for a in one["examples"]}) > 1     # generations differ: not vacuous
-    one, many = E.run_qa(comp, train.EVAL_QA[:5], max_new_tokens=4, batch_size=1), \
-        E.run_qa(comp, train.EVAL_QA[:5], max_new_tokens=4, batch_size=5)
+    one, many = E.run_qa(comp, D.EVAL_QA[:5], max_new_tokens=4, batch_size=1), \
+        E.run_qa(comp, D.EVAL_QA[:5], max_new_tokens=4, batch_size=5)
     for a, b in zip(one["examples"], many["examples"]):
         assert all(a[mode]["text"] == b[mode]["text"] for mode in E.MODES)
         for key in ("own", "other", "none", "full"):
@@ -551,9 +551,9 @@ def test_head_cropped_checkpoint_is_evaluated_on_its_first_n_tokens(monkeypatch,
     monkeypatch.setattr(comp, "compress", lambda ctx, **kw: seen.append(ctx) or compress(ctx, **kw))
     monkeypatch.setattr(comp, "generate", lambda m, t, **kw: budgets.append(kw["max_new_tokens"]) or generate(m, t, **kw))
     short = "Short one."
-    result = E.run_ae(comp, [{"text": train.EVAL_TEXTS[0]}, {"text": short}], proto=proto)
+    result = E.run_ae(comp, [{"text": D.EVAL_TEXTS[0]}, {"text": short}], proto=proto)
     tok = comp.tok
-    assert result["examples"][0]["reference_ids"] == tok.encode(train.EVAL_TEXTS[0])[:16]
+    assert result["examples"][0]["reference_ids"] == tok.encode(D.EVAL_TEXTS[0])[:16]
     assert result["examples"][1]["reference_ids"] == tok.encode(short)
     assert seen[0][1] == tok.encode(short) + [tok.pad_id] * (16 - len(short)) and budgets == [16]
     r = E.run_interpolate(comp, E.DEFAULT_TEXT0, E.DEFAULT_TEXT1, [0.5], proto=proto)
@@ -564,7 +564,7 @@ def test_epl_pretrained_checkpoint_reconstructs_the_first_half_scored_on_ids_wit
     """EPL code: AE rebuilds what pretraining compressed, [BOS] + x[:⌊|X|/2⌋]; BLEU-4 on ids of the generation with
     its EOS against [BOS] x [EOS]."""
     comp = random_comp("icae", device, mem=4, chunk_len=64, lora_r=4, lora_alpha=8)
-    text = train.EVAL_TEXTS[0]
+    text = D.EVAL_TEXTS[0]
     half = comp.tok.encode(text)[:len(comp.tok.encode(text)) // 2]
     target = comp.ae_target(half)
     assert target == [comp.tok.bos_id] + half + [comp.tok.eos_id]
@@ -574,17 +574,17 @@ def test_epl_pretrained_checkpoint_reconstructs_the_first_half_scored_on_ids_wit
     assert ex["reference_ids"] == half and ex["compressed"]["scores"]["bleu4_ids"] == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("text", [train.EVAL_TEXTS[0], "Short."])
+@pytest.mark.parametrize("text", [D.EVAL_TEXTS[0], "Short."])
 @pytest.mark.parametrize("objective", ["ae", "pretrain"])
 def test_head_cropped_evaluation_compresses_what_training_compressed(objective, text, monkeypatch, device):
-    """A head crop under pretraining (train.py draw_text): the first n tokens padded with EOS to n, of which the
+    """A head crop under pretraining (data.draw_text): the first n tokens padded with EOS to n, of which the
     first ⌊n/2⌋ are compressed. The ae task compresses the same ids, scores against their unpadded tokens and
     regenerates up to as many tokens as it compressed (it used to compress all n after pretraining)."""
     comp = random_comp("icae", device, mem=4, chunk_len=64, lora_r=4, lora_alpha=8)
     ids = comp.tok.encode(text)
     data = dict(tokens=torch.tensor(ids), offsets=torch.tensor([0, len(ids)]))
-    args = SimpleNamespace(crop="head", max_len=16)
-    trained = train.draw_text(data, objective, np.random.default_rng(0), args, comp, step=0)["context"]
+    s = D.Sampling(objective, "head", 16, 16, batch_size=1, seed=0)
+    trained = D.draw_text(data, s, np.random.default_rng(0), comp, step=0)["context"]
     proto = E.protocol(comp, train_args=dict(crop="head", max_len=16, objective=objective))
     seen, budgets = [], []
     compress, generate = comp.compress, comp.generate
@@ -607,7 +607,7 @@ def test_gmsa_ratio_and_baselines_from_the_original_llm_after_keft(tmp_path, dev
             p.add_(torch.randn_like(p))                   # what KEFT training would do to q/k/v
     comp.save(str(tmp_path))
     result, _ = run(["--ckpt", tmp_path, "--task", "lm", "--ratio", 8, "--n", 2], device)
-    text = train.held_out_texts()[0]
+    text = D.held_out_texts()[0]
     first_half = len(comp.tok.encode(text)) // 2
     assert result["examples"][0]["memory_slots"] == math.ceil(first_half / 8) and result["ratio"] == 8
     base, tok = build_tiny()

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import compressors as C  # noqa: E402
+import presets as P  # noqa: E402
 import masks  # noqa: E402
+import checkpoint  # noqa: E402
 import train  # noqa: E402
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -32,15 +34,15 @@ def fork_it_block() -> str:
 
 def test_the_readme_fork_it_example_trains_with_its_new_mask(tmp_path, monkeypatch, device):
     # what the block changes, put back after the test (setattr/setitem record the old value, or its absence)
-    monkeypatch.setattr(C, "PRESETS", dict(C.PRESETS))
-    monkeypatch.setattr(C, "METHODS", C.METHODS)
-    monkeypatch.setattr(C, "CHOICES", dict(C.CHOICES))
-    monkeypatch.setattr(train, "TINY", dict(train.TINY))
+    monkeypatch.setattr(C, "PRESETS", dict(P.PRESETS))
+    monkeypatch.setattr(C, "METHODS", P.METHODS)
+    monkeypatch.setattr(C, "CHOICES", dict(P.CHOICES))
+    monkeypatch.setattr(train, "TINY", dict(P.TINY))
     monkeypatch.setattr(masks, "ENCODER", dict(masks.ENCODER))
     code = fork_it_block()
     assert len(code.splitlines()) <= 25, "keep the README example short"
     exec(compile(code, str(README) + ":Fork it", "exec"), {})
-    assert "aoc_bidir" in C.METHODS and C.PRESETS["aoc_bidir"].settings["mask"] == "mem_bidir"
+    assert "aoc_bidir" in P.METHODS and P.PRESETS["aoc_bidir"].settings["mask"] == "mem_bidir"
 
     # spies: every mask the new function returns, and every mask that reaches attention
     made, seen, new_mask, sdpa = [], [], masks.ENCODER["mem_bidir"], F.scaled_dot_product_attention
@@ -60,7 +62,7 @@ def test_the_readme_fork_it_example_trains_with_its_new_mask(tmp_path, monkeypat
     train.main(["--method", "aoc_bidir", "--model", "tiny", "--steps", "2", "--eval-n", "4", "--out", str(out),
                 "--device", str(device)])
 
-    assert [r["step"] for r in train.read_log(str(out))[0]] == [1, 2]
+    assert [r["step"] for r in checkpoint.read_log(str(out))[0]] == [1, 2]
     assert C.load(str(out)).cfg.mask == "mem_bidir"          # the checkpoint remembers the new value
     assert made, "the encoder never called the new mask"
     L = 16   # the tiny demo's AOC texts: 16 bytes, 16 memory slots

@@ -18,6 +18,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 import compressors as C
+import presets as P
 import masks
 from conftest import assert_attention_weights_are_sdpas, randomize_
 from model import SHAPES, ModelConfig, Tokenizer, Transformer, byte_tokenizer, copy_model, load_pretrained
@@ -328,17 +329,18 @@ def test_tokenizer_and_chat_template(gemma, device):
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.eos_ids) == (BOS, EOS, PAD, [EOS, END_OF_TURN])
     assert tok.encode("hi") == [104, 105] and tok.encode("hi", bos=True) == [BOS, 104, 105]  # BOS only when asked
     comp = C.build("compllm", copy_model(ours), tok)  # CompLLM's preset: template "chat"
-    assert comp.template() == C.TEMPLATES["gemma"]
+    assert comp.template() == P.TEMPLATES["gemma"]
     parts = comp.qa_parts("ctx", "q?")
     assert parts["prefix"][:2] == [BOS, START_OF_TURN] and END_OF_TURN in parts["prompt"]
     assert parts["prompt"][-7:] == [START_OF_TURN, *b"model\n"]  # the model's turn opens after the question
 
 
 def test_train_compllm_two_steps_on_a_gemma_folder(gemma, tmp_path, device):
+    import data as D
     import train
 
     folder = gemma[0]
-    context, question, answer = train.BUILTIN_QA[2]
+    context, question, answer = D.BUILTIN_QA[2]
     (tmp_path / "qa.jsonl").write_text(json.dumps(dict(context=context[:96], question=question, answer=answer)))
     out = tmp_path / "run"
     train.main(["--method", "compllm", "--model", str(folder), "--data", str(tmp_path / "qa.jsonl"), "--lora-r", "4",
@@ -347,7 +349,7 @@ def test_train_compllm_two_steps_on_a_gemma_folder(gemma, tmp_path, device):
     rows = [json.loads(line) for line in open(out / "log.jsonl")]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in rows)
     comp = C.load(str(out), device=device)
-    assert comp.decoder.config.gemma and comp.template() == C.TEMPLATES["gemma"]
+    assert comp.decoder.config.gemma and comp.template() == P.TEMPLATES["gemma"]
 
 
 def test_vectors_handed_to_the_decoder_sit_at_the_scale_gemma_reads(gemma, device):

@@ -174,6 +174,7 @@ def test_curve_scores_texts_cut_as_the_arm_was_trained(tmp_path):
     import sys
     import compressors as C
     import evaluate as E
+    import checkpoint
     import train
     sys.path.insert(0, str(REPO / "recipes"))
     import curve
@@ -294,7 +295,7 @@ def test_curve_reads_the_checks_the_arm_logged_while_it_trained(tmp_path, monkey
                 "--steps", "4", "--eval-every", "2", "--eval-n", "6", "--out", str(out)])
     monkeypatch.setattr(curve, "score", lambda *a: pytest.fail("a logged arm was scored again"))
     c = curve.arm_curve(str(out), [{"text": "x"}] * 6, threshold=0.5)
-    logged = train.read_log(str(out))[1]
+    logged = checkpoint.read_log(str(out))[1]
     assert [p["step"] for p in c["points"]] == [0, 2, 4]
     assert [p["ratio"] for p in c["points"]] == [r["eval"]["own_other"] for r in logged]
     with pytest.raises(SystemExit, match="checked 6 held-out texts while it trained, not --n 5"):

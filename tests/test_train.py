@@ -27,11 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import compressors as C  # noqa: E402
+import presets as P  # noqa: E402
 import evaluate as E  # noqa: E402
+import checkpoint  # noqa: E402
+import cli  # noqa: E402
+import data as D  # noqa: E402
 import train  # noqa: E402
 from model import TINY_CONFIG, build_tiny, byte_tokenizer  # noqa: E402
 
-DOC = train.BUILTIN_TEXTS[3][:48]          # 48 bytes = 48 tokens: a one-document corpus
+DOC = D.BUILTIN_TEXTS[3][:48]          # 48 bytes = 48 tokens: a one-document corpus
 LORA = ["--lora-r", "8", "--lora-alpha", "16"]
 
 
@@ -49,7 +53,7 @@ def files(tmp_path_factory):
         (root / name / "config.json").write_text(json.dumps(TINY_CONFIG))
         byte_tokenizer().save(str(root / name / "tokenizer.json"))
     (root / "doc.txt").write_text(DOC)
-    context, question, answer = train.BUILTIN_QA[2]
+    context, question, answer = D.BUILTIN_QA[2]
     (root / "qa.jsonl").write_text(json.dumps(dict(context=context[:96], question=question, answer=answer)) + "\n")
     (root / "empty.txt").write_text("  \n")
     return dict(model=str(root / "tiny01"), other=str(root / "other01"), doc=str(root / "doc.txt"), qa=str(root / "qa.jsonl"),
@@ -63,12 +67,12 @@ def run_train(device):
 
 
 def log_rows(out):
-    """The training rows of a run's log (train.read_log; the held-out checks are eval_rows)."""
-    return train.read_log(out)[0]
+    """The training rows of a run's log (checkpoint.read_log; the held-out checks are eval_rows)."""
+    return checkpoint.read_log(out)[0]
 
 
 def eval_rows(out):
-    return train.read_log(out)[1]
+    return checkpoint.read_log(out)[1]
 
 
 def snapshot(folder):
@@ -103,10 +107,10 @@ RUNS = {
 
 def paper_schedule(method):
     """The method's own lr schedule (the tiny demo decays linearly): these runs were measured with it."""
-    return ["--schedule", C.PRESETS[method].recipe.schedule]
+    return ["--schedule", P.PRESETS[method].recipe.schedule]
 
 
-@pytest.mark.parametrize("method", C.METHODS)
+@pytest.mark.parametrize("method", P.METHODS)
 def test_every_method_learns_memories_that_carry_their_own_text(method, tmp_path, run_train, device):
     flags, max_ratio = RUNS[method]
     out = str(tmp_path / method)
@@ -114,7 +118,7 @@ def test_every_method_learns_memories_that_carry_their_own_text(method, tmp_path
     losses = [r["loss"] for r in log_rows(out)]
     assert len(losses) == 300 and sum(losses[-10:]) / 10 < 0.9 * losses[0]
     comp = C.load(out, device=device).eval()
-    held_out = [{"text": t} for t in train.EVAL_TEXTS]                 # never in train.py's built-in corpus
+    held_out = [{"text": t} for t in D.EVAL_TEXTS]                 # never in train.py's built-in corpus
     L = E.run_ae(comp, held_out, max_new_tokens=1, proto=dict(crop="head", n=16, half=False))["loss"]
     assert L["own_other_ratio"] < max_ratio, f"{method}: own {L['own']:.3f} other {L['other']:.3f}"
     assert L["own"] < L["none"]
@@ -151,7 +155,7 @@ def test_bf16_autocast_training_on_cuda(tmp_path, run_train, device, monkeypatch
     losses = [r["loss"] for r in log_rows(out)]
     assert all(math.isfinite(x) for x in losses) and sum(losses[-10:]) / 10 < 0.9 * losses[0]
     comp = C.load(out, device=device).eval()
-    L = E.run_ae(comp, [{"text": t} for t in train.EVAL_TEXTS], max_new_tokens=1,
+    L = E.run_ae(comp, [{"text": t} for t in D.EVAL_TEXTS], max_new_tokens=1,
                  proto=dict(crop="head", n=16, half=False))["loss"]
     assert L["own_other_ratio"] < max_ratio
     saved = load_file(os.path.join(out, "compressor.safetensors"))
@@ -185,26 +189,64 @@ def test_quickstart_on_the_real_tiny_model_runs_and_logs(tmp_path, run_train, ca
     assert "aoc: ae objective on 3,013 documents" in capsys.readouterr().out   # AOC's own objective: no note
 
 
-@pytest.mark.parametrize("method", C.METHODS)
+@pytest.mark.parametrize("method", P.METHODS)
 def test_tiny_takes_the_demo_settings_and_a_real_model_the_papers(method, files):
     """--model tiny (the default): every flag left unset comes from TINY_ALL + TINY[method], the paper's recipe
     fills the rest; a flag wins; a real model (a local folder) keeps the paper's recipe."""
-    demo = {**train.TINY_ALL, **train.TINY[method]}
-    args, _ = train.parse_args(["--method", method])
+    demo = {**P.TINY_ALL, **P.TINY[method]}
+    args, *_ = cli.parse_args(["--method", method])
     assert (args.model, args.objective, args.crop, args.batch_size, args.lr, args.steps) == \
         ("tiny", demo["objective"], demo["crop"], demo["batch_size"], demo["lr"], demo["steps"])
     assert [args.min_len, args.max_len] == list(demo["lengths"])
-    assert args.warmup == min(C.PRESETS[method].recipe.warmup, demo["steps"] // 10)
+    assert args.warmup == min(P.PRESETS[method].recipe.warmup, demo["steps"] // 10)
     for k, v in demo.items():   # anything else a row sets (a compressor setting) lands in its flag
         if k in vars(args):
             assert getattr(args, k) == (list(v) if isinstance(v, tuple) else v), k
-    args, _ = train.parse_args(["--method", method, "--lr", "1e-3", "--max-len", "24", "--objective", "pretrain"])
+    args, *_ = cli.parse_args(["--method", method, "--lr", "1e-3", "--max-len", "24", "--objective", "pretrain"])
     assert (args.lr, args.max_len, args.objective, args.steps) == (1e-3, 24, "pretrain", demo["steps"])
-    paper = C.PRESETS[method].recipe
-    args, _ = train.parse_args(["--method", method, "--model", files["model"]])
+    paper = P.PRESETS[method].recipe
+    args, *_ = cli.parse_args(["--method", method, "--model", files["model"]])
     assert (args.objective, args.crop, args.batch_size, args.lr, args.steps) == \
         (paper.objective, paper.crop, paper.batch_size, paper.lr, paper.steps)
     assert (args.min_len, args.max_len) == paper.lengths
+
+
+def test_recipe_for_names_each_settings_value_and_source():
+    """presets.recipe_for answers "what does this run use, and why": a flag, the tiny demo (ours, never called the
+    paper's), the paper's recipe, its code's, or ours; derived values say how (issue 39)."""
+    for method in P.METHODS:
+        tiny = P.recipe_for(method, "tiny")
+        demo = {**P.TINY_ALL, **P.TINY[method]}
+        for k, v in demo.items():   # every demo value is there, as the demo's
+            if k == "lengths":
+                assert (tiny["max_len"].value, tiny["max_len"].source) == (v[1], "demo"), method
+            else:
+                assert tiny[k] == (v, "demo"), (method, k)
+        assert all(s.source != "paper" or k not in demo for k, s in tiny.items())
+        real = P.recipe_for(method, "org/model")
+        recipe = P.PRESETS[method].recipe
+        assert real["lr"].value == recipe.values(real["objective"].value)["lr"] and "demo" not in {
+            s.source for s in real.values()}
+    aoc = P.recipe_for("aoc", "org/model")
+    assert aoc["lr"] == (2e-4, "paper") and aoc["betas"] == ((0.9, 0.999), "code") and aoc["steps"].source == "ours"
+    assert aoc["min_len"] == (96, "--crop head: --max-len") and aoc["warmup"] == (300, "paper")
+    short = P.recipe_for("aoc", "org/model", flags=dict(steps=100, lr=1e-3, objective=None))
+    assert short["lr"] == (1e-3, "flag") and short["steps"] == (100, "flag")
+    assert short["warmup"] == (10, "ours: 10% of --steps") and short["objective"] == ("ae", "paper")
+    assert P.recipe_for("500x", "org/model", flags=dict(objective="ae"))["ae_token"] == ("bos", "code")
+    assert P.recipe_for("gmsa", "org/model", stage="keft")["objective"] == ("qa", "--stage keft")
+    scaled = P.recipe_for("icae", "org/model", flags=dict(chunk_len=255))
+    assert scaled["max_len"] == (1020, "paper, scaled by --chunk-len")
+
+
+def test_the_first_log_line_names_each_setting_and_its_source(tmp_path, run_train, capsys):
+    run_train(["--method", "aoc", "--steps", "1", "--eval-every", "0", "--out", str(tmp_path / "aoc")])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("settings: objective ae (demo), lr 0.003 (demo), betas 0.9,0.999 (code), ")
+    for part in ("steps 1 (flag)", "batch_size 4 (demo)", "max_len 16 (demo)", "schedule linear (demo)"):
+        assert part in first
+    args = json.load(open(tmp_path / "aoc" / "args.json"))
+    assert all(f"{k} " in first for k in cli.SETTINGS) and args["lr"] == 3e-3
 
 
 def test_the_log_and_help_say_where_tiny_changes_the_papers_objective(tmp_path, run_train, capsys):
@@ -214,7 +256,7 @@ def test_the_log_and_help_say_where_tiny_changes_the_papers_objective(tmp_path, 
         train.main(["--help"])
     text = capsys.readouterr().out
     assert "--model tiny (the default): a CPU demo" in text and "objective ae, crop head" in text
-    for method, row in train.TINY.items():
+    for method, row in P.TINY.items():
         assert f"\n  {method:8} {row['lengths'][1]:3} {row['steps']:6}" in text
 
 
@@ -223,12 +265,12 @@ def test_help_and_the_first_log_line_say_where_the_objective_changes_the_archite
     run's first log line name them (issue 31: that switch was hidden in an untyped recipe row)."""
     run_train(["--method", "500x", "--objective", "ae", "--mem", "4", "--chunk-len", "16", *LORA, "--steps", "1",
                "--eval-every", "0", "--out", str(tmp_path / "x")])
-    first = capsys.readouterr().out.splitlines()[0]
+    first = capsys.readouterr().out.splitlines()[1]   # (after the settings line)
     assert first.startswith("500x: ae objective") and "(--objective ae on 500x also sets: ae_token=bos, " \
         "lm_token=bos, mem_init=normal, bos=False, lora_dropout=0.05, template=plain)" in first   # LORA: flags
     run_train(["--method", "500x", "--objective", "pretrain", "--mem", "4", "--chunk-len", "16", *LORA, "--steps",
                "1", "--eval-every", "0", "--out", str(tmp_path / "y")])
-    assert "also sets" not in capsys.readouterr().out.splitlines()[0]
+    assert "also sets" not in capsys.readouterr().out.splitlines()[1]
     with pytest.raises(SystemExit):
         train.main(["--help"])
     text = capsys.readouterr().out
@@ -314,7 +356,7 @@ X500 = ["--method", "500x", "--mem", "16", "--chunk-len", "16", *LORA, "--lora-d
 def held_texts(tmp_path_factory):
     """12 held-out texts in a file of their own (evaluate.py's built-in set, so nothing here trains on them)."""
     path = tmp_path_factory.mktemp("held") / "held.jsonl"
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in train.held_out_texts(12)))
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in D.held_out_texts(12)))
     return str(path)
 
 
@@ -345,13 +387,13 @@ def test_held_out_check_of_qa_scores_the_reference_answer(files, tmp_path, run_t
     """qa: the loss of the reference answer after the question's own memory, as evaluate.py --task qa reports it."""
     out = str(tmp_path / "qa")
     qa = tmp_path / "qa.jsonl"
-    qa.write_text("".join(json.dumps(dict(context=c, question=q, answer=a)) + "\n" for c, q, a in train.BUILTIN_QA))
+    qa.write_text("".join(json.dumps(dict(context=c, question=q, answer=a)) + "\n" for c, q, a in D.BUILTIN_QA))
     run_train([*X500, "--objective", "qa", "--model", "tiny", "--data", str(qa), "--max-len", "64", "--steps", "2",
                "--eval-data", str(qa), "--eval-every", "2", "--out", out])
     last = eval_rows(out)[-1]["eval"]
     got = E.main(["--ckpt", out, "--task", "qa", "--data", str(qa), "--max-len", "64", "--max-new-tokens", "1",
                   "--device", str(device), "--dtype", "float32", "--out", str(tmp_path / "eval.json")])["loss"]
-    assert last["n"] == len(train.BUILTIN_QA) and abs(got["own_other_ratio"] - last["own_other"]) <= 1e-5
+    assert last["n"] == len(D.BUILTIN_QA) and abs(got["own_other_ratio"] - last["own_other"]) <= 1e-5
 
 
 def test_held_out_check_does_not_touch_training(held_texts, tmp_path, run_train):
@@ -429,16 +471,16 @@ def test_mem_lr_trains_the_memory_tokens_at_their_own_rate(tmp_path, run_train, 
 def test_len_curriculum_grows_the_texts_from_n_tokens():
     """--len-curriculum 4 10 with --min-len 12 --max-len 16: texts of 4 tokens at step 0, 8-10 at step 5, and the
     run's own 12-16 from step 10 on."""
-    args = train.argparse.Namespace(crop="window", min_len=12, max_len=16, len_curriculum=[4, 10])
-    assert [train.text_lengths(args, s) for s in (0, 5, 10, 50)] == [(4, 5), (8, 11), (12, 17), (12, 17)]
+    args = D.Sampling("ae", "window", 12, 16, batch_size=8, seed=0, len_curriculum=(4, 10))
+    assert [D.text_lengths(args, s) for s in (0, 5, 10, 50)] == [(4, 5), (8, 11), (12, 17), (12, 17)]
     comp = C.build("aoc", *build_tiny(), mem=4)
-    data, _ = train.tokenize_corpus(train.generated_texts(50, 0), [], "curriculum-test", comp,
+    data, _ = D.tokenize_corpus(D.generated_texts(50, 0), [], "curriculum-test", comp,
                                     cache_dir=str(Path("/tmp") / "cache-curriculum"))
-    args.seed, args.batch_size = 0, 8
-    lengths = lambda step: {len(ex["context"]) for ex in train.step_examples(data, "ae", args, comp, step)}
+    s = D.Sampling("ae", "window", 12, 16, batch_size=8, seed=0, len_curriculum=(4, 10))
+    lengths = lambda step: {len(ex["context"]) for ex in D.step_examples(data, s, comp, step)}
     assert lengths(0) == {4} and lengths(20) <= set(range(12, 17)) and len(lengths(20)) > 1
     with pytest.raises(SystemExit, match="--len-curriculum N K needs 1 <= N <= --min-len"):
-        train.parse_args(["--method", "aoc", "--crop", "window", "--min-len", "8", "--len-curriculum", "9", "10"])
+        cli.parse_args(["--method", "aoc", "--crop", "window", "--min-len", "8", "--len-curriculum", "9", "10"])
 
 
 def test_warm_start_begins_where_the_other_run_ended(tmp_path, run_train, device, capsys):
@@ -532,68 +574,65 @@ def test_two_processes_train_exactly_as_one(tmp_path, device):
 
 
 def test_schedules():
-    args = train.argparse.Namespace(lr=1.0, warmup=10, steps=110, schedule="constant")
-    assert [train.lr_at(s, args) for s in (0, 4, 9, 10, 109)] == [0.1, 0.5, 1.0, 1.0, 1.0]
-    args.schedule = "linear"
-    assert [round(train.lr_at(s, args), 6) for s in (10, 60, 109)] == [1.0, 0.5, 0.01]
-    args.schedule = "cosine"
-    assert [round(train.lr_at(s, args), 6) for s in (10, 60)] == [1.0, 0.5]
+    assert [train.lr_at(s, 1.0, 10, 110, "constant") for s in (0, 4, 9, 10, 109)] == [0.1, 0.5, 1.0, 1.0, 1.0]
+    assert [round(train.lr_at(s, 1.0, 10, 110, "linear"), 6) for s in (10, 60, 109)] == [1.0, 0.5, 0.01]
+    assert [round(train.lr_at(s, 1.0, 10, 110, "cosine"), 6) for s in (10, 60)] == [1.0, 0.5]
 
 
 def test_paper_defaults_fill_the_unset_flags_and_flags_win(tmp_path):
-    args, _ = train.parse_args(["--method", "icae", "--model", "meta-llama/Llama-3.2-1B", "--steps", "20000"])
+    args, *_ = cli.parse_args(["--method", "icae", "--model", "meta-llama/Llama-3.2-1B", "--steps", "20000"])
     assert (args.objective, args.lr, args.betas, args.weight_decay, args.schedule, args.warmup, args.batch_size,
             args.clip, args.min_len, args.max_len) == ("pretrain", 1e-4, [0.9, 0.95], 0.1, "constant", 300, 16,
                                                       2.0, 510, 2040)   # EPL App. C, Table 8
-    args, _ = train.parse_args(["--method", "icae", "--model", "x/y", "--objective", "qa", "--lr", "3e-5"])
+    args, *_ = cli.parse_args(["--method", "icae", "--model", "x/y", "--objective", "qa", "--lr", "3e-5"])
     assert args.lr == 3e-5
-    args, _ = train.parse_args(["--method", "icae", "--model", "x/y", "--objective", "qa"])
+    args, *_ = cli.parse_args(["--method", "icae", "--model", "x/y", "--objective", "qa"])
     assert args.lr == 5e-5                                        # EPL fine-tuning
-    args, _ = train.parse_args(["--method", "icae", "--model", "x/y", "--chunk-len", "255"])
+    args, *_ = cli.parse_args(["--method", "icae", "--model", "x/y", "--chunk-len", "255"])
     assert (args.min_len, args.max_len) == (255, 1020)            # half the chunk: half the lengths
-    args, _ = train.parse_args(["--method", "compllm", "--model", "x/y"])
+    args, *_ = cli.parse_args(["--method", "compllm", "--model", "x/y"])
     assert (args.objective, args.lr, args.weight_decay, args.batch_size) == ("distill", 1e-4, 0.0, 4)
 
 
 def test_recipes_of_the_papers_code(tmp_path):
     # EPL's 500xCompressor branch (pretrain): learned [AE]/[LM]; the original 500x code (ae): [BOS], N(0, 1) memory
     # tokens, no [BOS] context, LoRA r 64 α 32 dropout 0.05, HF Trainer's AdamW (wd 0, clip 1.0), first 500 tokens
-    args, _ = train.parse_args(["--method", "500x", "--model", "x/y"])
+    args, *_ = cli.parse_args(["--method", "500x", "--model", "x/y"])
     assert (args.ae_token, args.lm_token, args.bos) == (None, None, None)     # the preset's: learned, learned, BOS
-    assert C.make_config("500x").ae_token == "learned" and C.make_config("500x").bos
-    args, _ = train.parse_args(["--method", "500x", "--model", "x/y", "--objective", "ae"])
+    assert P.make_config("500x").ae_token == "learned" and P.make_config("500x").bos
+    args, *_ = cli.parse_args(["--method", "500x", "--model", "x/y", "--objective", "ae"])
     assert (args.ae_token, args.mem_init, args.bos, args.lora_r, args.lora_alpha, args.lora_dropout) == \
         ("bos", "normal", False, 64, 32, 0.05)
     assert (args.weight_decay, args.clip, args.crop, args.max_len) == (0.0, 1.0, "head", 500)
-    args, _ = train.parse_args(["--method", "500x", "--model", "x/y", "--objective", "ae", "--ae-token", "learned"])
+    args, *_ = cli.parse_args(["--method", "500x", "--model", "x/y", "--objective", "ae", "--ae-token", "learned"])
     assert args.ae_token == "learned"                                         # a flag wins over the recipe
     # PCC code (PIC follows it): AdamW (0.9, 0.999), wd 0, cosine, warmup 300, clip 0.5; QA lr 5e-5, warmup 100
-    args, _ = train.parse_args(["--method", "pic", "--model", "x/y"])
+    args, *_ = cli.parse_args(["--method", "pic", "--model", "x/y"])
     assert (args.betas, args.weight_decay, args.schedule, args.warmup, args.clip) == ([0.9, 0.999], 0.0, "cosine",
                                                                                       300, 0.5)
-    args, _ = train.parse_args(["--method", "pic", "--model", "x/y", "--objective", "qa"])
+    args, *_ = cli.parse_args(["--method", "pic", "--model", "x/y", "--objective", "qa"])
     assert (args.lr, args.schedule, args.warmup) == (5e-5, "cosine", 100)
     # AOC's LoRA baseline runs from flags: q, k, v, o, dropout 0.05
-    args, _ = train.parse_args(["--method", "500x", "--model", "x/y", "--objective", "ae", "--lora-targets",
+    args, *_ = cli.parse_args(["--method", "500x", "--model", "x/y", "--objective", "ae", "--lora-targets",
                                 "q_proj", "k_proj", "v_proj", "o_proj", "--lora-r", "64", "--lora-alpha", "32"])
-    cfg = C.make_config("500x", **{k: getattr(args, k) for k in train.COMPRESSOR_FLAGS})
+    cfg = P.make_config("500x", **{k: getattr(args, k) for k in cli.COMPRESSOR_FLAGS})
     assert cfg.lora_targets == ("q_proj", "k_proj", "v_proj", "o_proj") and cfg.lora_dropout == 0.05
     # CompLLM's teacher answers are long (149-273 tokens on average): 512 by default, recorded with the run
-    assert train.parse_args(["--method", "compllm", "--model", "x/y"])[0].answer_tokens == 512
+    assert cli.parse_args(["--method", "compllm", "--model", "x/y"])[0].answer_tokens == 512
     # GMSA §4.1: AE texts of at most 512 tokens (PwC), QA contexts up to 3072
-    assert train.parse_args(["--method", "gmsa", "--model", "x/y"])[0].max_len == 512
-    assert train.parse_args(["--method", "gmsa", "--model", "x/y", "--objective", "qa"])[0].max_len == 3072
+    assert cli.parse_args(["--method", "gmsa", "--model", "x/y"])[0].max_len == 512
+    assert cli.parse_args(["--method", "gmsa", "--model", "x/y", "--objective", "qa"])[0].max_len == 3072
 
 
 def test_head_crop_takes_the_first_n_tokens_of_a_document_and_pads_with_eos():
     """AOC code: tokenizer(text, truncation=True, padding="max_length", max_length=n); pad = EOS, trained on."""
     comp = C.build("aoc", *build_tiny(), mem=4)
     docs = ["A long document that has more than enough tokens.", "Short one."]
-    data, _ = train.tokenize_corpus(docs, [], "head-crop-test", comp, cache_dir=str(Path("/tmp") / "cache-head"))
-    args = train.argparse.Namespace(crop="head", min_len=16, max_len=16)
+    data, _ = D.tokenize_corpus(docs, [], "head-crop-test", comp, cache_dir=str(Path("/tmp") / "cache-head"))
+    s = D.Sampling("ae", "head", 16, 16, batch_size=1, seed=0)
     seen = set()
     for i in range(40):
-        ex = train.sample_example(data, "ae", np.random.default_rng(i), args, comp, step=i)
+        ex = D.sample_example(data, s, np.random.default_rng(i), comp, step=i)
         seen.add(tuple(ex["context"]))
         assert ex["ae"] == ex["context"] + [comp.tok.eos_id]
     tok = comp.tok
@@ -616,7 +655,7 @@ def test_parquet_data(tmp_path, run_train):
     pq.write_table(pa.table({"context": ["Paris is in France."], "question": ["Where is Paris?"],
                              "answers": [{"text": ["France", "in France"], "answer_start": [12, 9]}]}),
                    tmp_path / "qa.parquet")
-    texts, qa, _ = train.read_corpus(str(tmp_path))
+    texts, qa, _ = D.read_corpus(str(tmp_path))
     assert sorted(texts) == ["First document here.", "Second document here."]
     assert qa == [("Paris is in France.", "Where is Paris?", "France")]
     out = str(tmp_path / "run")
@@ -696,7 +735,7 @@ def test_distill_caches_the_teachers_own_answers(files, tmp_path, run_train, dev
     (cache,) = out.glob("cache/answers-*.pt")
     answers = torch.load(cache, weights_only=True)
     comp = C.load(str(out), device=device)
-    context, question, _ = train.BUILTIN_QA[2]
+    context, question, _ = D.BUILTIN_QA[2]
     ids = torch.tensor([comp.tok.encode(context[:96]) + comp.tok.encode(question)], device=device)
     # the teacher answered under train.py's autocast (bf16 on CUDA): the same kernels give the same greedy tokens
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
@@ -808,7 +847,7 @@ def test_init_from_a_run_saved_before_a_setting_existed(finished_run, tmp_path, 
     meta = json.loads(Path(run, "compressor.json").read_text())
     del meta["config"]["mem_norm"]
     Path(run, "compressor.json").write_text(json.dumps(meta))
-    args, _ = train.parse_args(["--init", run, "--method", "aoc", "--out", str(tmp_path / "new")])
+    args, *_ = cli.parse_args(["--init", run, "--method", "aoc", "--out", str(tmp_path / "new")])
     assert args.mem_norm is None and C.load(run).cfg.mem_norm is False
     assert_one_line_error(["--init", run, "--method", "aoc", "--mem-norm", "--out", str(tmp_path / "new")],
                           "was trained with mem_norm=False: drop --mem-norm", capsys, device)
@@ -819,7 +858,7 @@ def test_resume_on_a_changed_corpus_is_one_line(finished_run, tmp_path, monkeypa
     does not continue silently once that corpus has changed (here: one more paragraph)."""
     run = str(tmp_path / "run")
     shutil.copytree(finished_run, run)
-    monkeypatch.setattr(train, "BUILTIN_TEXTS", [*train.BUILTIN_TEXTS, "One more paragraph, added since."])
+    monkeypatch.setattr(train, "BUILTIN_TEXTS", [*D.BUILTIN_TEXTS, "One more paragraph, added since."])
     before = snapshot(os.path.join(run, "ckpt-000002"))
     assert_one_line_error(["--resume", run, "--steps", "4"], "was trained on another corpus than the built-in corpus",
                           capsys, device)
@@ -829,11 +868,11 @@ def test_resume_on_a_changed_corpus_is_one_line(finished_run, tmp_path, monkeypa
 def test_checkpoints_save_only_the_generators_a_run_draws_from(finished_run):
     """torch's RNG is the only global one a run draws from (the data has generators of its own): a checkpoint holds
     its state, not numpy's or random's, and an older checkpoint that holds those too still restores."""
-    state = train.read_train_state(finished_run)
+    state = checkpoint.read_train_state(finished_run)
     assert set(state["rng"][0]) == {"torch", "cuda"}
     before = torch.get_rng_state()
     old = {**state["rng"][0], "python": (3, (0,) * 625, None), "numpy": ["MT19937", [0] * 624, 0, 0, 0.0]}
-    train.set_rng_state(old)
+    checkpoint.set_rng_state(old)
     assert torch.equal(torch.get_rng_state(), state["rng"][0]["torch"])
     torch.set_rng_state(before)
 
@@ -843,9 +882,9 @@ def test_help_explains_every_flag_and_shows_the_gpu_command(capsys):
         train.main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    parser = train.build_parser()
+    parser = cli.build_parser()
     for action in parser._actions:
         assert action.help, f"{action.option_strings} has no help"
     assert "meta-llama/Llama-3.2-1B-Instruct" in text and "--steps 20000" in text
-    for method in C.METHODS:
+    for method in P.METHODS:
         assert f"\n  {method} " in text                              # the per-method defaults table

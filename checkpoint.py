@@ -1,0 +1,124 @@
+"""
+Checkpoints of a training run, written so that a run killed at any moment can continue exactly:
+
+    OUT/ckpt-000200/{compressor.json, compressor.safetensors, train_state.pt}   one unit, renamed into place
+    OUT/compressor.json, OUT/compressor.safetensors     hard links to the newest unit: compressors.load(OUT)
+    OUT/args.json, OUT/log.jsonl, OUT/cache/
+
+train_state.pt holds the optimizer, the step, the args and every RNG state a run draws from (one per process); the
+schedule is a function of the step and the data of (seed, step), so nothing else is needed. The log is JSON lines:
+training rows and held-out rows ({"step", "eval"}).
+"""
+
+import json
+import os
+import shutil
+from dataclasses import asdict
+from glob import glob
+
+import torch
+import torch.distributed as dist
+
+from presets import fail
+
+
+def save_checkpoint(out, step, comp, opt, args, rng, data_key, keep_every=None):
+    """Write everything a run needs to continue into a temporary directory, then rename it into place: a run
+    killed at any moment leaves the previous checkpoint or the new one, never half of one. Then point the
+    top-level compressor files at it and drop older checkpoints. (Atomic against a killed process; without
+    fsync, not against a power cut.)"""
+    tmp, final = os.path.join(out, f".tmp-ckpt-{step:06d}"), os.path.join(out, f"ckpt-{step:06d}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    comp.save(tmp, extra={"step": step, "train_args": vars(args)})    # compressor.json + compressor.safetensors
+    torch.save(dict(step=step, optimizer=opt.state_dict(), rng=rng, args=vars(args), data=data_key,
+                    config=asdict(comp.cfg)), os.path.join(tmp, "train_state.pt"))
+    # the schedule is a function of the step and the data of (seed, step): step + RNG states are their state
+    if os.path.exists(final):
+        shutil.rmtree(tmp)   # this very step was saved already (same state)
+    else:
+        os.rename(tmp, final)   # the commit: atomic on one file system
+    for name in ("compressor.safetensors", "compressor.json"):
+        link = os.path.join(out, name + ".tmp")
+        if os.path.lexists(link):
+            os.remove(link)
+        try:
+            os.link(os.path.join(final, name), link)   # no second copy of the weights on disk
+        except OSError:
+            shutil.copy2(os.path.join(final, name), link)   # file systems without hard links
+        os.replace(link, os.path.join(out, name))
+    with open(os.path.join(out, "args.json.tmp"), "w") as f:
+        json.dump(vars(args), f, indent=2)
+    os.replace(os.path.join(out, "args.json.tmp"), os.path.join(out, "args.json"))
+    for old in glob(os.path.join(out, ".tmp-ckpt-*")):
+        shutil.rmtree(old, ignore_errors=True)
+    for old in glob(os.path.join(out, "ckpt-*")):
+        kept = keep_every and int(old.rpartition("-")[2]) % keep_every == 0   # --keep-every (PIC §4.3.2)
+        if old != final and not kept:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir, required=True):
+    """The newest complete ckpt-NNNNNN directory of a run directory (complete: its train_state.pt exists)."""
+    found = sorted(d for d in glob(os.path.join(run_dir, "ckpt-*"))
+                   if os.path.isfile(os.path.join(d, "train_state.pt")))
+    if not found and required:
+        what = "does not exist" if not os.path.isdir(run_dir) else "holds no checkpoint (no ckpt-*/train_state.pt)"
+        fail(f"cannot resume: {run_dir} {what}")
+    return found[-1] if found else None
+
+
+def read_train_state(run_dir):
+    """train_state.pt of the newest checkpoint in run_dir, with a one-line error when it cannot be read."""
+    path = os.path.join(latest_checkpoint(run_dir), "train_state.pt")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:   # truncated, overwritten, not a torch file: all one line
+        fail(f"cannot resume: {path} is corrupt ({type(e).__name__}); restore it or start a new run")
+    if not isinstance(state, dict) or not {"step", "optimizer", "rng", "args"} <= state.keys():
+        fail(f"cannot resume: {path} is not a train.py checkpoint")
+    return state
+
+
+def gather_rng_states(world):
+    """One RNG state per rank (rank r resumes with entry r), gathered so that rank 0 can save them all."""
+    if world == 1:
+        return [rng_state()]
+    states = [None] * world
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+def rng_state():
+    """Every global RNG a run draws from: torch's (the init and dropout), on the host and on CUDA."""
+    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
+
+
+def set_rng_state(state):
+    """rng_state's generators back (a checkpoint saved before also holds numpy's and random's: nothing draws from
+    them, so they are left alone)."""
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def read_log(run_dir):
+    """A run's log.jsonl -> (training rows, held-out rows {"step", "eval"}), each in step order."""
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "log.jsonl")) if line.strip()]
+    return [r for r in rows if "eval" not in r], [r for r in rows if "eval" in r]
+
+
+def trim_log(path, step):
+    """Keep the log lines of steps <= step (a resumed run logs the later steps again), atomically."""
+    if not os.path.exists(path):
+        return
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line)
+            except (ValueError, KeyError):   # a line cut short by a killed run
+                pass
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)

@@ -1,0 +1,470 @@
+"""
+The data of a training run: the readers (plain text, JSON lines, Parquet, a hub file), the built-in corpus and its
+held-out texts, tokenisation with an on-disk cache, sampling a step's examples, collating a micro-batch, and the teacher's
+answers of CompLLM's distillation. train.py draws every step's batch from here; evaluate.py reads its built-in examples
+and its .jsonl / .parquet records here.
+
+A step's examples depend on nothing but (seed, step, example index) (step_examples): that makes resume exact and a
+step the same whatever the micro-batching or the number of processes. Context ids are the compressor's tokenizer's,
+everything else the decoder's.
+"""
+
+import hashlib
+import json
+import os
+import random
+from dataclasses import dataclass
+from glob import glob
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from presets import fail
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a step's examples are drawn: train.py's flags of the same names."""
+    objective: str                        # pretrain | ae | qa | distill
+    crop: str                             # window (a random window of a document) | head (its first max_len tokens)
+    min_len: int                          # shortest text |X|
+    max_len: int                          # longest text |X|; also cuts QA contexts
+    batch_size: int                       # examples per step
+    seed: int
+    len_curriculum: tuple | None = None   # (N, K): ours, texts grow from N tokens over the first K steps
+
+
+# ---- reading ----
+
+
+def read_corpus(path):
+    """Documents from --data -> (texts, qa triples, identity string for the cache key).
+    texts: list of str; qa: list of (context, question, answer) str triples."""
+    if path is None:
+        texts, qa = generated_texts(BUILTIN_GENERATED, seed=0) + list(BUILTIN_TEXTS), list(BUILTIN_QA)
+        return texts, qa, "builtin:" + hashlib.sha256(json.dumps([texts, qa]).encode()).hexdigest()
+    if path.startswith("hf://datasets/"):
+        path = hub_file(path)
+    if not os.path.exists(path):
+        fail(f"data path '{path}' does not exist")
+    files = [path] if os.path.isfile(path) else sorted(
+        f for ext in ("txt", "jsonl", "parquet") for f in glob(os.path.join(path, "**", f"*.{ext}"), recursive=True))
+    texts, qa = [], []
+    for f in files:
+        if f.endswith((".jsonl", ".parquet")):
+            for where, rec in records(f):
+                kind = record_kind(rec)
+                if kind is None:
+                    fail(f'{f} {where}: expected {{"text"}} or {{"context", "question", "answer"}}')
+                if kind == "text":
+                    texts.append(rec["text"])
+                else:
+                    qa.append((rec["context"], rec["question"], first_answer(rec["answer"])))
+        else:
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                texts.append(fh.read())   # a whole file is one document: windows never straddle two files
+    texts = [t for t in texts if t.strip()]
+    if not texts and not qa:
+        fail(f"no text in '{path}' (empty files, or a folder without .txt / .jsonl / .parquet files)")
+    identity = json.dumps([(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files])
+    return texts, qa, identity
+
+
+def records(path):
+    """(where, record) for every row of a .jsonl or .parquet file; a bad line is a one-line error."""
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            fail(f"reading {path} needs pyarrow: pip install pyarrow")
+        for i, rec in enumerate(pq.read_table(path).to_pylist(), 1):
+            yield f"row {i}", rec
+        return
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for i, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"line {i}", json.loads(line)
+            except json.JSONDecodeError as e:
+                fail(f"{path} line {i} is not JSON ({e.msg})")
+
+
+def record_kind(rec):
+    """"text", "qa" or None (not a record train.py reads)."""
+    if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+        return "text"
+    if isinstance(rec, dict) and {"context", "question", "answer"} <= rec.keys():
+        return "qa"
+    if isinstance(rec, dict) and {"context", "question", "answers"} <= rec.keys():   # SQuAD on the hub
+        rec["answer"] = rec["answers"]
+        return "qa"
+    return None
+
+
+def first_answer(answer):
+    """A str, a list of str, or SQuAD's {"text": [...], "answer_start": [...]}: the first answer, as QA training
+    uses answers[0] (EPL code)."""
+    if isinstance(answer, dict):
+        answer = answer.get("text", [""])
+    return str(answer[0] if isinstance(answer, (list, tuple)) and answer else answer)
+
+
+def hub_file(url):
+    """hf://datasets/OWNER/NAME/PATH -> a local copy (downloaded once into the Hugging Face cache)."""
+    parts = url[len("hf://datasets/"):].split("/", 2)
+    if len(parts) < 3:
+        fail(f"'{url}' is not hf://datasets/OWNER/NAME/PATH")
+    from huggingface_hub import hf_hub_download
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    try:
+        return hf_hub_download("/".join(parts[:2]), parts[2], repo_type="dataset", local_files_only=offline)
+    except Exception as e:   # offline, no network, no such repo or file: all one line
+        fail(f"cannot fetch {url}: {type(e).__name__} (offline or not on the hub; pass a local path instead)")
+
+
+def tokenize_corpus(texts, qa, identity, comp, cache_dir):
+    """Tokenise every document once and cache the ids, keyed by the data, the tokenizers and the QA template.
+    Texts become one flat tensor of decoder ids plus offsets (document d is tokens[offsets[d]:offsets[d + 1]]);
+    QA triples become the template's pieces (Compressor.qa_parts): prefix, the context for the decoder and for
+    the compressor, the prompt after it, and the answer."""
+    tok, enc_tok = comp.tok, comp.enc_tok
+    vocab = tok.tk.to_str() + ("" if enc_tok is tok else enc_tok.tk.to_str())
+    key = hashlib.sha256((identity + vocab + json.dumps(comp.template())).encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir, f"tokens-{key}.pt")
+    if os.path.exists(path):
+        return torch.load(path, weights_only=True), key
+    as_ids = lambda s, t=tok: torch.tensor(t.encode(s), dtype=torch.int32)
+    docs = [d for d in map(as_ids, tqdm(texts, desc="tokenizing", disable=len(texts) < 1000)) if len(d) >= 2]
+    offsets = torch.tensor([0] + [len(d) for d in docs], dtype=torch.int64).cumsum(0)   # (n_docs + 1,)
+    pieces = [{**{k: torch.tensor(v, dtype=torch.int32) for k, v in comp.qa_parts(c, q).items()},
+               "answer": as_ids(a)} for c, q, a in qa]
+    data = {"tokens": torch.cat(docs) if docs else torch.zeros(0, dtype=torch.int32), "offsets": offsets,
+            "qa": pieces}
+    os.makedirs(cache_dir, exist_ok=True)
+    # atomic: a killed run never leaves half a cache behind (one temp file per process: DDP ranks all write)
+    torch.save(data, f"{path}.{os.getpid()}.tmp")
+    os.replace(f"{path}.{os.getpid()}.tmp", path)
+    return data, key
+
+
+@dataclass
+class Data:
+    tokens: dict        # tokenize_corpus's tensors
+    key: str            # its cache key (saved with each checkpoint)
+    documents: int      # texts read
+    questions: int      # QA examples read
+    answers: dict       # distill: the frozen LLM's answers, memoised (saved with each checkpoint)
+    answers_path: str
+
+
+def load_data(path, s: Sampling, comp, cache_dir: str, answer_tokens: int) -> Data:
+    """The corpus, checked against the objective, tokenised once and cached."""
+    try:
+        texts, qa, identity = read_corpus(path)
+    except OSError as e:     # unreadable files: one line
+        fail(e)
+    if s.objective in ("qa", "distill") and not qa:
+        fail(f"--objective {s.objective} needs JSON lines with \"context\", \"question\", \"answer\"")
+    if s.objective in ("pretrain", "ae"):
+        texts += [c for c, _, _ in qa]   # QA contexts are text too (ours)
+        if s.crop == "head" and len(texts) < s.batch_size:
+            # a head crop is the first n tokens of a document: with fewer documents than a batch, every step would
+            # train on the same few texts (a .txt file is one document)
+            fail(f"--crop head trains on the first {s.max_len} tokens of each document, and "
+                 f"{path or 'the built-in corpus'} holds {len(texts)} document(s) for a batch of "
+                 f"{s.batch_size}: give a .jsonl with one document per line, a folder of files, or use --crop window")
+    if s.objective == "distill" and comp.enc_tok is not comp.tok:
+        fail("distill runs the teacher and the student on the same ids: it needs one tokenizer for both models")
+    data, key = tokenize_corpus(texts, qa, identity, comp, cache_dir)
+    if s.objective in ("pretrain", "ae") and len(data["tokens"]) == 0:   # (documents of < 2 tokens are dropped)
+        fail(f"no text of 2 tokens or more in {path}")
+    answers_path = os.path.join(cache_dir, f"answers-{key}-{answer_tokens}.pt")
+    answers = torch.load(answers_path, weights_only=True) if os.path.exists(answers_path) else {}
+    return Data(data, key, len(texts), len(qa), answers, answers_path)
+
+
+# ---- sampling a step ----
+
+
+def sample_example(data, s: Sampling, rng, comp, step):
+    """One training example of step `step`, drawn with `rng`. Context ids are the compressor's, everything else
+    the decoder's."""
+    ex = draw_qa(data, s, rng, comp) if s.objective in ("qa", "distill") else \
+        draw_text(data, s, rng, comp, step)
+    # GMSA §4.1: the compression ratio is sampled per example; drawn with the example, so that it too depends on
+    # nothing but the step and the example's index
+    ex["ratio"] = [comp.cfg.ratios[rng.integers(len(comp.cfg.ratios))]] if comp.cfg.source == "group_mean" else []
+    return ex
+
+
+def draw_qa(data, s: Sampling, rng, comp):
+    ex = {k: v.tolist() for k, v in data["qa"][rng.integers(len(data["qa"]))].items()}
+    # contexts cut at --max-len (ours)
+    ctx, enc_ctx = ex["dec_context"][:s.max_len], ex["enc_context"][:s.max_len]
+    if s.objective == "distill":   # the answer is the teacher's own (teacher_answer), not the data set's
+        return dict(context=enc_ctx, dec_context=ctx, prefix=ex["prefix"], question=ex["prompt"])
+    # [prefix; memory; [LM]; prompt] -> answer: the loss covers answer + EOS only (EPL code)
+    return dict(context=enc_ctx, prefix=ex["prefix"], qa=ex["prompt"] + ex["answer"] + [comp.tok.eos_id],
+                n_answer=len(ex["answer"]) + 1)
+
+
+def check_len_curriculum(s: Sampling):
+    """--len-curriculum N K (ours) grows the windows of --crop window texts: a one-line error where it cannot."""
+    if not s.len_curriculum:
+        return
+    start, k = s.len_curriculum
+    if s.crop == "head" or s.objective not in ("ae", "pretrain"):
+        fail("--len-curriculum grows the windows of --crop window texts (ae or pretrain): drop it, or use "
+             "--crop window")
+    if not (1 <= start <= s.min_len and k >= 1):
+        fail(f"--len-curriculum N K needs 1 <= N <= --min-len ({s.min_len}) and K >= 1, got {start} {k}")
+
+
+def text_lengths(s: Sampling, step):
+    """The range [lo, hi + 1) a text's length is drawn from at `step`: --min-len..--max-len, or, under
+    --len-curriculum N K (ours), a range that starts at N tokens and grows linearly to it over the first K steps."""
+    if not s.len_curriculum:
+        return s.min_len, s.max_len + 1
+    start, k = s.len_curriculum
+    f = min(1.0, step / k)
+    return round(start + (s.min_len - start) * f), round(start + (s.max_len - start) * f) + 1
+
+
+def draw_text(data, s: Sampling, rng, comp, step):
+    eos, offsets = comp.tok.eos_id, data["offsets"]
+    if s.crop == "head":
+        # AOC code: each text is the first n tokens of a document (tokenizer truncation), a shorter one right-padded
+        # with EOS to n; the padding is compressed and reconstructed like any token (no mask, no -100)
+        d = int(rng.integers(len(offsets) - 1))
+        n = s.max_len
+        x = data["tokens"][offsets[d]:min(offsets[d] + n, offsets[d + 1])].tolist()
+        x = x + [comp.tok.pad_id if comp.tok.pad_id is not None else eos] * (n - len(x))
+    else:
+        # the document of a random token (so each with probability proportional to its length), then a window
+        # of |X| tokens at a random offset inside it: a text never straddles two documents
+        d = int(torch.searchsorted(offsets, int(rng.integers(offsets[-1])), right=True)) - 1
+        lo, hi = int(offsets[d]), int(offsets[d + 1])
+        n = min(int(rng.integers(*text_lengths(s, step))), hi - lo)   # a short document gives a short text
+        start = lo + int(rng.integers(0, hi - lo - n + 1))
+        x = data["tokens"][start:start + n].tolist()
+    if s.objective == "ae":   # ICAE AE / AOC Eq. (4): regenerate all of X, then EOS
+        return dict(context=comp.encoder_ids(x), ae=comp.ae_target(x))
+    # pretrain (EPL code): compress the first p = ⌊|X|/2⌋ tokens, reconstruct them, continue with the rest + EOS
+    p = max(1, n // 2)
+    return dict(context=comp.encoder_ids(x[:p]), ae=comp.ae_target(x[:p]), lm=x[p:] + [eos], last=x[p - 1])
+
+
+def step_examples(data, s: Sampling, comp, step):
+    """Every example of step `step`: example i comes from a generator seeded with (seed, step, i), so a step
+    depends on nothing but its number (exact resume) and is made of the same examples whatever the
+    micro-batching or the number of processes (each process draws them all and takes its share)."""
+    return [sample_example(data, s, np.random.default_rng([s.seed, step, i]), comp, step)
+            for i in range(s.batch_size)]
+
+
+def collate(examples):
+    """A micro-batch: one list per field; "ratios" (GMSA: one compression ratio per example) is None unless sampled."""
+    batch = {k: [e[k] for e in examples] for k in examples[0]}
+    if "ratio" in batch:
+        ratios = sum(batch.pop("ratio"), [])
+        batch["ratios"] = ratios or None
+    # tokens the step reads: compressed context + every decoder sequence (tok/s in the log)
+    batch["tokens"] = sum(len(f) for k in ("context", "ae", "lm", "qa") if k in batch for f in batch[k])
+    return batch
+
+
+def step_normalizers(comp, objective, examples):
+    """What each task's loss is divided by: its supervised tokens over the whole step (every micro-batch of every
+    process), so that the step's loss is the mean over its tokens however it is split (the gradient-accumulation
+    normalisation, as Hugging Face's Trainer fixed it in 2024); distillation is a mean over examples (CompLLM
+    Eq. 3), so its normaliser is the step's number of examples."""
+    b = collate(examples)
+    if objective == "distill":
+        return {"distill": len(examples)}
+    if objective == "qa":
+        return {"qa": comp.supervised_tokens("qa", b["qa"], b["n_answer"], b["prefix"])}
+    norm = {"ae": comp.supervised_tokens("ae", b["ae"])}
+    if objective == "pretrain":
+        norm["lm"] = comp.supervised_tokens("lm", b["lm"])
+    return norm
+
+
+def teacher_answer(comp, cache, prompt, max_new, autocast):
+    """CompLLM §3: the answer the frozen LLM itself gives with the full context (greedy), memoised in `cache`
+    (saved to disk with each checkpoint). prompt: the template's [prefix, context, question] ids, as the student
+    reads them with the context compressed. Includes the EOS when the LLM stops, so A is never empty."""
+    example_key = hashlib.sha1(json.dumps(prompt).encode()).hexdigest()[:20]
+    if example_key not in cache:
+        ids = torch.tensor([prompt], device=comp.device)
+        with torch.no_grad(), comp.decoding(), autocast:
+            out = comp.decoder.generate(ids, max_new_tokens=max_new, eos_id=comp.tok.eos_ids or None)[0].tolist()
+        eos = [i for i, t in enumerate(out) if t in comp.tok.eos_ids]
+        cache[example_key] = out[:eos[0] + 1] if eos else out
+    return cache[example_key]
+
+
+def add_teacher_answers(comp, batch, cache, max_new, autocast):
+    """distill: the frozen LLM's own answer to each example of the micro-batch (teacher_answer), and the tokens the
+    teacher and the student read (the log's tok/s)."""
+    batch["answer"] = [teacher_answer(comp, cache, p + c + q, max_new, autocast)
+                       for p, c, q in zip(batch["prefix"], batch["dec_context"], batch["question"])]
+    batch["tokens"] += sum(len(c) + len(q) + 2 * len(a) for c, q, a in   # teacher + student
+                           zip(batch["dec_context"], batch["question"], batch["answer"]))
+
+
+def save_answers(data: Data):
+    """The teacher's answers so far, beside the token cache (atomic), so a resumed run does not generate them again."""
+    if data.answers:
+        torch.save(data.answers, data.answers_path + ".tmp")
+        os.replace(data.answers_path + ".tmp", data.answers_path)
+
+
+def batch_shape(batch) -> str:
+    """'contexts 4 x <= 480 tokens, ae 4 x <= 481' : what a micro-batch asks of the GPU."""
+    return ", ".join(f"{'contexts' if k == 'context' else k} {len(batch[k])} x <= {max(map(len, batch[k]))} tokens"
+                     for k in ("context", "ae", "lm", "qa", "answer") if k in batch)
+
+
+# ---- built-in corpus ----
+# So that the quickstart runs offline with no --data and shows real compression: thousands of short documents from
+# a small seeded grammar (ours), many enough that a run trains on many texts and is scored on others it never saw
+# (held_out_texts: the same grammar, another seed, any text also drawn here left out); and a few paragraphs of plain
+# English (written for this repository) with questions about them, for QA. evaluate.py reads its built-in examples
+# from here too (EVAL_TEXTS, EVAL_QA, held_out_texts): one place for every built-in text.
+
+NAMES = ("Mira", "Tom", "Anna", "Jonas", "Lena", "Omar", "Sara", "Pedro", "Yuki", "Ivan", "Nora", "Felix", "Hana",
+         "Leo", "Ada", "Karim", "Ines", "Oskar", "Rosa", "Theo", "Vera", "Emil", "Lucia", "Amir")
+JOBS = ("baker", "farmer", "teacher", "painter", "doctor", "sailor", "miller", "weaver", "potter", "builder",
+        "gardener", "fisher", "singer", "tailor", "carpenter", "librarian")
+TOWNS = ("Millbrook", "Ashford", "Redhill", "Stonebridge", "Elmwood", "Northgate", "Fairhaven", "Oakley",
+         "Riverton", "Westmoor", "Lakeside", "Greenfield", "Hollowmere", "Kingsport", "Brightwater", "Dunmore")
+DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+GOODS = (("sold", "loaves of bread"), ("bought", "baskets of apples"), ("painted", "wooden chairs"),
+         ("carried", "sacks of flour"), ("found", "old coins"), ("mended", "fishing nets"), ("planted", "young trees"),
+         ("baked", "honey cakes"), ("wove", "woollen blankets"), ("built", "garden walls"), ("counted", "grey sheep"),
+         ("picked", "ripe pears"), ("wrote", "long letters"), ("lost", "silver spoons"), ("caught", "small trout"),
+         ("shaped", "clay pots"))
+COLOURS = ("red", "blue", "green", "yellow", "white", "black", "brown", "golden")
+REASONS = ("the market opened early", "the rain had finally stopped", "a storm was coming", "the mayor had asked",
+           "the old bridge was closed", "it was the first day of spring", "a cousin was visiting",
+           "the harvest had been good", "the prices had fallen", "the river was high", "a festival began at noon",
+           "the school was closed")
+AFTER = ("Later {name} walked home along the {colour} fence.", "The neighbours said it was the best work in {town}.",
+         "By evening only {num} were left.", "{Name} was paid {num} coins for the work.",
+         "Nobody in {town} had seen so many before.", "Next week {name} will do it again.")
+
+
+def generated_texts(n: int, seed: int) -> list:
+    """n short documents of two or three sentences from the grammar above, drawn with `seed` (ours)."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        name, job, town, day = rng.choice(NAMES), rng.choice(JOBS), rng.choice(TOWNS), rng.choice(DAYS)
+        verb, goods = rng.choice(GOODS)
+        num, colour = rng.randint(2, 99), rng.choice(COLOURS)
+        first = rng.choice((f"{name} the {job} {verb} {num} {goods} in {town} on {day}.",
+                            f"On {day}, {name} the {job} {verb} {num} {colour} {goods} in {town}.",
+                            f"In {town}, {name} {verb} {num} {goods} for the {job}s on {day}."))
+        second = f"{rng.choice(('They', name, 'The ' + job))} did it because {rng.choice(REASONS)}."
+        third = rng.choice(AFTER + ("",)).format(name=rng.choice(NAMES), Name=rng.choice(NAMES), town=town,
+                                                 colour=colour, num=rng.randint(2, 99))
+        docs.append(" ".join(s for s in (first, second, third) if s))
+    return docs
+
+
+BUILTIN_GENERATED = 3000   # documents of the built-in training corpus (seed 0); held_out_texts draws seed 1's
+
+BUILTIN_TEXTS = [
+    "The river starts as a thin stream high in the hills, where snow melts slowly through the spring. It runs "
+    "over stones and under fallen trees, gathering water from a hundred small springs, until by the time it "
+    "reaches the first village it is wide enough for a wooden bridge. The villagers built that bridge three "
+    "times: the first was carried away by a flood, the second burned in a dry summer, and the third, made of "
+    "oak and iron, has stood for more than two hundred years. Below the bridge the river slows down. It bends "
+    "through meadows where cattle graze, past a mill that once ground the grain of the whole valley, and into "
+    "a lake that the maps call Long Water, although everyone who lives beside it simply calls it the lake.",
+    "A good bread needs only four things: flour, water, salt and time. The baker mixes the flour and water "
+    "the evening before and leaves the dough to rest, so that the flour can soak up the water and the gluten "
+    "can begin to form on its own. In the morning she adds the salt and a little yeast, folds the dough every "
+    "half hour for two hours, and then shapes it into round loaves. The loaves rise in cloth-lined baskets "
+    "until they are soft and airy. The oven must be very hot. A tray of water on the bottom shelf fills it "
+    "with steam, which keeps the crust thin for the first minutes and lets the bread grow. After forty minutes "
+    "the loaves are dark brown, and when the baker taps one underneath it sounds hollow, like a small drum.",
+    "The library opened in the old railway station after the trains stopped running. The waiting room became "
+    "the reading room, the ticket office became the front desk, and the long platform, now covered with glass, "
+    "holds shelves of novels arranged by the colour of their covers as well as by author. Children come on "
+    "Saturday mornings to hear stories read aloud beside the great clock, which still keeps perfect time "
+    "although nobody has needed a timetable here for forty years. The librarian says that the building "
+    "remembers its first purpose: people still arrive in a hurry, still sit and wait, and still leave for "
+    "places far away, except that now they travel inside the pages of a book instead of on the rails.",
+    "Bees find their way home by the sun. A worker bee that discovers a field of flowers returns to the hive "
+    "and dances on the comb: she runs in a straight line while shaking her body, turns, circles back, and runs "
+    "the line again. The direction of the straight run, measured from the vertical, tells the other bees the "
+    "angle between the sun and the flowers, and the length of the run tells them how far they must fly. On a "
+    "cloudy day the bees can still read the sun through the pattern of polarised light in the sky. A strong "
+    "hive can send out thousands of foragers in a single morning, and in one summer it can gather enough "
+    "nectar to make more than fifty kilograms of honey, most of which it eats during the winter.",
+    "The first clocks with a pendulum were built in the middle of the seventeenth century. Before them, even "
+    "the best clocks in church towers could lose or gain a quarter of an hour in a single day, and people set "
+    "them by the sun at noon. A pendulum swings with almost the same period whatever the size of its swing, so "
+    "a clock that counts its swings keeps time far better: the new clocks erred by less than a minute a day. "
+    "Sailors wanted such a clock most of all, because a ship that knows the exact time at its home port can "
+    "work out its longitude from the position of the sun. But a pendulum cannot swing properly on a rolling "
+    "deck, and it took another hundred years before a clock was made that kept good time at sea.",
+    "Every autumn the town holds a market in the square in front of the town hall. Farmers bring apples, "
+    "pears, pumpkins and jars of honey; a cheesemaker from the mountains sells round wheels of hard cheese; "
+    "and a man with a small cart roasts chestnuts, whose smell reaches every street nearby. In the afternoon "
+    "there is a competition for the largest pumpkin. The winner last year weighed three hundred and twelve "
+    "kilograms and had to be lifted onto the scale by a tractor. When the sun goes down, lanterns are hung "
+    "between the stalls, a band plays on the steps of the town hall, and people dance until late in the "
+    "evening, while the children run between the legs of the grown-ups with sticky hands and paper crowns.",
+]
+
+BUILTIN_QA = [
+    (BUILTIN_TEXTS[0], "How many times did the villagers build the bridge?", "three times"),
+    (BUILTIN_TEXTS[0], "What do the people who live beside Long Water call it?", "the lake"),
+    (BUILTIN_TEXTS[1], "How long do the loaves bake?", "forty minutes"),
+    (BUILTIN_TEXTS[2], "Where did the library open?", "in the old railway station"),
+    (BUILTIN_TEXTS[3], "How do bees find their way home?", "by the sun"),
+    (BUILTIN_TEXTS[4], "When were the first pendulum clocks built?", "in the middle of the seventeenth century"),
+    (BUILTIN_TEXTS[5], "How much did last year's winning pumpkin weigh?", "three hundred and twelve kilograms"),
+]
+
+
+# evaluate.py's built-in examples, so every task runs offline with no --data; none of them is in the corpus above.
+# Short on purpose (the tests run the tasks on CPU, and AE regenerates every text token by token).
+EVAL_TEXTS = [
+    "The old stone bridge was finished in 1932. It crosses the river at its narrowest point, "
+    "and for forty years it was the only way into the town from the north.",
+    "Honeybees tell each other where food is by dancing. The angle of the dance shows the "
+    "direction of the flowers, and its length shows how far away they are.",
+    "Mira planted tomatoes, beans and basil in April. By July the beans had climbed the fence, "
+    "but a late frost had killed half of the tomatoes.",
+    "The library opens at nine on weekdays and at ten on Saturdays. It is closed on Sundays, "
+    "and books can be returned through the slot by the door at any time.",
+    "A comet is a ball of ice and dust. When it comes close to the Sun, the ice turns to gas "
+    "and forms a bright tail that always points away from the Sun.",
+    "The recipe needs two eggs, a cup of flour and a pinch of salt. Mix them, let the dough "
+    "rest for an hour, then roll it out thinly and cut it into strips.",
+]
+
+EVAL_QA = [
+    dict(context=EVAL_TEXTS[0], question="When was the bridge finished?", answer="1932"),
+    dict(context=EVAL_TEXTS[1], question="How do honeybees show where food is?",
+         answer="by dancing"),
+    dict(context=EVAL_TEXTS[2], question="What killed half of the tomatoes?",
+         answer="a late frost"),
+    dict(context=EVAL_TEXTS[3], question="On which day is the library closed?",
+         answer="Sundays"),
+    dict(context=EVAL_TEXTS[4], question="Which way does a comet's tail point?",
+         answer="away from the Sun"),
+]
+
+
+def held_out_texts(n=32):
+    """The built-in texts of evaluate.py's ae and lm tasks (and of a tiny run's held-out check): n documents of the
+    grammar above drawn with another seed, none of them in the built-in corpus (so a quickstart run is scored on
+    texts it never saw)."""
+    seen = set(generated_texts(BUILTIN_GENERATED, seed=0))
+    return [t for t in generated_texts(n + 8, seed=1) if t not in seen][:n]

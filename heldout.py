@@ -1,0 +1,112 @@
+"""
+The held-out check of a training run (ours): does the memory carry its own text?
+
+A falling training loss proves little: a learned constant prompt gets that too (recipes/README.md, "The ladder"). So
+the run scores held-out examples at step 0, every --eval-every steps and at the end: teacher-forced, the loss of its
+objective with each example's own memory, another example's memory (evaluate.derangement: example i reads the memory
+of example i + 1) and none. own/other near 1 means the memory is a constant prompt; at most 0.5 that it carries its
+own text. The numbers are evaluate.py's (evaluate.run_ae / run_lm / run_qa without generating, texts cut as this run
+cuts its training texts: `evaluate.py --task ae --max-len <the run's --max-len>` on the same checkpoint gives the same
+own/other).
+"""
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+import evaluate as E
+from checkpoint import read_log
+from presets import fail
+
+PROMPT_LIKE, PROMPT_EVALS = 0.95, 3   # warn when this many evaluations in a row past the warmup are all >= 0.95
+
+
+@dataclass
+class HeldOut:
+    examples: list      # the held-out examples (evaluate.load_examples), the same every time
+    task: str           # "ae" (ae, pretrain) or "qa" (qa, distill: the loss of the reference answer)
+    every: int          # steps between evaluations
+    rows: list          # this run's evaluations so far ({"step", "eval"}), kept across --resume
+    train_args: dict    # the run's settings: evaluate.protocol cuts texts as they say (max_len, crop, objective)
+    warned: bool = False
+
+    @property
+    def last(self):
+        """The latest held-out own/other (the progress bar shows it), or None."""
+        return self.rows[-1]["eval"]["own_other"] if self.rows else None
+
+
+def held_out(train_args: dict, every: int, tiny: bool, resumed: bool, master: bool) -> HeldOut | None:
+    """The held-out examples of the check (train_args: the run's eval_data, eval_n, objective, out), or None, with
+    one line saying why and how to turn it on. tiny: the built-in tiny model, whose held-out texts are built in."""
+    task = "qa" if train_args["objective"] in ("qa", "distill") else "ae"
+    if every <= 0 or (train_args["eval_data"] is None and not tiny):
+        if master and every > 0:
+            print(f"no held-out check runs: pass --eval-data FILE (held-out {'QA triples' if task == 'qa' else 'texts'}) "
+                  f"to see every {every} steps whether the memory carries its own text")
+        return None
+    try:
+        examples = E.load_examples(train_args["eval_data"], task, train_args["eval_n"])
+    except (OSError, ValueError) as e:
+        fail(f"--eval-data: {e}")
+    # a resumed run's log (trimmed to its checkpoint) holds its earlier evaluations
+    out = train_args["out"]
+    rows = read_log(out)[1] if resumed and os.path.exists(os.path.join(out, "log.jsonl")) else []
+    return HeldOut(examples, task, every, rows, train_args)
+
+
+@torch.no_grad()
+def held_out_losses(comp, ho: HeldOut, device, autocast) -> dict:
+    """own, other, none, own_other and n on the held-out examples; for pretrain the LM loss beside them."""
+    max_len = ho.train_args["max_len"]
+    modes = {m: m.training for m in comp.modules()}   # restored exactly afterwards: the check must not touch training
+    comp.eval()
+    # no RNG is drawn in eval mode; forked anyway, so that nothing the check does can move the training's streams
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast:
+        if ho.task == "qa":
+            L = E.run_qa(comp, ho.examples, max_len=max_len, generate=False)["loss"]
+        else:
+            proto = E.protocol(comp, max_len=max_len, train_args=ho.train_args)
+            L = E.run_ae(comp, ho.examples, proto=proto, generate=False)["loss"]
+        lm = E.run_lm(comp, ho.examples, max_len=max_len)["loss"] if ho.train_args["objective"] == "pretrain" else None
+    for m, training in modes.items():
+        m.train(training)
+    point = lambda L: dict(own=L["own"], other=L["other"], none=L["none"], own_other=L["own_other_ratio"])
+    return {**point(L), "n": len(ho.examples), **({"lm": point(lm)} if lm else {})}
+
+
+def check_held_out(comp, ho: HeldOut, log, step: int, device, autocast):
+    """Score the held-out examples at `step`, log the row, and warn once when the memory acts as a constant prompt."""
+    t0 = time.time()
+    row = {"step": step, "eval": held_out_losses(comp, ho, device, autocast)}
+    row["eval"]["seconds"] = time.time() - t0   # what the check cost (the training steps' dt leaves it out)
+    ho.rows.append(row)
+    log.write(json.dumps(row) + "\n")
+    log.flush()
+    ratio = row["eval"]["own_other"]
+    if ratio is None:   # a single held-out example has no other
+        return
+    tqdm.write(f"step {step} | held-out own/other {ratio:.3f} (own {row['eval']['own']:.4f}, other "
+               f"{row['eval']['other']:.4f}, no memory {row['eval']['none']:.4f})")
+    recent = [r["eval"]["own_other"] for r in ho.rows if r["step"] > ho.train_args["warmup"]][-PROMPT_EVALS:]
+    if not ho.warned and len(recent) == PROMPT_EVALS and all(x is not None and x >= PROMPT_LIKE for x in recent):
+        ho.warned = True
+        tqdm.write(f"warning: held-out own/other {ratio:.3f} at step {step} ({PROMPT_EVALS} evaluations in a row >= "
+                   f"{PROMPT_LIKE}): the memory acts as a constant prompt, the same for every text; see "
+                   f"recipes/README.md, 'The ladder' (what the decoder sees of each memory, recipes/diagnosis.py)")
+
+
+def first_carrying_step(ho: HeldOut, threshold=0.5) -> str:
+    """The closing line: the first step at which held-out own/other was <= threshold, or that it never was."""
+    hit = next((r["step"] for r in ho.rows if r["eval"]["own_other"] is not None
+                and r["eval"]["own_other"] <= threshold), None)
+    last = ho.rows[-1]
+    if hit is not None:
+        return f"held-out own/other first <= {threshold} at step {hit} ({last['eval']['own_other']:.3f} at step {last['step']})"
+    ratio = last["eval"]["own_other"]
+    return (f"held-out own/other never <= {threshold} within {last['step']} steps "
+            f"({'n/a' if ratio is None else f'{ratio:.3f}'} at step {last['step']}): the memory does not carry its text yet")
