@@ -56,7 +56,8 @@ from safetensors.torch import load_file, save_file
 
 import masks
 import positions
-from model import RMSNorm, Transformer, add_lora, chunked_cross_entropy, copy_model, load_pretrained, lora_disabled
+from lora import add_lora, lora_disabled
+from model import RMSNorm, Transformer, chunked_cross_entropy, copy_model, load_pretrained
 from presets import CHAT_MARKERS, TEMPLATES, CompressorConfig, make_config, validate
 
 

@@ -36,30 +36,23 @@ Greedy `generate` decodes padded batches on a preallocated KV cache (as gpt-fast
 every step. For training memory: `model.grad_ckpt = True` (activation checkpointing per block) and
 `chunked_cross_entropy` (no (N, V) fp32 logits kept for backward).
 
-Also here: LoRA with dropout (ICAE, 500x, EPL, CompLLM, GMSA encoders), the tokenizer wrapper, strict loading
-of HF safetensors checkpoints (single or sharded, tied embeddings), and a tiny random model for tests.
-Positions are explicit inputs everywhere: EPL moves them.
+Also here: load_pretrained (an HF folder, hub id or "tiny" -> model and tokenizer; the files are read by hf.py) and
+a tiny random model for tests. LoRA lives in lora.py. Positions are explicit inputs everywhere: EPL moves them.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import re
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from safetensors import safe_open
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
 
 import masks
+from hf import GEMMA_3_4B_CONFIG, LLAMA_3_2_1B_CONFIG, QWEN3_4B_CONFIG, Tokenizer, byte_tokenizer, load_weights, \
+    read_json, resolve
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma3")
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -127,22 +120,10 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHS:
             raise ValueError(f"unsupported architecture {arch!r} ({', '.join(hf.get('architectures') or [])}); "
                              f"supported model_type: {', '.join(SUPPORTED_ARCHS)}")
-        if arch == "gemma3":
-            # HF Gemma3Config: a multimodal checkpoint nests its text model's config under text_config; the special
-            # ids may sit at the top level (gemma-3-4b-it: eos_token_id [1, 106]), text_config's win when both exist
-            specials = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
-            hf = {**specials, **hf["text_config"], "model_type": "gemma3_text"}
+        if arch in ("gemma3", "gemma3_text"):
+            hf = gemma_text_config(hf)
             arch = "gemma3_text"
         gemma = arch == "gemma3_text"
-        if gemma:
-            hf = {**GEMMA3_DEFAULTS, **hf}
-            for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2 had them, Gemma 3 sets None
-                if hf.get(key) is not None:
-                    raise ValueError(f"unsupported {key}={hf[key]}: Gemma 3 checkpoints set it to null, and logit "
-                                     f"soft-capping is not implemented")
-            if hf.get("use_bidirectional_attention"):
-                raise ValueError("unsupported use_bidirectional_attention=true: only causal (decoder) Gemma 3 is "
-                                 "implemented")
         # Gemma names its activation hidden_activation (HF Gemma3TextConfig), the others hidden_act
         act = hf.get("hidden_activation" if gemma else "hidden_act", "silu")
         if act not in ACTIVATIONS:
@@ -150,23 +131,7 @@ class ModelConfig:
                              f"are implemented")
         # Sliding-window attention of Mistral v0.1 and Qwen2 (use_sliding_window) is not implemented: it equals
         # full attention as long as a sequence fits in the window (4096+), which every setup here does.
-        # transformers v5 keeps theta and scaling together in rope_parameters; v4 has rope_theta + rope_scaling.
-        rope = hf.get("rope_parameters")
-        local_theta = None
-        if rope is not None and "full_attention" in rope:
-            # transformers v5 Gemma 3: one RoPE per layer type; HF's Gemma3TextConfig puts rope_scaling on the
-            # global layers only, so a rescaled local RoPE is no Gemma 3 checkpoint
-            rope, local = rope["full_attention"], rope["sliding_attention"]
-            if local.get("rope_type", "default") != "default":
-                raise ValueError(f"unsupported RoPE scaling on the sliding layers: {local}")
-            local_theta = float(local["rope_theta"])
-        elif gemma:
-            local_theta = float(hf["rope_local_base_freq"])  # v4 layout (HF Gemma3TextConfig)
-        if rope is not None:
-            theta = rope.get("rope_theta", 10000.0)
-            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        else:
-            theta, scaling = hf.get("rope_theta", 10000.0), hf.get("rope_scaling")
+        theta, scaling, local_theta = _rope_parameters(hf, gemma)
         heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
         layer_types = None
         if gemma:
@@ -224,6 +189,43 @@ class ModelConfig:
         if self.mlp != "swiglu":
             hf["mlp"] = self.mlp
         return hf
+
+
+def gemma_text_config(hf: dict) -> dict:
+    """A Gemma 3 config.json as the flat text-model dict from_hf reads: a multimodal checkpoint's text_config lifted
+    up, HF Gemma3TextConfig's defaults filled in, and the Gemma variants not implemented refused."""
+    if hf["model_type"] == "gemma3":
+        # HF Gemma3Config: a multimodal checkpoint nests its text model's config under text_config; the special
+        # ids may sit at the top level (gemma-3-4b-it: eos_token_id [1, 106]), text_config's win when both exist
+        specials = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
+        hf = {**specials, **hf["text_config"], "model_type": "gemma3_text"}
+    hf = {**GEMMA3_DEFAULTS, **hf}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2 had them, Gemma 3 sets None
+        if hf.get(key) is not None:
+            raise ValueError(f"unsupported {key}={hf[key]}: Gemma 3 checkpoints set it to null, and logit "
+                             f"soft-capping is not implemented")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("unsupported use_bidirectional_attention=true: only causal (decoder) Gemma 3 is implemented")
+    return hf
+
+
+def _rope_parameters(hf: dict, gemma: bool) -> tuple:
+    """(rope_theta, the rope_scaling dict or None, Gemma 3's local-layer base or None) from either config layout:
+    transformers v5 keeps theta and scaling together in rope_parameters; v4 has rope_theta + rope_scaling."""
+    rope = hf.get("rope_parameters")
+    local_theta = None
+    if rope is not None and "full_attention" in rope:
+        # transformers v5 Gemma 3: one RoPE per layer type; HF's Gemma3TextConfig puts rope_scaling on the
+        # global layers only, so a rescaled local RoPE is no Gemma 3 checkpoint
+        rope, local = rope["full_attention"], rope["sliding_attention"]
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported RoPE scaling on the sliding layers: {local}")
+        local_theta = float(local["rope_theta"])
+    elif gemma:
+        local_theta = float(hf["rope_local_base_freq"])  # v4 layout (HF Gemma3TextConfig)
+    if rope is not None:
+        return rope.get("rope_theta", 10000.0), {k: v for k, v in rope.items() if k != "rope_theta"}, local_theta
+    return hf.get("rope_theta", 10000.0), hf.get("rope_scaling"), local_theta
 
 
 def _rope_scaling(scaling: dict | None, max_position_embeddings: int) -> dict | None:
@@ -494,42 +496,57 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm (Llama, Qwen, Mistral): h = h + Attn(LN_in(h)); h = h + MLP(LN_post_attn(h)).
-    Gemma 3 "sandwich" (report §2: "post-norm and pre-norm with RMSNorm"; HF Gemma3DecoderLayer), four norms:
-        h = h + LN_post_attn(Attn(LN_in(h)));  h = h + LN_post_ff(MLP(LN_pre_ff(h)))
-    Beware the name clash: Llama's post_attention_layernorm is the norm *before* the MLP, Gemma's the one on the
-    attention output. sliding: a Gemma 3 local layer (Transformer.forward hands it the windowed mask and local RoPE)."""
+    Beware the name: Llama's post_attention_layernorm is the norm *before* the MLP (HF's name, kept for loading).
+    mlp: "swiglu" (the checkpoint's), "aoc" (AOC Eq. 3: the MLP is the identity, LN_post stays) or "none" (the
+    second sub-block removed). sliding: a Gemma 3 local layer (Transformer.forward hands it the windowed mask)."""
 
     def __init__(self, config: ModelConfig, sliding: bool = False):
         super().__init__()
-        self.mlp_kind, self.sandwich, self.sliding = config.mlp, config.gemma, sliding
-        d = config.hidden_size
-        self.input_layernorm = rms_norm(config, d)
+        self.mlp_kind, self.sliding = config.mlp, sliding
+        self.input_layernorm = rms_norm(config, config.hidden_size)
         self.self_attn = Attention(config)
-        if self.sandwich:
-            self.post_attention_layernorm = rms_norm(config, d)       # part of the attention sub-block
-            if config.mlp != "none":
-                self.pre_feedforward_layernorm = rms_norm(config, d)
-                self.post_feedforward_layernorm = rms_norm(config, d)
-        elif config.mlp != "none":
-            self.post_attention_layernorm = rms_norm(config, d)
+        if config.mlp != "none":
+            self.post_attention_layernorm = rms_norm(config, config.hidden_size)
         if config.mlp == "swiglu":
             self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, mask, past=None, cache=None):
         a, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, cache)
-        if self.sandwich:
-            x = x + self.post_attention_layernorm(a)
-            if self.mlp_kind == "swiglu":
-                x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-            elif self.mlp_kind == "aoc":  # AOC Eq. (3), as HF's Gemma3DecoderLayer with mlp = nn.Identity() computes
-                x = x + self.post_feedforward_layernorm(self.pre_feedforward_layernorm(x))
-            return x, kv
         x = x + a
         if self.mlp_kind == "swiglu":
             x = x + self.mlp(self.post_attention_layernorm(x))
         elif self.mlp_kind == "aoc":
             x = x + self.post_attention_layernorm(x)  # AOC Eq. (3): the MLP becomes the identity, LN_post stays
         return x, kv  # mlp == "none": the second sub-block is gone entirely
+
+
+class GemmaBlock(nn.Module):
+    """Gemma 3 "sandwich" (report §2: "post-norm and pre-norm with RMSNorm"; HF Gemma3DecoderLayer), four norms:
+        h = h + LN_post_attn(Attn(LN_in(h)));  h = h + LN_post_ff(MLP(LN_pre_ff(h)))
+    Gemma's post_attention_layernorm is the norm on the attention output (Llama's of the same name comes before the
+    MLP). mlp and sliding as in Block."""
+
+    def __init__(self, config: ModelConfig, sliding: bool = False):
+        super().__init__()
+        self.mlp_kind, self.sliding = config.mlp, sliding
+        d = config.hidden_size
+        self.input_layernorm = rms_norm(config, d)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = rms_norm(config, d)       # part of the attention sub-block
+        if config.mlp != "none":
+            self.pre_feedforward_layernorm = rms_norm(config, d)
+            self.post_feedforward_layernorm = rms_norm(config, d)
+        if config.mlp == "swiglu":
+            self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, mask, past=None, cache=None):
+        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, cache)
+        x = x + self.post_attention_layernorm(a)
+        if self.mlp_kind == "swiglu":
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        elif self.mlp_kind == "aoc":  # AOC Eq. (3), as HF's Gemma3DecoderLayer with mlp = nn.Identity() computes
+            x = x + self.post_feedforward_layernorm(self.pre_feedforward_layernorm(x))
+        return x, kv
 
 
 # ---------------------------------------------------------------------------- transformer
@@ -570,8 +587,8 @@ class Transformer(nn.Module):
         # the `model.` level exists only so parameter names equal HF's (model.layers.0...., lm_head.weight)
         self.model = nn.ModuleDict(dict(
             embed_tokens=(ScaledEmbedding if config.gemma else nn.Embedding)(config.vocab_size, config.hidden_size),
-            layers=nn.ModuleList(Block(config, sliding=types is not None and types[i] == "sliding_attention")
-                                 for i in range(config.num_hidden_layers)),
+            layers=nn.ModuleList((GemmaBlock if config.gemma else Block)(
+                config, sliding=types is not None and types[i] == "sliding_attention") for i in range(config.num_hidden_layers)),
             norm=rms_norm(config, config.hidden_size),
         ))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -653,19 +670,8 @@ class Transformer(nn.Module):
             mask = masks.with_prefix(masks.causal(T), P).to(h.device)  # (T, S)
         else:
             mask = None  # plain causal (P == 0), or one new token that sees the whole cache
-        full_attn, local_attn = (cos, sin, mask), None  # what a global / a local (Block.sliding) layer attends with
-        if self.config.layer_types is not None:
-            # Gemma 3's local layers: their own RoPE, and the window ANDed onto whatever the mask says. The window
-            # counts key *slots* back from each query's slot over the whole sequence, a KV prefix's P slots (memory
-            # from a compressor) included, exactly as HF's masking_utils counts cache positions: so a KV-prefix or
-            # an embedding-prefix forward sees what HF's Gemma 3 sees for the same vectors placed before the tokens
-            # in one pass (memory further than W slots back is out of a local layer's reach; the global layers see
-            # it all). Slots, not position_ids: EPL's moved positions do not move the window, as in HF.
-            local_mask = mask
-            if P + T > self.config.sliding_window:  # else the band hides nothing: keep the fast causal kernel
-                base = mask if mask is not None else masks.with_prefix(masks.causal(T), P).to(h.device)
-                local_mask = base & masks.sliding_window(T, P + T, self.config.sliding_window).to(h.device)
-            local_attn = (*self.rope(position_ids.reshape(-1, T), h.dtype, local=True), local_mask)
+        full_attn = (cos, sin, mask)   # what a global layer attends with; a local one (Block.sliding): Gemma's
+        local_attn = self.local_attention(position_ids.reshape(-1, T), mask, P, h) if self.config.layer_types else None
 
         hidden_states = [h] if output_hidden_states else None
         kv = [] if return_kv else None
@@ -686,6 +692,20 @@ class Transformer(nn.Module):
         h = self.model.norm(h)
         logits = self.lm_head(h) if compute_logits else None
         return ModelOutput(logits=logits, last_hidden=h, hidden_states=hidden_states, kv=kv)
+
+    def local_attention(self, pos: torch.Tensor, mask, P: int, h: torch.Tensor) -> tuple:
+        """(cos, sin, mask) of Gemma 3's local layers: their own RoPE, and the window ANDed onto whatever the mask
+        says. The window counts key *slots* back from each query's slot over the whole sequence, a KV prefix's P slots
+        (memory from a compressor) included, exactly as HF's masking_utils counts cache positions: so a KV-prefix or
+        an embedding-prefix forward sees what HF's Gemma 3 sees for the same vectors placed before the tokens in one
+        pass (memory further than W slots back is out of a local layer's reach; the global layers see it all).
+        Slots, not position_ids: EPL's moved positions do not move the window, as in HF."""
+        T = h.shape[1]
+        local_mask = mask
+        if P + T > self.config.sliding_window:  # else the band hides nothing: keep the fast causal kernel
+            base = mask if mask is not None else masks.with_prefix(masks.causal(T), P).to(h.device)
+            local_mask = base & masks.sliding_window(T, P + T, self.config.sliding_window).to(h.device)
+        return (*self.rope(pos, h.dtype, local=True), local_mask)
 
     @torch.no_grad()
     def generate(self, input_ids=None, *, inputs_embeds=None, position_ids=None, attn_mask=None, past_kv=None,
@@ -768,154 +788,6 @@ def chunked_cross_entropy(hidden: torch.Tensor, lm_head: nn.Module, targets: tor
     return total
 
 
-# ---------------------------------------------------------------------------- LoRA
-
-
-class LoRALinear(nn.Linear):
-    """y = x W^T + b + scale * (dropout(x) A^T) B^T,  A (r, in), B (out, r), scale = alpha / r (Hu et al., 2021);
-    the dropout acts on the LoRA branch only, as in PEFT. A subclass of nn.Linear holding the *same* weight/bias
-    tensors, so the base keys stay `...q_proj.weight`."""
-
-    lora_enabled: bool = True  # lora_disabled() flips it: the module then acts as its base linear (ICAE decoder)
-
-    def __init__(self, base: nn.Linear, r: int = 8, alpha: float = 16, dropout: float = 0.0):
-        # built on meta so nn.Linear allocates (and randomly inits) nothing; the base tensors are reused below
-        super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
-        self.weight, self.bias = base.weight, base.bias
-        w = base.weight
-        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=w.device, dtype=w.dtype))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=w.device, dtype=w.dtype))
-        # PEFT's default (what ICAE uses): A is (r, in), so kaiming_uniform with a=√5 bounds it by 1/√in; EPL's
-        # hand-written LoRA stores A as (in, r), so its fan_in is r and its init is √(in/r) times larger.
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # B = 0 makes the start exact
-        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()  # PEFT: Identity when p = 0
-        self.r, self.scale = r, alpha / r
-
-    def forward(self, x):
-        y = F.linear(x, self.weight, self.bias)  # (..., out): the frozen base, never dropped out
-        if self.lora_enabled:
-            # through the rank-r bottleneck, never forming B A: (..., in) -> (..., r) -> (..., out)
-            y = y + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scale
-        return y
-
-    def extra_repr(self):
-        return f"{super().extra_repr()}, r={self.r}, scale={self.scale}"
-
-
-def _swap_module(model: nn.Module, name: str, new: nn.Module):
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child, new)
-
-
-def add_lora(model: nn.Module, targets=("q_proj", "v_proj"), r: int = 8, alpha: float = 16,
-             dropout: float = 0.0) -> list[str]:
-    """Wrap every nn.Linear whose name ends in one of `targets` with LoRA (in place, weights shared, not
-    copied); freeze everything else in `model`. Returns the names of the LoRA parameters.
-    dropout: on the LoRA branch's input in train mode (ICAE's and AOC's LoRA use 0.05)."""
-    names = [n for n, m in model.named_modules()
-             if n.rpartition(".")[2] in targets and type(m) is nn.Linear]  # type(): skip existing LoRALinear
-    if not names:
-        raise ValueError(f"add_lora: no nn.Linear named {targets} in the model")
-    for n in names:
-        _swap_module(model, n, LoRALinear(model.get_submodule(n), r, alpha, dropout))
-    for n, p in model.named_parameters():
-        p.requires_grad_("lora_" in n)
-    return [n for n, _ in model.named_parameters() if "lora_" in n]
-
-
-@contextmanager
-def lora_disabled(model: nn.Module):
-    """Inside the block every LoRALinear of `model` computes its base linear only (the frozen LLM)."""
-    mods = [m for m in model.modules() if isinstance(m, LoRALinear)]
-    before = [m.lora_enabled for m in mods]
-    for m in mods:
-        m.lora_enabled = False
-    try:
-        yield model
-    finally:
-        for m, b in zip(mods, before):
-            m.lora_enabled = b
-
-
-# ---------------------------------------------------------------------------- tokenizer
-
-
-class Tokenizer:
-    """A `tokenizers.Tokenizer` plus the special ids. bos_id may be None (Qwen has no BOS);
-    pad_id falls back to eos_id; eos_ids keeps every stop id a checkpoint lists (eos_id is the first)."""
-
-    def __init__(self, tk: HFTokenizer, bos_id: int | None, eos_id: int | None, pad_id: int | None = None,
-                 eos_ids: list[int] | None = None):
-        self.tk = tk
-        self.bos_id, self.eos_id = bos_id, eos_id
-        self.pad_id = eos_id if pad_id is None else pad_id
-        self.eos_ids = eos_ids or ([] if eos_id is None else [eos_id])
-        self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def start_id(self) -> int:
-        """What a sequence starts with: [BOS], or EOS for a model that has none (Qwen)."""
-        return self.bos_id if self.bos_id is not None else self.eos_id
-
-    def cut_at_eos(self, ids: list) -> list:
-        """ids up to (not including) the first stop id."""
-        stop = set(self.eos_ids)
-        return next((ids[:i] for i, t in enumerate(ids) if t in stop), ids)
-
-    @classmethod
-    def from_dir(cls, folder: str | Path) -> "Tokenizer":
-        """Special ids as HF resolves them: generation_config.json, then config.json (a multimodal config's
-        text_config after its top level, as HF's generation config reads the text model's), then
-        tokenizer_config.json."""
-        folder = Path(folder)
-        if not (folder / "tokenizer.json").exists():
-            raise FileNotFoundError(f"no tokenizer.json in {folder} (only fast tokenizers load; write one with "
-                                    f"transformers' AutoTokenizer.from_pretrained(...).save_pretrained)")
-        tk = HFTokenizer.from_file(str(folder / "tokenizer.json"))
-        config = _read_json(folder / "config.json")
-        configs = [_read_json(folder / "generation_config.json"), config, config.get("text_config") or {}]
-        tok_cfg = _read_json(folder / "tokenizer_config.json")
-
-        def special(kind):  # -> list of ids (eos may be a list), [] if none is declared
-            # the generation config wins, as in HF's generate(); tokenizer_config.json names tokens, not ids
-            for c in configs:
-                if c.get(f"{kind}_token_id") is not None:
-                    v = c[f"{kind}_token_id"]
-                    return v if isinstance(v, list) else [v]
-            tok = tok_cfg.get(f"{kind}_token")
-            tok = tok.get("content") if isinstance(tok, dict) else tok  # older files store an AddedToken dict
-            return [] if tok is None or tk.token_to_id(tok) is None else [tk.token_to_id(tok)]
-
-        bos, eos, pad = special("bos"), special("eos"), special("pad")
-        return cls(tk, bos[0] if bos else None, eos[0] if eos else None, pad[0] if pad else None, eos)
-
-    def encode(self, text: str, bos: bool = False) -> list[int]:
-        # add_special_tokens=False: some tokenizer.json files carry a post-processor that would add BOS/EOS
-        ids = self.tk.encode(text, add_special_tokens=False).ids
-        if bos:
-            if self.bos_id is None:
-                raise ValueError("this tokenizer has no BOS token; call encode(text) without bos=True")
-            ids = [self.bos_id] + ids
-        return ids
-
-    def decode(self, ids) -> str:
-        ids = ids.tolist() if torch.is_tensor(ids) else list(ids)
-        return self.tk.decode(ids, skip_special_tokens=True)
-
-
-def byte_tokenizer() -> HFTokenizer:
-    """256 byte tokens (id = byte value) + <|bos|> 256, <|eos|> 257, <|pad|> 258: round-trips any UTF-8."""
-    # byte-level BPE shows byte b as a printable character (GPT-2's bytes_to_unicode); no merges = one token per byte
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    char_of = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
-    tk = HFTokenizer(models.BPE(vocab={char_of[b]: b for b in range(256)}, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(["<|bos|>", "<|eos|>", "<|pad|>"])
-    return tk
-
-
 # ---------------------------------------------------------------------------- loading
 
 
@@ -924,28 +796,6 @@ TINY_CONFIG = dict(  # a small Llama: 4 layers, d=64, GQA 4:2, byte-level vocabu
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
     max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=256, eos_token_id=257, pad_token_id=258)
 
-
-LLAMA_3_2_1B_CONFIG = dict(  # meta-llama/Llama-3.2-1B(-Instruct) config.json (AOC's model): shapes without a download
-    model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-    num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
-    tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
-    rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                      original_max_position_embeddings=8192))
-
-
-QWEN3_4B_CONFIG = dict(  # Qwen/Qwen3-4B config.json (CompLLM's model): shapes without a download
-    model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
-    max_position_embeddings=40960, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
-
-GEMMA_3_4B_CONFIG = dict(  # google/gemma-3-4b-it's text_config (CompLLM's other model), with HF Gemma3TextConfig's
-    # defaults written out (the hub file names only hidden/intermediate size, layers, rope_scaling and sliding_window):
-    # 5 local layers (window 1024, RoPE base 10k) per global one (RoPE base 1M, linear x8)
-    model_type="gemma3_text", vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
-    num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
-    rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=dict(rope_type="linear", factor=8.0),
-    rope_local_base_freq=10000.0, sliding_window=1024, sliding_window_pattern=6, query_pre_attn_scalar=256,
-    max_position_embeddings=131072, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)
 
 SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B_CONFIG, "qwen3-4b": QWEN3_4B_CONFIG, "gemma-3-4b": GEMMA_3_4B_CONFIG}
 
@@ -1018,18 +868,18 @@ def load_pretrained(name_or_path: str, dtype=torch.float32, device="cpu",
             model = copy_model(model, mlp=mlp)
         model.name_or_path = "tiny"  # what a checkpoint records to rebuild this base model
         return model.to(dtype=dtype, device=device), tok
-    folder = _resolve(name_or_path)
+    folder = resolve(name_or_path)
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"no config.json in {folder} (pass a Hugging Face model folder, "
                                 f"as written by save_pretrained)")
-    hf = _read_json(folder / "config.json")
+    hf = read_json(folder / "config.json")
     config = replace(ModelConfig.from_hf(hf), mlp=mlp)
     with torch.device("meta"):  # no memory, no init: every tensor comes from the checkpoint
         model = Transformer(config)
     # a multimodal Gemma 3 (model_type "gemma3": gemma-3-4b-it) names its text tower language_model.model.* and
     # language_model.lm_head.*, on the hub and as transformers (v4 and v5 alike) saves Gemma3ForConditionalGeneration;
     # without the prefix those are our names
-    _load_weights(model, folder, dtype, device, prefix="language_model." if hf.get("model_type") == "gemma3" else "")
+    load_weights(model, folder, dtype, device, prefix="language_model." if hf.get("model_type") == "gemma3" else "")
     if config.tie_word_embeddings:  # assign=True replaced embed_tokens.weight; re-point lm_head at it
         model.lm_head.weight = model.model.embed_tokens.weight
     model.reset_rope(device)  # the buffers are still on meta
@@ -1037,79 +887,3 @@ def load_pretrained(name_or_path: str, dtype=torch.float32, device="cpu",
     return model.eval(), Tokenizer.from_dir(folder)
 
 
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _resolve(name_or_path: str) -> Path:
-    """A local folder as is; an 'org/name' hub id through huggingface_hub (config, safetensors, tokenizer only)."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path
-    # anything that is not shaped like "org/name" cannot be a hub id: report the missing folder right away
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", name_or_path):
-        raise FileNotFoundError(f"model directory not found: {name_or_path} (pass an existing folder with "
-                                f"config.json + *.safetensors, a hub id like 'HuggingFaceTB/SmolLM2-135M', or 'tiny')")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import LocalEntryNotFoundError
-    # huggingface_hub reads HF_HUB_OFFLINE once, at import; honour it when set later (tests, notebooks) too
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
-    try:
-        local = snapshot_download(name_or_path, local_files_only=offline, allow_patterns=[
-            "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-            "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
-    except LocalEntryNotFoundError:
-        raise OSError(f"cannot fetch {name_or_path!r}: the Hugging Face hub is unreachable (offline or no "
-                      f"network) and it is not cached; pass a local directory with config.json + *.safetensors "
-                      f"instead") from None
-    return Path(local)
-
-
-def _load_weights(model: Transformer, folder: Path, dtype, device, prefix: str = ""):
-    """Strict: check every name and shape in the file headers first (nothing loaded yet), then load shard by
-    shard with assign=True, so each tensor exists once, already in `dtype` on `device`. prefix: stripped from the
-    file's names (a multimodal Gemma 3's "language_model.")."""
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted({folder / f for f in _read_json(index)["weight_map"].values()})
-    elif (folder / "model.safetensors").exists():
-        files = [folder / "model.safetensors"]
-    else:
-        raise FileNotFoundError(f"no safetensors weights in {folder} (expected model.safetensors or "
-                                f"model.safetensors.index.json; re-save .bin checkpoints with save_pretrained)")
-    cfg = model.config
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        del expected["lm_head.weight"]  # tied: the embedding serves as lm_head
-
-    # the norms of the second sub-block, dropped with it (mlp="none"); Gemma's post_attention_layernorm belongs to
-    # the attention sub-block (see Block)
-    mlp_norms = (".pre_feedforward_layernorm.", ".post_feedforward_layernorm.") if cfg.gemma else \
-        (".post_attention_layernorm.",)
-
-    def ignorable(name):  # in the file, deliberately not loaded
-        return ("rotary_emb.inv_freq" in name                                # old Llama files saved the RoPE buffer
-                or name == "lm_head.weight"                                  # a tied copy some checkpoints store
-                or (cfg.mlp != "swiglu" and ".mlp." in name)                 # AOC: the MLPs are dropped
-                or (cfg.mlp == "none" and any(n in name for n in mlp_norms))
-                or (prefix and name.startswith(("vision_tower.", "multi_modal_projector."))))  # Gemma 3's vision
-
-    found = {}
-    for f in files:
-        with safe_open(f, framework="pt") as sf:
-            found |= {k.removeprefix(prefix): tuple(sf.get_slice(k).get_shape()) for k in sf.keys()}
-    missing = sorted(expected.keys() - found.keys())
-    unexpected = sorted(k for k in found.keys() - expected.keys() if not ignorable(k))
-    wrong = [f"{k} {found[k]} (model wants {expected[k]})" for k in sorted(expected.keys() & found.keys())
-             if found[k] != expected[k]]
-    if missing or unexpected or wrong:
-        problems = [f"{what}: {', '.join(names[:8])}{f' ... ({len(names) - 8} more)' if len(names) > 8 else ''}"
-                    for what, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
-                    if names]
-        raise ValueError(f"checkpoint {folder} does not fit a {cfg.arch} model with mlp={cfg.mlp!r}: "
-                         + "; ".join(problems) + " (check config.json matches the weights)")
-    for f in files:
-        with safe_open(f, framework="pt", device=str(device)) as sf:
-            shard = {k.removeprefix(prefix): sf.get_tensor(k).to(dtype) for k in sf.keys()
-                     if k.removeprefix(prefix) in expected}
-        model.load_state_dict(shard, strict=False, assign=True)  # strict was checked above, across all shards

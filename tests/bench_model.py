@@ -52,7 +52,7 @@ def main():
                                                        attn_implementation="sdpa")  # HF's fastest CPU path
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
-        from model import byte_tokenizer
+        from hf import byte_tokenizer
         byte_tokenizer().save(str(Path(d) / "tokenizer.json"))
         ours, _ = load_pretrained(d)  # identical weights
     hf.train(), ours.train()

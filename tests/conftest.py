@@ -100,7 +100,7 @@ def build_hf_checkpoint(folder: Path, config: dict, seed: int = 0, max_shard_siz
     Returns (folder, hf_model): the model is the fp32 eval-mode reference, eager attention."""
     import transformers
 
-    from model import byte_tokenizer
+    from hf import byte_tokenizer
 
     # a deep copy: transformers writes into the nested rope dict it is given (adds rope_theta), which would
     # change the test module's config constants for every later test

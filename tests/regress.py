@@ -28,7 +28,8 @@ import presets as P  # noqa: E402
 import evaluate as E  # noqa: E402
 import checkpoint  # noqa: E402
 import train  # noqa: E402
-from model import TINY_CONFIG, build_tiny, byte_tokenizer  # noqa: E402
+from hf import byte_tokenizer  # noqa: E402
+from model import TINY_CONFIG, build_tiny  # noqa: E402
 
 BASE = ["--model", "tiny", "--steps", "3", "--batch-size", "2", "--lr", "1e-3", "--warmup", "1", "--mem", "4",
         "--chunk-len", "16", "--min-len", "8", "--max-len", "24", "--lora-r", "4", "--lora-alpha", "8",

@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import compressors as C  # noqa: E402
 import presets as P  # noqa: E402
 import masks  # noqa: E402
-from model import LLAMA_3_2_1B_CONFIG, ModelConfig, Transformer, build_tiny  # noqa: E402
+from hf import LLAMA_3_2_1B_CONFIG  # noqa: E402
+from model import ModelConfig, Transformer, build_tiny  # noqa: E402
 
 TEXT = ("The quick brown fox jumps over the lazy dog. It was a bright cold day in April! "
         "Were the clocks striking thirteen? Nobody knew.\nA new line starts here. ") * 2
@@ -87,7 +88,7 @@ def test_icae_memory_is_final_norm_hidden_states_of_lora_encoder(device):
     torch.testing.assert_close(memory.embeds[0], want, rtol=0, atol=1e-5)
     assert (want - raw).abs().max() > 1e-3   # the final norm really is applied
     # ... and the LoRA really is on in the encoder (without it the memory differs)
-    from model import lora_disabled
+    from lora import lora_disabled
     with lora_disabled(dec):
         plain = dec.model.norm(dec(inputs_embeds=x, output_hidden_states=True).hidden_states[-1][0, len(ids) + 1:])
     assert (plain - want).abs().max() > 1e-3

@@ -21,7 +21,8 @@ import compressors as C
 import presets as P
 import masks
 from conftest import assert_attention_weights_are_sdpas, randomize_
-from model import SHAPES, ModelConfig, Tokenizer, Transformer, byte_tokenizer, copy_model, load_pretrained
+from hf import Tokenizer, byte_tokenizer
+from model import SHAPES, ModelConfig, Transformer, copy_model, load_pretrained
 
 # special ids of the test tokenizer (gemma_tokenizer): the byte tokenizer's <|eos|> and <|pad|>, then Gemma's <bos>
 # and chat markers (gemma-3: <bos> 2, <eos> 1, <pad> 0, <start_of_turn> 105, <end_of_turn> 106)

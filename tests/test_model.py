@@ -11,8 +11,9 @@ from safetensors.torch import load_file, save_file
 
 import masks
 from conftest import SMOLLM2, assert_attention_weights_are_sdpas, needs_smollm2
-from model import (LoRALinear, ModelConfig, add_lora, build_tiny, chunked_cross_entropy, copy_model,
-                   load_pretrained, lora_disabled, rope_attention_factor, rope_frequencies)
+from lora import LoRALinear, add_lora, lora_disabled
+from model import (ModelConfig, build_tiny, chunked_cross_entropy, copy_model, load_pretrained, rope_attention_factor,
+                   rope_frequencies)
 
 SPECIALS = dict(vocab_size=300, bos_token_id=256, eos_token_id=257, pad_token_id=258)
 LLAMA3 = dict(  # untied, llama3 RoPE scaling with a short original context so all three frequency bands occur
