@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__.split("\n\n")[0].strip(),
         epilog=P.defaults_table() + "\n\n" + EXAMPLES)
     g = p.add_argument_group("what to train")
-    g.add_argument("--method", choices=P.METHODS, help="the compressor preset (compressors.PRESETS); "
+    g.add_argument("--method", choices=P.METHODS, help="the compressor preset (presets.PRESETS); "
                    "optional with --resume")
     g.add_argument("--model", default="tiny", help="the LLM: a Hugging Face id, a local folder with config.json "
                    "+ *.safetensors, or 'tiny' (a random 4-layer model, the default: a CPU demo with defaults of its "
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", help="run directory: checkpoints, log.jsonl, token cache (default: runs/METHOD, or "
                    "the --resume directory)")
 
-    g = p.add_argument_group("compressor (default: the method's preset, compressors.PRESETS)")
+    g = p.add_argument_group("compressor (default: the method's preset, presets.PRESETS)")
     for f in P.FLAG_FIELDS:   # one flag per compressor axis, its help and choices from CompressorConfig
         flag, kind, meta = "--" + f.name.replace("_", "-"), type(f.default), f.metadata
         if kind is bool:
@@ -206,9 +206,6 @@ def resolve_defaults(args):
     if not 2 <= args.min_len <= args.max_len:
         fail(f"need 2 <= --min-len <= --max-len, got {args.min_len} and {args.max_len}")
     check_len_curriculum(sampling(args))
-    if args.warm_start and (args.init or not os.path.isfile(os.path.join(args.warm_start, "compressor.safetensors"))):
-        fail(f"--warm-start {args.warm_start}: " + ("--init already starts from a run: use one of them" if args.init
-             else "no compressor.safetensors there (pass a train.py --out folder)"))
     args.out = args.out or os.path.join("runs", args.method)
     return args, settings
 

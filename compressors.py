@@ -286,9 +286,8 @@ def special_token(cfg: CompressorConfig, task: str) -> str:
     "learned" [AE] / [LM] (ICAE, EPL), "bos" ([BOS] as the special token: 500x, AOC), "last" (x_k, PIC Eq. 7) or
     "none". Compressor.special_embedding is its vector."""
     kind = cfg.ae_token if task == "ae" else cfg.lm_token
-    if kind == "last" and task == "qa":
-        return "none"   # PIC Eq. (7)'s x_k is for completion; a question follows the memory directly
-    return kind
+    # PIC Eq. (7)'s x_k is for completion; a question follows the memory directly
+    return "none" if kind == "last" and task == "qa" else kind
 
 
 def next_token_targets(ids: list, n_supervised: int, first: int) -> list:
@@ -605,17 +604,18 @@ class Compressor(nn.Module):
         for b, ids in enumerate(follow):
             before = self.decoder_bos + list(prefix[b] if prefix else [])   # the delimiters' [BOS]; a chat header
             special = self.special_embedding(task, last_tokens[b] if last_tokens else None)
-            x = ([embed_ids(before)] if before else []) + self.carrier.decoder_rows(self, memory, b)
+            mem_rows = self.carrier.decoder_rows(self, memory, b)
+            x = ([embed_ids(before)] if before else []) + mem_rows
             x += [special[None].to(embed.weight.dtype)] if special is not None else []
             rows.append(torch.cat(x + [embed_ids(ids)]))                                  # (n_b, d)
             # EPL §3.2 / Tables 13-15: DPL numbers the inputs physically (after the k|M| cached slots of the KV
             # carrier); EPL (CPL) keeps the memory at its encoder positions, [AE] at 0 or [LM] at p, the text after
             pos.append(positions.decoder_inputs(cfg.layout, cfg.carrier, task, memory.chunk_lens[b],
                                                 memory.mem_counts[b], sum(memory.chunk_lens[b]), len(ids),
-                                                span=self.nominal_len, n_prefix=len(prefix[b]) if prefix else 0,
+                                                span=self.nominal_len, n_prefix=len(before) - len(self.decoder_bos),
                                                 delimiters=cfg.delimiters, special=special is not None))
-            n_sup = len(ids) if n_supervised is None else n_supervised[b]
-            targets.append(next_token_targets(ids, n_sup, first=len(rows[-1]) - len(ids)))   # follow[0]'s slot
+            first = self.follow_slot(task, len(before), sum(len(r) for r in mem_rows))   # the slot of follow[0]
+            targets.append(next_token_targets(ids, len(ids) if n_supervised is None else n_supervised[b], first))
         T = max(len(r) for r in rows)
         shift = [T - len(r) if left_pad else 0 for r in rows]        # left padding moves row b's slots by shift[b]
         x = torch.stack([F.pad(r, (0, 0, shift[b], T - len(r) - shift[b])) for b, r in enumerate(rows)])  # (B, T, d)
@@ -625,11 +625,10 @@ class Compressor(nn.Module):
         past_kv, P = self.carrier.cache(memory)   # 500x/AOC: the memory is a KV-cache prefix of P slots
         if P:
             valid = [[j < sum(memory.mem_counts[b]) for j in range(P)] + v for b, v in enumerate(valid)]
-        # nothing padded: the mask is the model's default (prefix + causal), and passing None lets
-        # SDPA use its fused causal kernel instead of the dense-mask one
-        attn_mask = None
-        if not all(all(v) for v in valid):   # built on the host, moved once
-            attn_mask = masks.with_padding(masks.with_prefix(masks.causal(T), P), torch.tensor(valid)).to(dev)
+        # nothing padded: the mask is the model's default (prefix + causal), and passing None lets SDPA use its fused
+        # causal kernel instead of the dense-mask one; else built on the host, moved once
+        attn_mask = None if all(all(v) for v in valid) else \
+            masks.with_padding(masks.with_prefix(masks.causal(T), P), torch.tensor(valid)).to(dev)
         batch = DecoderBatch(inputs_embeds=x, position_ids=pos, attn_mask=attn_mask, past_kv=past_kv)
         batch.supervised = [(b * T + shift[b] + slot, token) for b, row in enumerate(targets) for slot, token in row]
         return batch
@@ -657,16 +656,23 @@ class Compressor(nn.Module):
         # in chunks of positions, each chunk's fp32 logits recomputed in backward instead of kept (model.py)
         return chunked_cross_entropy(h, self.decoder.lm_head, tgt) / (normalize_by or max(len(tgt), 1)), len(tgt)
 
+    def follow_slot(self, task: str, n_before: int, n_memory: int) -> int:
+        """The decoder row layout, one rule for decoder_batch and supervised_tokens: the ids before the memory
+        (n_before: PCC's delimiter [BOS], a chat template's prefix), the memory's rows in the input (n_memory, its
+        delimiters included; a K/V memory has none there, it is the cache), the special token (special_token), then
+        the follow tokens. Returns the slot of follow[0]."""
+        return n_before + n_memory + (special_token(self.cfg, task) != "none")
+
     def supervised_tokens(self, task: str, follow: list, n_supervised: list | None = None,
                           prefix: list | None = None) -> int:
         """How many tokens lm_loss supervises for these samples, counted without running anything, by decoder_batch's
-        rule (next_token_targets). Only whether any slot precedes follow[0] matters there, so `first` counts the
-        slots before it up to one memory row (an embeds memory has at least one; a K/V memory has none)."""
+        layout (follow_slot) and target rule (next_token_targets). Only whether any slot precedes follow[0] matters
+        there, so an embeds memory counts as its first row (it has at least one)."""
         total = 0
         for b, ids in enumerate(follow):
             n = len(ids) if n_supervised is None else n_supervised[b]
-            first = (len(self.decoder_bos) + len(prefix[b] if prefix else []) + (self.cfg.carrier == "embeds")
-                     + (special_token(self.cfg, task) != "none"))
+            n_before = len(self.decoder_bos) + (len(prefix[b]) if prefix else 0)
+            first = self.follow_slot(task, n_before, int(self.cfg.carrier == "embeds"))
             total += len(next_token_targets(ids, n, first))
         return total
 

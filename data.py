@@ -1,7 +1,7 @@
 """
 The data of a training run: the readers (plain text, JSON lines, Parquet, a hub file), the built-in corpus and its
-held-out texts, tokenisation with an on-disk cache, sampling a step's examples, collating a micro-batch, and the teacher's
-answers of CompLLM's distillation. train.py draws every step's batch from here; evaluate.py reads its built-in examples
+held-out texts, tokenisation with an on-disk cache, sampling a step's examples, collating a micro-batch, and the
+teacher's answers of CompLLM's distillation. train.py draws every step's batch from here; evaluate.py reads its built-in examples
 and its .jsonl / .parquet records here.
 
 A step's examples depend on nothing but (seed, step, example index) (step_examples): that makes resume exact and a

@@ -587,8 +587,9 @@ class Transformer(nn.Module):
         # the `model.` level exists only so parameter names equal HF's (model.layers.0...., lm_head.weight)
         self.model = nn.ModuleDict(dict(
             embed_tokens=(ScaledEmbedding if config.gemma else nn.Embedding)(config.vocab_size, config.hidden_size),
-            layers=nn.ModuleList((GemmaBlock if config.gemma else Block)(
-                config, sliding=types is not None and types[i] == "sliding_attention") for i in range(config.num_hidden_layers)),
+            layers=nn.ModuleList((GemmaBlock if config.gemma else Block)(config, sliding=types is not None and
+                                                                           types[i] == "sliding_attention")
+                                 for i in range(config.num_hidden_layers)),
             norm=rms_norm(config, config.hidden_size),
         ))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

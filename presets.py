@@ -389,7 +389,8 @@ def recipe_for(method: str, model: str = "tiny", decoder: str | None = None, sta
     recipe = preset.recipe
     objective = (Setting(flags["objective"], "flag") if "objective" in flags else
                  Setting("qa", "--stage keft") if stage == "keft" else
-                 Setting(demo["objective"], "demo") if demo else Setting(recipe.objective, recipe.source("objective", "")))
+                 Setting(demo["objective"], "demo") if demo else
+                 Setting(recipe.objective, recipe.source("objective", "")))
     out = {"objective": objective}
     out |= {k: Setting(v, recipe.source(k, objective.value)) for k, v in recipe.values(objective.value).items()
             if k != "objective"}
@@ -457,7 +458,7 @@ def defaults_table() -> str:
 
 
 def method_table() -> str:
-    """The presets as the README's markdown table (`python compressors.py`; a test keeps the README in step)."""
+    """The presets as the README's markdown table (`python presets.py`; a test keeps the README in step)."""
     rows = ["| method | follows | compressor settings (on CompressorConfig's defaults) | objective | lr | batch | steps "
             "| \\|X\\| |", "|---|---|---|---|---|---|---|---|"]
     for name, p in PRESETS.items():

@@ -85,6 +85,9 @@ class Run:
     autocast: object    # bf16 autocast on CUDA, else nothing
     out: str            # the run directory (--out)
     grad_ckpt: bool     # activation checkpointing (an out-of-memory error suggests it when off)
+    sampling: D.Sampling    # how a step's examples are drawn
+    clip: float         # gradient-norm clipping (0 = off)
+    answer_tokens: int  # distill: the teacher's longest answer
 
     @property
     def master(self) -> bool:
@@ -106,7 +109,7 @@ def set_up(args, resume_state) -> Run:
     torch.manual_seed(args.seed + rank)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     return Run(device, rank, world, micro, args.batch_size // (micro * world), start, autocast, args.out,
-               args.grad_ckpt)
+               args.grad_ckpt, cli.sampling(args), args.clip, args.answer_tokens)
 
 # ---- the compressor ----
 
@@ -114,6 +117,8 @@ def set_up(args, resume_state) -> Run:
 def build_compressor(args, device, ckpt_dir=None):
     """The compressor of --method (with the flags' overrides), of --init, or of the checkpoint to resume.
     Weights stay fp32 (AdamW needs fp32 master weights); CUDA runs compute in bf16 through autocast."""
+    if args.warm_start and not ckpt_dir:
+        check_warm_start(args.warm_start, args.init)
     if ckpt_dir or args.init:
         comp = C.load(ckpt_dir or args.init, device=device)     # its config + its trained tensors
     else:
@@ -137,6 +142,13 @@ def build_compressor(args, device, ckpt_dir=None):
             fail("--stage keft starts from a stage-1 (ae) run: pass --init DIR")
         comp.set_stage("keft")    # GMSA §3.5: freeze encoder + LSA, train decoder W_q, W_k, W_v
     return comp
+
+
+def check_warm_start(run_dir, init):
+    """--warm-start RUN (ours) needs a finished run's compressor, and no --init (which already starts from one)."""
+    if init or not os.path.isfile(os.path.join(run_dir, "compressor.safetensors")):
+        fail(f"--warm-start {run_dir}: " + ("--init already starts from a run: use one of them" if init
+             else "no compressor.safetensors there (pass a train.py --out folder)"))
 
 
 def warm_start(comp, run_dir, device):
@@ -263,9 +275,9 @@ class TrainStep(nn.Module):
 # ---- the step ----
 
 
-def accumulate(run: Run, comp, step_fn, data: D.Data, s: D.Sampling, answer_tokens: int, step: int):
+def accumulate(run: Run, comp, step_fn, data: D.Data, step: int):
     """Forward and backward over this process's micro-batches of the step: (loss, per-task parts, tokens read)."""
-    total, parts, tokens = 0.0, {}, 0
+    s, total, parts, tokens = run.sampling, 0.0, {}, 0
     examples = D.step_examples(data.tokens, s, comp, step)
     norm = D.step_normalizers(comp, s.objective, examples)
     for m in range(run.accum):
@@ -273,7 +285,7 @@ def accumulate(run: Run, comp, step_fn, data: D.Data, s: D.Sampling, answer_toke
         batch = D.collate(examples[first:first + run.micro])
         batch["norm"] = norm
         if s.objective == "distill":   # the frozen LLM answers first (once per example, cached)
-            D.add_teacher_answers(comp, batch, data.answers, answer_tokens, run.autocast)
+            D.add_teacher_answers(comp, batch, data.answers, run.answer_tokens, run.autocast)
         # DDP all-reduces gradients after every backward; only the last micro-batch needs it
         sync = step_fn.no_sync() if run.world > 1 and m < run.accum - 1 else nullcontext()
         try:
@@ -303,15 +315,15 @@ def is_out_of_memory(e) -> bool:
         m in str(e) for m in ("out of memory", "can't allocate memory"))
 
 
-def train_step(args, run: Run, comp, step_fn, opt, params, data: D.Data, step: int, stop: dict) -> dict:
-    """One optimizer step: the step's log row, with "stop" when any process was asked to stop (by now)."""
+def train_step(run: Run, comp, step_fn, opt, params, data: D.Data, lr: float, step: int, stop: dict) -> dict:
+    """One optimizer step at learning rate `lr`: the step's log row, with "stop" when any process was asked to stop
+    (by now)."""
     t0 = time.time()
-    lr = lr_at(step, args.lr, args.warmup, args.steps, args.schedule)   # set by hand: a plain function of the step
     for group in opt.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)   # --mem-lr's group runs at its own peak
-    total, parts, tokens = accumulate(run, comp, step_fn, data, cli.sampling(args), args.answer_tokens, step)
+    total, parts, tokens = accumulate(run, comp, step_fn, data, step)
     # clip_grad_norm_ returns the norm before clipping; clip 0 = measure only
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else float("inf")).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, run.clip if run.clip > 0 else float("inf")).item()
     stats = torch.tensor([total, grad_norm, tokens, stop["signal"] is not None, *parts.values()], dtype=torch.float64,
                          device=run.device)
     if run.world > 1:   # the processes' shares add up to the step's loss; every rank then decides alike below
@@ -322,7 +334,7 @@ def train_step(args, run: Run, comp, step_fn, opt, params, data: D.Data, step: i
     if not (math.isfinite(total) and math.isfinite(grad_norm)):
         # no optimizer step and no save: the last checkpoint in --out stays the last good state
         fail(f"loss {total} / grad-norm {grad_norm} at step {step + 1}: stopping; "
-             f"the last good checkpoint in {args.out} is kept")
+             f"the last good checkpoint in {run.out} is kept")
     opt.step()
     opt.zero_grad(set_to_none=True)
     if run.device.type == "cuda":
@@ -433,7 +445,8 @@ def loop(args, run: Run, comp, step_fn, opt, params, data: D.Data, ho, log) -> i
         if ho and run.master and run.start == 0:
             check_held_out(comp, ho, log, 0, run.device, run.autocast)   # at init: what an untrained memory carries
         for step in range(run.start, end):
-            row = train_step(args, run, comp, step_fn, opt, params, data, step, stop)
+            lr = lr_at(step, args.lr, args.warmup, args.steps, args.schedule)   # set by hand: a function of the step
+            row = train_step(run, comp, step_fn, opt, params, data, lr, step, stop)
             if run.master:
                 write_log(log, bar, row, args.steps, ho and ho.last)
             done = step + 1

@@ -5,7 +5,7 @@
     python tests/bench_train.py --steps 8 --profile --method 500x --objective ae --model DIR ...   # where the time goes
 
 Default: each method runs its defaults on `tiny` through train.py, as the quickstart does (there: the tiny demo's
-settings, train.py's TINY: AE on 16-byte texts, batch 4; on another --model, the paper's recipe); the median over
+settings, presets.TINY: AE on 16-byte texts, batch 4; on another --model, the paper's recipe); the median over
 the steps after the first two is reported.
 tok/s counts every token a step reads: the compressed contexts plus every decoder sequence (train.py's log).
 

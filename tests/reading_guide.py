@@ -4,16 +4,22 @@ order they run, with the lines of each that the method runs, and the conditions 
     python tests/reading_guide.py          # the markdown the README shows
 
 Measured, not listed by hand: each preset is built on the tiny model, compresses two texts and builds the decoder
-input for AE, under sys.settrace. A line is a line of code the method runs in compressors.py, positions.py or
-masks.py, a statement over several lines counting all of them. Not counted: the LLM itself (model.py), comments,
-docstrings, the branches the method never takes, and input checks (validate, positions' and masks' _check_*, every
-`if bad: raise` and the loops of nothing else), which say what a method refuses rather than what it does. The config conditions are the `if`s and
-conditional expressions whose test reads the config (cfg.x, self.cfg.x) and that run in the forward pass (compress
-and decoder_batch): what construction chose once is not counted again.
+input for AE, under sys.settrace. A line is a line of code the method runs in presets.py, compressors.py,
+positions.py or masks.py, a statement over several lines counting all of them. Not counted: the LLM itself
+(model.py), comments, docstrings, the branches the method never takes, and input checks (validate, positions' and
+masks' _check_*, every `if bad: raise` or `fail(...)` and the loops of nothing else), which say what a method refuses
+rather than what it does. The config conditions are the `if`s and conditional expressions whose test reads the
+config (cfg.x, self.cfg.x) and that run in the forward pass (compress and decoder_batch): what construction chose
+once is not counted again. The training column counts, the same way, the lines of train.py and data.py that one
+training step of the preset runs (train.main with the tiny demo's settings, one step, no held-out check: arguments,
+data, the step, the checkpoint).
 """
 
 import ast
+import contextlib
+import io
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,16 +27,17 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-FILES = {str(ROOT / f): f for f in ("compressors.py", "positions.py", "masks.py")}
-CHECKS = {"validate", "_check_int", "_check_choice", "_check_mem"}   # input checks: not the method
+FILES = {str(ROOT / f): f for f in ("presets.py", "compressors.py", "positions.py", "masks.py")}
+TRAINING = {str(ROOT / f): f for f in ("train.py", "data.py")}   # the training column's files
+CHECKS = {"validate", "_check_int", "_check_choice", "_check_mem", "check_len_curriculum"}   # input checks
 
 
 def is_check(node) -> bool:
     """An input check: `if bad: raise ...`, a call of a _check_* helper, or a loop of nothing but checks."""
     if isinstance(node, ast.If):
         return not node.orelse and all(isinstance(n, ast.Raise) or is_check(n) for n in node.body)
-    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
-        return getattr(node.value.func, "id", "").startswith("_check")
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):   # a _check_* helper, or train.py's fail()
+        return getattr(node.value.func, "id", "").startswith("_check") or getattr(node.value.func, "id", "") == "fail"
     if isinstance(node, ast.For):
         return not node.orelse and all(is_check(n) for n in node.body)
     return False
@@ -94,6 +101,32 @@ def trace(method):
     return runs, forward
 
 
+def training_lines(method) -> int:
+    """The lines of train.py and data.py that one training step of `method` runs, from train.main to the checkpoint
+    after it (the tiny demo's settings: its objective, one step, no held-out check), counted as the compressor's."""
+    import train
+    runs = defaultdict(set)
+
+    def tracer(frame, event, arg):
+        f = frame.f_code.co_filename
+        if f not in TRAINING:
+            return None
+        if event == "line":
+            runs[(TRAINING[f], frame.f_code.co_qualname.split(".<locals>")[0])].add(frame.f_lineno)
+        return tracer
+    with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):   # the run's own log lines are not the guide
+        sys.settrace(tracer)
+        try:
+            train.main(["--method", method, "--steps", "1", "--eval-every", "0", "--device", "cpu", "--out", out])
+        finally:
+            sys.settrace(None)
+    parsed = {f: statements(ROOT / f)[0] for f in TRAINING.values()}
+    read = lambda f, lines: {n for line in lines if line in parsed[f] for n in range(parsed[f][line][0],
+                                                                                     parsed[f][line][1] + 1)}
+    return sum(len(read(f, lines)) for (f, name), lines in runs.items() if name not in CHECKS)
+
+
 def guide():
     import presets as P
     parsed = {f: statements(ROOT / f) for f in FILES.values()}
@@ -116,9 +149,10 @@ def guide():
             total += len(lines)
         conds = sum(1 for f, line in forward if parsed[f][1].get(line))
         totals[method] = (total, conds)
-        rows.append(f"| `{method}` | {', '.join(parts)} | {total} | {conds} |")
+        rows.append(f"| `{method}` | {', '.join(parts)} | {total} | {conds} | {training_lines(method)} |")
     return "\n".join(["| method | functions it runs, in order (lines of each it runs) | lines | config conditions "
-                      "in its forward pass |", "|---|---|---|---|"] + rows), totals
+                      "in its forward pass | training: lines of train.py + data.py one step runs |",
+                      "|---|---|---|---|---|"] + rows), totals
 
 
 if __name__ == "__main__":

@@ -701,7 +701,7 @@ def test_supervised_tokens_counts_what_lm_loss_supervises(method, overrides, dev
 
 def test_the_readme_method_table_is_the_presets():
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    assert P.method_table() in readme, "README's method table is out of date: paste the output of python compressors.py"
+    assert P.method_table() in readme, "README's method table is out of date: paste the output of python presets.py"
 
 
 def test_every_preset_reads_in_200_lines_and_aoc_with_at_most_4_config_conditions():

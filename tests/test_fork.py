@@ -34,10 +34,10 @@ def fork_it_block() -> str:
 
 def test_the_readme_fork_it_example_trains_with_its_new_mask(tmp_path, monkeypatch, device):
     # what the block changes, put back after the test (setattr/setitem record the old value, or its absence)
-    monkeypatch.setattr(C, "PRESETS", dict(P.PRESETS))
-    monkeypatch.setattr(C, "METHODS", P.METHODS)
-    monkeypatch.setattr(C, "CHOICES", dict(P.CHOICES))
-    monkeypatch.setattr(train, "TINY", dict(P.TINY))
+    monkeypatch.setattr(P, "PRESETS", dict(P.PRESETS))
+    monkeypatch.setattr(P, "METHODS", P.METHODS)
+    monkeypatch.setattr(P, "CHOICES", dict(P.CHOICES))
+    monkeypatch.setattr(P, "TINY", dict(P.TINY))
     monkeypatch.setattr(masks, "ENCODER", dict(masks.ENCODER))
     code = fork_it_block()
     assert len(code.splitlines()) <= 25, "keep the README example short"

@@ -33,7 +33,8 @@ import checkpoint  # noqa: E402
 import cli  # noqa: E402
 import data as D  # noqa: E402
 import train  # noqa: E402
-from model import TINY_CONFIG, build_tiny, byte_tokenizer  # noqa: E402
+from hf import byte_tokenizer  # noqa: E402
+from model import TINY_CONFIG, build_tiny  # noqa: E402
 
 DOC = D.BUILTIN_TEXTS[3][:48]          # 48 bytes = 48 tokens: a one-document corpus
 LORA = ["--lora-r", "8", "--lora-alpha", "16"]
@@ -118,7 +119,7 @@ def test_every_method_learns_memories_that_carry_their_own_text(method, tmp_path
     losses = [r["loss"] for r in log_rows(out)]
     assert len(losses) == 300 and sum(losses[-10:]) / 10 < 0.9 * losses[0]
     comp = C.load(out, device=device).eval()
-    held_out = [{"text": t} for t in D.EVAL_TEXTS]                 # never in train.py's built-in corpus
+    held_out = [{"text": t} for t in D.EVAL_TEXTS]                 # never in the built-in corpus (data.py)
     L = E.run_ae(comp, held_out, max_new_tokens=1, proto=dict(crop="head", n=16, half=False))["loss"]
     assert L["own_other_ratio"] < max_ratio, f"{method}: own {L['own']:.3f} other {L['other']:.3f}"
     assert L["own"] < L["none"]
@@ -858,7 +859,7 @@ def test_resume_on_a_changed_corpus_is_one_line(finished_run, tmp_path, monkeypa
     does not continue silently once that corpus has changed (here: one more paragraph)."""
     run = str(tmp_path / "run")
     shutil.copytree(finished_run, run)
-    monkeypatch.setattr(train, "BUILTIN_TEXTS", [*D.BUILTIN_TEXTS, "One more paragraph, added since."])
+    monkeypatch.setattr(D, "BUILTIN_TEXTS", [*D.BUILTIN_TEXTS, "One more paragraph, added since."])
     before = snapshot(os.path.join(run, "ckpt-000002"))
     assert_one_line_error(["--resume", run, "--steps", "4"], "was trained on another corpus than the built-in corpus",
                           capsys, device)

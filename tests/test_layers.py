@@ -1,0 +1,52 @@
+"""The layering of the top-level modules, stated once (LAYERS) and enforced: a module imports only modules of the
+layers before its own, at the top of the file or inside a function alike, so there is no import circle and a reader
+can learn the code bottom up. recipes/ and tests/ come after every layer (they may import anything).
+
+    masks, positions, metrics, lora, hf    the parts with no project imports: masks, position IDs, scores, LoRA,
+                                           reading Hugging Face files
+    model                                  the transformer (Llama, with Gemma 3 beside it) and load_pretrained
+    presets                                what each method is: CompressorConfig, PRESETS, recipes, the tiny demo
+    compressors                            the machinery the presets drive
+    data                                   readers, the built-in corpus, sampling a step
+    checkpoint                             save, resume state, the log
+    cli                                    train.py's flags and how their defaults resolve
+    evaluate                               the tasks and their scores
+    heldout                                the held-out check a run does while training (calls evaluate)
+    train                                  the training script
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = [("masks", "positions", "metrics", "lora", "hf"), ("model",), ("presets",), ("compressors",), ("data",),
+          ("checkpoint",), ("cli",), ("evaluate",), ("heldout",), ("train",)]
+RANK = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+
+
+def imports(path: Path) -> set:
+    """Every top-level project module `path` imports, at module level or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        found |= {n.split(".")[0] for n in names}
+    return found & {p.stem for p in ROOT.glob("*.py")}
+
+
+def test_every_module_has_a_layer():
+    modules = {p.stem for p in ROOT.glob("*.py")}
+    assert modules == set(RANK), f"place each top-level module in LAYERS: {sorted(modules ^ set(RANK))}"
+
+
+def test_each_module_imports_only_earlier_layers():
+    bad = [f"{m} (layer {RANK[m]}) imports {d} (layer {RANK.get(d)})" for m in RANK if (ROOT / f"{m}.py").exists()
+           for d in sorted(imports(ROOT / f"{m}.py")) if d not in RANK or RANK[d] >= RANK[m]]
+    assert not bad, "; ".join(bad)
+
+
+def test_the_checker_sees_imports_inside_functions(tmp_path):
+    """imports() must find a lazy import (the old evaluate <-> train circle hid one inside a function)."""
+    f = tmp_path / "x.py"
+    f.write_text("import masks\n\ndef f():\n    import evaluate as E\n    from train import main\n")
+    assert imports(f) == {"masks", "evaluate", "train"}
