@@ -191,9 +191,16 @@ def memory_losses(rows):
 
 
 def derangement(n, k=1):
-    """The fixed derangement of the own/other test: text i reads the memory of text i + k (mod n); None when there
-    is no other (n <= k: qa's k questions of one long context share it)."""
-    return [(i + k) % n for i in range(n)] if n > k else None
+    """The fixed "other" of the own/other test: text i reads the memory of text i + 1 (mod n). qa --concat k: the
+    questions sit in groups of k (the last may be shorter) that share one long context, and question i reads the next
+    group's, at the same place in it (or its last): i + k (mod n) only where k divides n, since i + k can land back
+    in i's own group when it wraps (n = 5, k = 3: question 2 would read group 0, its own). None when there is no
+    other group (n <= k)."""
+    groups = -(-n // k)   # ceil(n / k)
+    if groups < 2:
+        return None
+    nxt = lambda i: (i // k + 1) % groups * k                   # the first question of the next group
+    return [nxt(i) + min(i % k, n - nxt(i) - 1) for i in range(n)]
 
 
 def memory_nll(comp, task, enc, follow, ratio=None, cache=None, **nll_args):

@@ -510,6 +510,21 @@ def test_qa_own_other_scores_the_reference_answer_after_the_next_documents_memor
     assert E.run_qa(comp, qa[:1], max_new_tokens=1)["loss"]["other"] is None       # one document: no other
 
 
+def test_qa_other_memory_is_never_the_questions_own_long_context(monkeypatch, device):
+    """--concat 3 on 5 examples: groups of 3 and 2 questions share one long context each; every question's "other"
+    memory is another group's context (i + 3 mod 5 sends question 2 back to its own group: own = other)."""
+    comp = random_comp("compllm", device)
+    seen = []
+    compress = comp.compress
+    monkeypatch.setattr(comp, "compress", lambda ctx, **kw: seen.append([list(c) for c in ctx]) or compress(ctx, **kw))
+    qa = train.EVAL_QA[:5]
+    assert len(qa) == 5
+    E.run_qa(comp, qa, max_new_tokens=1, batch_size=8, concat=3, generate=False)
+    own, other = seen[0], seen[1]
+    assert len(own) == len(other) == 5 and len({tuple(c) for c in own}) == 2   # two long contexts
+    assert all(o != m for o, m in zip(own, other))
+
+
 def test_batched_evaluation_equals_one_at_a_time(device):
     """Texts of different lengths in one batch (the compressor's rows right-padded for the loss, left-padded for
     generation; the plain LLM's likewise): the same generations and losses as one example at a time."""
