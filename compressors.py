@@ -740,6 +740,14 @@ class Compressor(nn.Module):
                     enc_context=pieces(ctx, "{context}", context, self.enc_tok),
                     prompt=pieces(prompt, "{question}", question, self.tok))
 
+    def cut_context(self, ids: list, max_len: int, tok) -> list:
+        """A dec_context / enc_context of qa_parts (tokenised with `tok`) with the context's own ids cut to their
+        first max_len (train.py and evaluate.py --max-len); the template's text around it is never cut (ours: a cut
+        of the whole piece left EPL's "### Context:\n" and no context at n = 8, on tiny)."""
+        before, _, after = self.template()[1].partition("{context}")
+        b, a = (len(tok.encode(s)) if s else 0 for s in (before, after))   # qa_parts tokenises each piece alone
+        return ids[:b] + ids[b:len(ids) - a][:max_len] + ids[len(ids) - a:]
+
     # ---- cutting contexts ----
 
     def chunks(self, ids: list) -> list:

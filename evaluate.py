@@ -324,9 +324,9 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
     # a chat template carries its own start; otherwise the plain LLM's prompt starts with BOS
     lead = [] if comp.template()[0] else [tok.start_id]
     parts = [comp.qa_parts(ex["context"], ex["question"]) for ex in examples]
-    if max_len:   # train.py draw_qa: contexts cut at --max-len
-        parts = [{**p, "enc_context": p["enc_context"][:max_len], "dec_context": p["dec_context"][:max_len]}
-                 for p in parts]
+    if max_len:   # train.py draw_qa: contexts cut at --max-len (the context's tokens; the template's text kept)
+        parts = [{**p, "enc_context": comp.cut_context(p["enc_context"], max_len, comp.enc_tok),
+                  "dec_context": comp.cut_context(p["dec_context"], max_len, tok)} for p in parts]
     answers = [tok.encode(train.first_answer(ex["answer"])) for ex in examples]
     # over documents: question i reads the memory of question i + concat's context, the next document's
     other = derangement(len(examples), concat)

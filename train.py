@@ -545,8 +545,9 @@ def sample_example(data, objective, rng, args, comp, step):
 
 def draw_qa(data, objective, rng, args, comp):
     ex = {k: v.tolist() for k, v in data["qa"][rng.integers(len(data["qa"]))].items()}
-    # contexts cut at --max-len (ours)
-    ctx, enc_ctx = ex["dec_context"][:args.max_len], ex["enc_context"][:args.max_len]
+    # contexts cut at --max-len (ours): the context's own tokens, the template's text around it kept
+    ctx, enc_ctx = (comp.cut_context(ex[k], args.max_len, t) for k, t in (("dec_context", comp.tok),
+                                                                           ("enc_context", comp.enc_tok)))
     if objective == "distill":   # the answer is the teacher's own (teacher_answer), not the data set's
         return dict(context=enc_ctx, dec_context=ctx, prefix=ex["prefix"], question=ex["prompt"])
     # [prefix; memory; [LM]; prompt] -> answer: the loss covers answer + EOS only (EPL code)

@@ -600,6 +600,27 @@ def test_head_crop_takes_the_first_n_tokens_of_a_document_and_pads_with_eos():
     assert seen == {tuple(tok.encode(docs[0])[:16]), tuple(tok.encode(docs[1]) + [tok.pad_id] * 6)}
 
 
+@pytest.mark.parametrize("method", ["icae", "500x"])
+def test_qa_max_len_cuts_the_context_not_the_templates_text(method, tmp_path, device):
+    """On tiny (n = 8) EPL's template "### Context:\n" (13 bytes) must not eat the context's budget: the compressed
+    ids, in training (draw_qa) and in the held-out check / evaluate.py --max-len (run_qa), are the template's text
+    around the context's first 8 bytes. Cutting the whole piece left "### Cont", no context: own/other exactly 1."""
+    comp = C.build(method, *build_tiny(), mem=4, chunk_len=64, lora_r=4, lora_alpha=8)
+    assert comp.template()[1] == "### Context:\n{context}"
+    context, question, answer = train.BUILTIN_QA[2]
+    data, _ = train.tokenize_corpus([], [(context, question, answer)], "qa-cut-test", comp, str(tmp_path))
+    args = train.argparse.Namespace(max_len=8)
+    want = comp.enc_tok.encode("### Context:\n" + context[:8])
+    assert train.draw_qa(data, "qa", np.random.default_rng(0), args, comp)["context"] == want
+    assert train.draw_qa(data, "distill", np.random.default_rng(0), args, comp)["dec_context"] == \
+        comp.tok.encode("### Context:\n" + context[:8])
+    seen = []
+    compress = comp.compress
+    comp.compress = lambda ctx, **kw: seen.append([list(c) for c in ctx]) or compress(ctx, **kw)
+    E.run_qa(comp, [dict(context=context, question=question, answer=answer)], max_len=8, generate=False)
+    assert seen[0] == [want]
+
+
 def test_keep_every_keeps_the_intermediate_checkpoints(tmp_path, run_train):
     """PIC §4.3.2 fine-tunes checkpoints taken during pretraining: --keep-every K keeps every K-th one."""
     out = tmp_path / "run"
