@@ -294,8 +294,10 @@ PRESETS = {
 METHODS = tuple(PRESETS)
 
 
-def make_config(method: str, **overrides) -> CompressorConfig:
-    """The preset `method` with `overrides` (None values are ignored) applied on top, validated.
+def make_config(method: str, defaults: dict | None = None, **overrides) -> CompressorConfig:
+    """The preset `method` with `overrides` (None values are ignored) applied on top, validated. `defaults`: settings
+    that replace the preset's own without counting as given (train.py: a recipe row's, the tiny demo's), so the
+    mappings below read the overrides only (the demo's CompLLM ratio 1 is not a typed --ratio).
     Two documented mappings between the three settings of the compression ratio (their flags' help says the same):
       * `mem` given without `ratio`: a fixed budget, so a preset's ratio (CompLLM's C = 2) becomes 0;
       * `ratio` R > 0 on group merging (GMSA): its one compression ratio, i.e. ratios = (R,) and ratio = 0."""
@@ -306,7 +308,7 @@ def make_config(method: str, **overrides) -> CompressorConfig:
     for k in overrides:
         if k not in known:
             raise ValueError(f"unknown compressor setting '{k}': known settings are {', '.join(sorted(known))}")
-    settings = {**PRESETS[method].settings, **overrides}
+    settings = {**PRESETS[method].settings, **(defaults or {}), **overrides}
     if "mem" in overrides and "ratio" not in overrides:   # mapping 1 (docstring): a fixed budget, no ratio
         settings["ratio"] = 0.0
     if settings.get("source") == "group_mean" and settings.get("ratio", 0) > 0:   # mapping 2: ratio R -> ratios (R,)

@@ -296,14 +296,16 @@ def resolve_defaults(args):
     # (the original 500x code: objective_changes says which; --help and the first log line name them)
     paper = {**preset.recipe.values(args.objective), **preset.settings_for(args.objective)}
     paper.update(demo)   # --model tiny: the demo's settings in place of the paper's
-    if not init:   # compressor settings the recipe row changes, unless a flag sets them
-        for k in COMPRESSOR_FLAGS:
-            if getattr(args, k) is None and k in paper:
-                setattr(args, k, list(paper[k]) if isinstance(paper[k], tuple) else paper[k])
+    # compressor settings the recipe row changes, unless a flag sets them: defaults, not typed flags, so that
+    # make_config's mappings see what was typed (--mem 2 on tiny's CompLLM: a fixed budget, not the demo's ratio 1)
+    typed = {k: getattr(args, k) for k in COMPRESSOR_FLAGS if getattr(args, k) is not None}
+    row = {} if init else {k: paper[k] for k in COMPRESSOR_FLAGS if k in paper and k not in typed}
     try:   # validates the compressor flags before any model is loaded
-        cfg = init or asdict(C.make_config(args.method, **{k: getattr(args, k) for k in COMPRESSOR_FLAGS}))
+        cfg = init or asdict(C.make_config(args.method, defaults=row, **typed))
     except ValueError as e:
         fail(e)
+    for k in row:   # the values the row's settings resolved to (build_compressor passes them as flags)
+        setattr(args, k, list(cfg[k]) if isinstance(cfg[k], tuple) else cfg[k])
     if init:
         if args.method != cfg["method"]:
             fail(f"--init {args.init} is a {cfg['method']} compressor, not {args.method}")

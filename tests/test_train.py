@@ -207,6 +207,17 @@ def test_tiny_takes_the_demo_settings_and_a_real_model_the_papers(method, files)
     assert (args.min_len, args.max_len) == paper.lengths
 
 
+def test_mem_on_tiny_compllm_is_a_fixed_budget_as_documented(device):
+    """make_config's rule, on tiny too: --mem without --ratio sets the ratio to 0 (a fixed budget). The demo row's
+    ratio 1 is a default, not a typed --ratio: --mem 2 gives 2 slots for an 8-byte text, not one per byte."""
+    for argv, slots in ((["--mem", "2"], 2), ([], 8)):
+        args, _ = train.parse_args(["--method", "compllm", *argv])
+        comp = train.build_compressor(args, device)
+        assert sum(comp.compress([list(b"8 bytes!")]).mem_counts[0]) == slots, argv
+    args, _ = train.parse_args(["--method", "compllm", "--mem", "2", "--ratio", "4"])   # both typed: the ratio
+    assert (args.mem, args.ratio) == (2, 4.0)
+
+
 def test_the_log_and_help_say_where_tiny_changes_the_papers_objective(tmp_path, run_train, capsys):
     run_train(["--method", "icae", "--steps", "1", "--eval-every", "0", "--out", str(tmp_path / "icae")])
     assert "icae: ae objective (--model tiny's demo; the paper's: pretrain) on" in capsys.readouterr().out
