@@ -244,7 +244,7 @@ def parse_args(argv=None):
     With --resume the checkpoint's own args come back, and only RUN_FLAGS may change."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    given = {k for k, v in vars(args).items() if v != parser.get_default(k)}   # typed on the command line
+    given = typed_flags(argv)
     # local paths become absolute, so --resume and compressors.load(--out) work from any directory
     for k in ("model", "decoder", "data", "init", "warm_start"):
         v = getattr(args, k)
@@ -265,6 +265,15 @@ def parse_args(argv=None):
     if args.method is None:
         parser.error("--method is required (or --resume DIR)")
     return resolve_defaults(args), None
+
+
+def typed_flags(argv=None) -> set:
+    """The flags typed on the command line (dests), whatever their values: argv parsed again with every default
+    suppressed, so a flag typed with its default value counts too (--resume DIR --eval-n 32 after --eval-n 4)."""
+    probe = build_parser()
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(probe.parse_args(argv)))
 
 
 def on_tiny(model, decoder=None) -> bool:

@@ -817,6 +817,20 @@ def test_resume_accepts_the_flags_it_was_trained_with(finished_run, tmp_path, ru
     assert [r["step"] for r in log_rows(run)] == [1, 2, 3]
 
 
+def test_resume_takes_a_run_flag_typed_with_its_default_value(tmp_path, run_train):
+    """A run flag typed on --resume wins, also when its value is the flag's default: --eval-n 32 after a run with
+    --eval-n 4, --save-every 1000 after --save-every 1 (a comparison with the default took them for untyped)."""
+    out = str(tmp_path / "run")
+    run_train(["--method", "aoc", "--mem", "4", "--batch-size", "2", "--steps", "1", "--eval-n", "4",
+               "--save-every", "1", "--eval-every", "0", "--out", out])
+    parser = train.build_parser()
+    assert (parser.get_default("eval_n"), parser.get_default("save_every")) == (32, 1000)
+    args, _ = train.parse_args(["--resume", out, "--eval-n", "32", "--save-every", "1000"])
+    assert (args.eval_n, args.save_every) == (32, 1000)
+    args, _ = train.parse_args(["--resume", out])   # untyped: the run's own
+    assert (args.eval_n, args.save_every) == (4, 1)
+
+
 def test_a_new_run_never_overwrites_a_checkpoint(finished_run, capsys, device):
     before = snapshot(finished_run)
     assert_one_line_error(["--method", "aoc", "--model", "tiny", "--out", finished_run], "already holds a checkpoint",
