@@ -82,6 +82,8 @@ TINY = {   # ours: measured on this repository's 2-core CPU, recipes/README.md "
 # flags that may change when a run is continued with --resume; every other flag must match the checkpoint
 RUN_FLAGS = {"resume", "out", "steps", "stop_after", "save_every", "keep_every", "micro_batch", "compile",
              "grad_ckpt", "device", "cache_dir", "eval_data", "eval_every", "eval_n"}
+# flags that name a local file or folder (or a hub id): saved absolute, so a run resumes from any directory
+PATH_FLAGS = ("model", "decoder", "data", "eval_data", "init", "warm_start")
 EXAMPLES = """examples:
   python train.py --method aoc --mem 16                # quickstart: --model tiny, its demo settings (above)
   python train.py --method aoc --mem 16 --model meta-llama/Llama-3.2-1B-Instruct --data corpus/ --steps 20000
@@ -246,7 +248,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     given = typed_flags(argv)
     # local paths become absolute, so --resume and compressors.load(--out) work from any directory
-    for k in ("model", "decoder", "data", "init", "warm_start"):
+    for k in PATH_FLAGS:
         v = getattr(args, k)
         if v and os.path.exists(v):
             setattr(args, k, os.path.abspath(v))

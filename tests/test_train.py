@@ -831,6 +831,22 @@ def test_resume_takes_a_run_flag_typed_with_its_default_value(tmp_path, run_trai
     assert (args.eval_n, args.save_every) == (4, 1)
 
 
+def test_a_run_with_relative_paths_resumes_from_another_directory(tmp_path, run_train, monkeypatch):
+    """Every path-valued flag is saved absolute (train.PATH_FLAGS): a run started with --data and --eval-data
+    relative to its directory resumes from anywhere (--eval-data was kept relative: 'no such file')."""
+    (tmp_path / "start").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "start" / "held.txt").write_text("\n".join(train.held_out_texts()[:3]) + "\n")
+    (tmp_path / "start" / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in train.BUILTIN_TEXTS))
+    monkeypatch.chdir(tmp_path / "start")
+    out = str(tmp_path / "run")
+    run_train(["--method", "aoc", "--mem", "4", "--batch-size", "2", "--steps", "2", "--stop-after", "1",
+               "--data", "docs.jsonl", "--eval-data", "held.txt", "--eval-every", "1", "--out", out])
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    run_train(["--resume", out])
+    assert [r["step"] for r in eval_rows(out)] == [0, 1, 2] and all(r["eval"]["n"] == 3 for r in eval_rows(out))
+
+
 def test_a_new_run_never_overwrites_a_checkpoint(finished_run, capsys, device):
     before = snapshot(finished_run)
     assert_one_line_error(["--method", "aoc", "--model", "tiny", "--out", finished_run], "already holds a checkpoint",
