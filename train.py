@@ -953,7 +953,7 @@ def held_out(args, run: Run) -> HeldOut | None:
         fail(f"--eval-data: {e}")
     # a resumed run's log (trimmed to its checkpoint) holds its earlier evaluations
     rows = read_log(args.out)[1] if run.start > 0 and os.path.exists(os.path.join(args.out, "log.jsonl")) else []
-    return HeldOut(examples, task, every, rows)
+    return HeldOut(examples, task, every, rows, warned=any(r.get("warned") for r in rows))
 
 
 @torch.no_grad()
@@ -982,16 +982,18 @@ def check_held_out(args, run: Run, comp, ho: HeldOut, log, bar, step: int):
     row = {"step": step, "eval": held_out_losses(args, run, comp, ho)}
     row["eval"]["seconds"] = time.time() - t0   # what the check cost (the training steps' dt leaves it out)
     ho.rows.append(row)
+    ratio = row["eval"]["own_other"]
+    recent = [r["eval"]["own_other"] for r in ho.rows if r["step"] > args.warmup][-PROMPT_EVALS:]
+    warn = not ho.warned and len(recent) == PROMPT_EVALS and all(x is not None and x >= PROMPT_LIKE for x in recent)
+    if warn:   # saved with the row: a resumed run (held_out reads its log) does not warn again
+        ho.warned = row["warned"] = True
     log.write(json.dumps(row) + "\n")
     log.flush()
-    ratio = row["eval"]["own_other"]
     if ratio is None:   # a single held-out example has no other
         return
     tqdm.write(f"step {step} | held-out own/other {ratio:.3f} (own {row['eval']['own']:.4f}, other "
                f"{row['eval']['other']:.4f}, no memory {row['eval']['none']:.4f})")
-    recent = [r["eval"]["own_other"] for r in ho.rows if r["step"] > args.warmup][-PROMPT_EVALS:]
-    if not ho.warned and len(recent) == PROMPT_EVALS and all(x is not None and x >= PROMPT_LIKE for x in recent):
-        ho.warned = True
+    if warn:
         tqdm.write(f"warning: held-out own/other {ratio:.3f} at step {step} ({PROMPT_EVALS} evaluations in a row >= "
                    f"{PROMPT_LIKE}): the memory acts as a constant prompt, the same for every text; see "
                    f"recipes/README.md, 'The ladder' (what the decoder sees of each memory, recipes/diagnosis.py)")

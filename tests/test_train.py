@@ -410,6 +410,21 @@ def test_a_constant_memory_gets_the_prompt_warning_and_a_carrying_one_does_not(t
     assert "constant prompt" in text and "never <= 0.5 within 60 steps" in text
 
 
+def test_the_prompt_warning_is_saved_and_not_repeated_after_resume(tmp_path, run_train, monkeypatch, capsys):
+    """The constant-prompt warning is given once per run: saved with its held-out row, so a --resume past it (whose
+    checks are still all at 1.0) does not give it again."""
+    compress = C.Compressor.compress
+    monkeypatch.setattr(C.Compressor, "compress", lambda self, contexts, **kw: compress(
+        self, [[65] * 8] * len(contexts), **kw))   # one memory for every text
+    out = str(tmp_path / "constant")
+    run_train(["--method", "aoc", "--mem", "4", "--batch-size", "2", "--warmup", "1", "--steps", "7",
+               "--stop-after", "5", "--eval-every", "1", "--out", out])
+    assert capsys.readouterr().out.count("warning: held-out own/other 1.000 at step 4") == 1   # checks 2, 3, 4
+    run_train(["--resume", out])
+    assert "warning: held-out" not in capsys.readouterr().out
+    assert [r["step"] for r in eval_rows(out) if r.get("warned")] == [4]
+
+
 def test_a_real_model_without_eval_data_says_no_check_runs(files, tmp_path, run_train, capsys):
     run_train(["--method", "aoc", "--mem", "4", "--model", files["model"], "--data", files["doc"], "--crop", "window",
                "--max-len", "16", "--batch-size", "2", "--steps", "1", "--out", str(tmp_path / "real")])
