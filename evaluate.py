@@ -255,7 +255,7 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
 
 @torch.no_grad()
 def run_lm(comp, examples, batch_size=8, ratio=None, max_len=None):
-    """Completion: cut each text at p = ⌊|X|/2⌋ (EPL §4.1), compress the first half and score the second half and EOS
+    """Completion: cut each text at p = ⌊|X|/2⌋ (EPL §4.1; at least 1, as train.py cuts), compress the first half and score the second half and EOS
     (the LM target of the EPL and PCC code) given that memory (PIC Eq. 7, EPL Table 4), the memory of another text's
     first half, the full first half, or nothing. Perplexity is exp(Σ NLL / Σ tokens) over the whole set, never a mean
     of per-example perplexities. max_len: each text cut to its first max_len tokens first, as pretraining cut it."""
@@ -263,9 +263,10 @@ def run_lm(comp, examples, batch_size=8, ratio=None, max_len=None):
     cuts = []
     for ex in examples:
         ids = tok.encode(ex["text"])[:max_len]
-        if len(ids) < 4:
-            raise ValueError(f"text too short for the LM task ({len(ids)} tokens): {ex['text']!r}")
-        cuts.append((ids[:len(ids) // 2], ids[len(ids) // 2:] + [tok.eos_id]))
+        if not ids:
+            raise ValueError(f"an empty text has nothing to compress for the LM task: {ex['text']!r}")
+        p = max(1, len(ids) // 2)   # as train.py draw_text cuts a pretraining text: a 1-3 token text too
+        cuts.append((ids[:p], ids[p:] + [tok.eos_id]))
     other = derangement(len(cuts))
     rows = []
     for idx in tqdm(batches(list(range(len(cuts))), batch_size), desc="lm", leave=False):
