@@ -1096,15 +1096,21 @@ def read_checkpoint_config(ckpt_dir: str) -> dict:
                                 "(point --ckpt at a train.py --out directory)")
     try:
         with open(path) as f:
-            return json.load(f)
+            meta = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"'{path}' is corrupt ({e.msg}): restore it or retrain") from None
+    if not isinstance(meta, dict):   # (a JSON list or number: every caller reads keys)
+        raise ValueError(f"'{path}' is corrupt (a JSON {type(meta).__name__}, not an object): restore it or retrain")
+    return meta
 
 
 def saved_config(ckpt_dir: str) -> CompressorConfig:
     """The settings a checkpoint was trained with (its compressor.json); one added since it was saved takes its
     default, as load() and train.py --init both build it."""
-    saved = read_checkpoint_config(ckpt_dir)["config"]
+    saved = read_checkpoint_config(ckpt_dir).get("config")
+    if not isinstance(saved, dict) or not {"method", "model"} <= saved.keys():
+        raise ValueError(f"'{ckpt_dir}/compressor.json' has no compressor config (\"config\" with its method and "
+                         "model): restore it or retrain")
     unknown = sorted(set(saved) - {f.name for f in fields(CompressorConfig)})
     if unknown:
         raise ValueError(f"'{ckpt_dir}/compressor.json' has settings this code does not know ({', '.join(unknown)}): "

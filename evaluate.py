@@ -772,9 +772,7 @@ def load_compressor(args):
     """The checkpoint's compressor (args: ckpt, model, method, device, dtype); one-line errors. Also
     tests/bench_speed.py's."""
     dtype = DTYPES[args.dtype]
-    cfg = C.read_checkpoint_config(args.ckpt).get("config")
-    if not isinstance(cfg, dict) or "method" not in cfg or "model" not in cfg:
-        raise ValueError(f"'{args.ckpt}/compressor.json' has no compressor config: restore it or retrain")
+    cfg = asdict(C.saved_config(args.ckpt))   # one-line errors for a missing or malformed compressor.json
     if args.model is not None and args.model != cfg["model"]:
         raise ValueError(f"checkpoint '{args.ckpt}' was trained on model '{cfg['model']}', not '{args.model}'")
     if args.method is not None and args.method != cfg["method"]:

@@ -846,6 +846,21 @@ def test_resume_accepts_the_flags_it_was_trained_with(finished_run, tmp_path, ru
     assert [r["step"] for r in log_rows(run)] == [1, 2, 3]
 
 
+@pytest.mark.parametrize("meta", [{"train_args": {}}, [1, 2], {"config": "aoc"}, {"config": {"mem": 4}}])
+def test_init_and_evaluate_on_a_compressor_json_without_a_config_are_one_line(meta, finished_run, tmp_path, capsys,
+                                                                             device):
+    """compressor.json without "config", a JSON list, a config that is no object or lacks method and model: one
+    line from train.py --init and from evaluate.py alike (a KeyError / TypeError / AttributeError before)."""
+    run = tmp_path / "broken"
+    shutil.copytree(finished_run, run)
+    (run / "compressor.json").write_text(json.dumps(meta))
+    assert_one_line_error(["--method", "aoc", "--init", str(run), "--out", str(tmp_path / "x")],
+                          "compressor.json", capsys, device)
+    with pytest.raises(SystemExit) as e:
+        E.main(["--ckpt", str(run), "--task", "ae", "--device", str(device)])
+    assert str(e.value).startswith("error: ") and "compressor.json" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_resume_takes_a_run_flag_typed_with_its_default_value(tmp_path, run_train):
     """A run flag typed on --resume wins, also when its value is the flag's default: --eval-n 32 after a run with
     --eval-n 4, --save-every 1000 after --save-every 1 (a comparison with the default took them for untyped)."""
