@@ -55,28 +55,30 @@ MODES = ("compressed", "full", "none")
 def load_examples(path, task, n=None):
     """The examples of a task: dicts with "text" (ae, lm, heatmap) or "context", "question", "answer" (qa; answer is a
     str or a list of accepted answers). No path: the built-in sets. path: .jsonl or .parquet, one record a row, as
-    train.py reads them ({"text"} or {"context", "question", "answer"}; a QA record serves the text tasks through its
-    context), or any other file as plain text, one text per non-empty line (train.py reads a whole .txt file as one
+    train.py reads and checks them ({"text"} or {"context", "question", "answer"}, train.qa_record: a number answer is
+    its text, SQuAD's answer dicts their texts; a malformed record is one line naming the file and line; a QA record
+    serves the text tasks through its context), or any other file as plain text, one text per non-empty line (train.py reads a whole .txt file as one
     document to draw windows from; an evaluation needs fixed examples). n: keep the first n."""
     if path is None:
         rows = [dict(r) for r in train.EVAL_QA] if task == "qa" else [{"text": t} for t in train.held_out_texts()]
     elif not os.path.isfile(path):
         raise FileNotFoundError(f"--data {path}: no such file")
-    elif path.endswith((".jsonl", ".parquet")):
-        rows = [rec for _, rec in train.records(path)]
-        for r in rows:
-            train.record_kind(r)   # SQuAD's "answers" -> "answer"
+    elif path.endswith((".jsonl", ".parquet")):   # train.py's reader, and its checks of a QA record
+        need = '{"context", "question", "answer"}' if task == "qa" else '{"text"} or {"context", ...}'
+        rows = []
+        for where, rec in train.records(path):
+            kind = train.record_kind(rec)   # (SQuAD's "answers" -> "answer")
+            if kind == "qa":
+                rec = train.qa_record(rec, f"{path} {where}")
+            if kind is None or (task == "qa") != (kind == "qa"):
+                raise ValueError(f"{path} {where}: --task {task} reads {need} records")
+            rows.append(rec if task == "qa" or kind == "text" else {"text": rec["context"]})
     else:
         with open(path, encoding="utf-8") as f:
             rows = [{"text": line.rstrip("\n")} for line in f if line.strip()]
-    need = ("context", "question", "answer") if task == "qa" else ("text",)
-    for i, r in enumerate(rows):
-        if task != "qa" and isinstance(r, dict) and "text" not in r and "context" in r:
-            rows[i] = r = {"text": r["context"]}
-        if task == "qa" and isinstance(r, dict) and isinstance(r.get("answer"), dict):   # SQuAD {"text": [...]}
-            rows[i] = r = {**r, "answer": list(r["answer"].get("text", []))}
-        if not isinstance(r, dict) or any(k not in r for k in need):
-            raise ValueError(f"--data {path} record {i + 1} needs the fields {', '.join(need)} for --task {task}")
+        if task == "qa":
+            raise ValueError(f'--data {path}: --task qa reads .jsonl or .parquet records '
+                             '{"context", "question", "answer"}, not lines of text')
     if not rows:
         raise ValueError(f"--data {path} holds no examples")
     return rows[:n] if n else rows
