@@ -491,8 +491,8 @@ def draw(mem_init: str, n: int, model: Transformer) -> torch.Tensor:
     x = torch.randn(n, w.shape[1], device=w.device)
     if mem_init == "embed":    # EPL code: normal_(mean=embed.mean(), std=embed.std()), scalars (of the rows as read)
         x = x * (w.float().std() * embed_scale(model)) + w.float().mean() * embed_scale(model)
-    elif mem_init == "hf":     # PCC code: resize_token_embeddings' init, N(0, initializer_range)
-        x = x * 0.02
+    elif mem_init == "hf":     # PCC code: resize_token_embeddings' init, N(0, initializer_range), a row of the
+        x = x * (0.02 * embed_scale(model))   # table: read as the decoder reads its rows (x sqrt(d) on Gemma 3)
     return x.to(w.dtype)       # "normal": AOC/500x torch.randn, ICAE nn.Embedding default N(0, 1)
 
 

@@ -364,6 +364,8 @@ def test_vectors_handed_to_the_decoder_sit_at_the_scale_gemma_reads(gemma, devic
     torch.manual_seed(0)
     drawn = C.draw("embed", 20000, ours).float()                 # EPL code: N(mean, std) of the embedding
     assert abs(drawn.std().item() / (table.float().std().item() * scale) - 1) < 0.02
+    drawn = C.draw("hf", 20000, ours).float()                    # PCC code: new table rows N(0, 0.02), as read
+    assert abs(drawn.std().item() / (0.02 * scale) - 1) < 0.02
     comp = C.build("icae", copy_model(ours), tok, mem_norm=True)
     memory = comp.compress([tok.encode("some text to compress")])
     target = table.float().norm(dim=-1).mean().item() * scale
