@@ -17,6 +17,7 @@ import random
 import re
 import statistics
 import sys
+import weakref
 from contextlib import nullcontext
 from dataclasses import asdict
 from typing import NamedTuple
@@ -128,15 +129,23 @@ def compress(comp, contexts, ratio=None, cache=None):
     return comp.compress(contexts, ratios=ratios, cache=cache)
 
 
+# after GMSA's KEFT: compressor -> its base LLM, loaded once and kept while the compressor lives (train.py's held-out
+# check scores every --eval-every steps: a load per check cost a disk read and a model's memory each time)
+BASE_LLMS = weakref.WeakKeyDictionary()
+
+
 class PlainLLM:
     """The references' LLM: the base model with no memory. Usually the compressor's own decoder with a shared
-    encoder's LoRA switched off; after GMSA's KEFT (whose q/k/v are trained) a fresh copy of the base model."""
+    encoder's LoRA switched off; after GMSA's KEFT (whose q/k/v are trained) a copy of the base model, in the
+    decoder's dtype, loaded once per compressor (BASE_LLMS)."""
 
-    def __init__(self, comp, dtype=torch.float32):
+    def __init__(self, comp):
         self.tok, self.device = comp.tok, comp.device
         if comp.cfg.decoder_train == "keft":
-            self.model, _ = load_pretrained(comp.cfg.model, dtype=dtype, device=comp.device)
-            self.decoding = nullcontext
+            if comp not in BASE_LLMS:
+                dtype = comp.decoder.model.embed_tokens.weight.dtype
+                BASE_LLMS[comp] = load_pretrained(comp.cfg.model, dtype=dtype, device=comp.device)[0].eval()
+            self.model, self.decoding = BASE_LLMS[comp], nullcontext
         else:
             self.model, self.decoding = comp.decoder, comp.decoding
 

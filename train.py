@@ -1008,10 +1008,15 @@ def held_out_losses(args, run: Run, comp, ho: HeldOut) -> dict:
 def check_held_out(args, run: Run, comp, ho: HeldOut, log, bar, step: int):
     """Score the held-out examples at `step`, log the row, and warn once when the memory acts as a constant prompt."""
     t0 = time.time()
-    try:   # e.g. an empty held-out text: one line, not a traceback
+    try:   # e.g. an empty held-out text, or no memory left for it: one line, not a traceback
         row = {"step": step, "eval": held_out_losses(args, run, comp, ho)}
     except ValueError as e:
         fail(f"the held-out check at step {step}: {e} (--eval-data {args.eval_data or 'the built-in set'})")
+    except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
+        if not is_out_of_memory(e):
+            raise
+        fail(f"out of memory in the held-out check at step {step} on {run.device}: use a smaller --eval-n, or "
+             f"--eval-every 0 (no check); the last good checkpoint in {args.out} is kept")
     row["eval"]["seconds"] = time.time() - t0   # what the check cost (the training steps' dt leaves it out)
     ho.rows.append(row)
     ratio = row["eval"]["own_other"]

@@ -736,6 +736,27 @@ def test_gmsa_keft_trains_only_decoder_qkv_from_the_stage_1_run(files, tmp_path,
             assert name.startswith("decoder.") and name.split(".")[-2] in ("q_proj", "k_proj", "v_proj")
 
 
+def test_keft_held_out_checks_load_the_base_llm_once(files, tmp_path, run_train, monkeypatch, capsys):
+    """After GMSA's --stage keft the references need the base LLM (the decoder's q/k/v train): one copy per run,
+    not a load per held-out check (4 checks of a 3-step run at --eval-every 1: 4 loads, on a 7B model 28 GB each);
+    an out-of-memory error in the check is one line."""
+    stage1, keft = str(tmp_path / "ae"), str(tmp_path / "keft")
+    run_train(["--method", "gmsa", "--model", files["model"], "--data", files["doc"], *LORA, "--ratios", "2",
+               "--batch-size", "2", "--steps", "1", "--out", stage1])
+    loads = []
+    load = E.load_pretrained
+    monkeypatch.setattr(E, "load_pretrained", lambda *a, **kw: loads.append(a) or load(*a, **kw))
+    flags = ["--method", "gmsa", "--stage", "keft", "--init", stage1, "--data", files["qa"], "--batch-size", "2",
+             "--steps", "3", "--eval-every", "1", "--eval-data", files["qa"]]
+    run_train([*flags, "--out", keft])
+    assert [r["step"] for r in eval_rows(keft)] == [0, 1, 2, 3] and len(loads) == 1
+    monkeypatch.setattr(E, "load_pretrained", lambda *a, **kw: (_ for _ in ()).throw(
+        RuntimeError("CUDA out of memory. Tried to allocate 28.00 GiB")))
+    with pytest.raises(SystemExit) as e:
+        run_train([*flags, "--out", str(tmp_path / "oom")])
+    assert "out of memory in the held-out check at step 0" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_separate_decoder_compresses_with_model_and_decodes_with_decoder(files, tmp_path, run_train):
     """PIC §4.1.2's setup: --model is the compressor, --decoder the frozen LLM; each reads its own tokenizer
     (contexts are re-tokenised for the compressor), and compressors.load rebuilds both."""
