@@ -747,8 +747,9 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, help="generation budget (default: ae n for a head-cropped "
                    "checkpoint, else reference + 8; qa the paper's: PCC 30, CompLLM 512, EPL 1024, else 64; "
                    f"needle {NEEDLE_BUDGET})")
-    p.add_argument("--max-len", type=int, help="ae, lm, interpolate: cut texts to their first N tokens; qa: cut "
-                   "contexts (default: the checkpoint's n when it was trained with --crop head)")
+    p.add_argument("--max-len", type=int, help="ae, lm, interpolate: cut texts to their first N tokens (default: "
+                   "the checkpoint's n when it was trained with --crop head, else whole texts); qa: cut each context "
+                   "to its first N tokens (default: whole contexts)")
     p.add_argument("--ratio", type=int, help="group merging (GMSA): the compression ratio r (group size) to evaluate "
                    "at, one of train.py's --ratios (default: the preset's first, 4)")
     p.add_argument("--concat", type=int, default=1, help="qa: join the contexts of K examples into one long "
@@ -809,7 +810,7 @@ TASKS = {   # a: the parsed arguments, ex: the examples, out: the results' path 
                True, lambda a, comp, ex, proto, out: run_ae(comp, ex, a.max_new_tokens, proto, a.batch_size, a.ratio),
                report_text),
     "lm": Task("the perplexity of each text's second half (cut at len/2, EPL) given the memory of its first half",
-               True, lambda a, comp, ex, proto, out: run_lm(comp, ex, a.batch_size, a.ratio, a.max_len), report_text),
+               True, lambda a, comp, ex, proto, out: run_lm(comp, ex, a.batch_size, a.ratio, proto["n"]), report_text),
     "qa": Task("answer from memory + question (5 built-in): squad_f1/em, exact_match, token_f1, substring_acc, rouge1",
                True, lambda a, comp, ex, proto, out: run_qa(comp, ex, a.max_new_tokens, a.batch_size, a.ratio,
                                                             a.concat, not a.no_reuse, a.max_len), report_text),

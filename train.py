@@ -66,8 +66,8 @@ from model import load_pretrained
 # together on 2 CPU cores and print held-out own/other <= 0.5 (the README's Quickstart; each preset's measured number
 # and wall time: recipes/README.md). Every method trains AE (what evaluate.py --task ae scores) on the first n bytes of
 # each document (a head crop: evaluate.py cuts its held-out texts the same way), batch 4, lr 3e-3 decaying linearly to 0
-# (TINY_ALL), with the text length n, steps and memory size m of its row (TINY): m = n (ICAE 2n, GMSA n/2 in groups of
-# 2), n = 16 for AOC and 8 for the others (which do not carry 16 bytes within two minutes). These fill only the flags
+# (TINY_ALL), with the text length n, steps and memory size m of its row (TINY): m = n (ICAE 2n; GMSA 5: [BOS] and the
+# 8 bytes in groups of 2), n = 16 for AOC and 8 for the others (which do not carry 16 bytes within two minutes). These fill only the flags
 # not given, in place of the paper's recipe; any other model keeps the paper's.
 TINY_ALL = dict(objective="ae", crop="head", batch_size=4, lr=3e-3, schedule="linear")
 TINY = {   # ours: measured on this repository's 2-core CPU, recipes/README.md "The tiny demo, each preset"
@@ -171,7 +171,8 @@ def add_data_and_run_flags(p: argparse.ArgumentParser):
 
     g = p.add_argument_group("data")
     g.add_argument("--min-len", type=int, help="shortest text |X| in tokens (default: the paper's, scaled "
-                   "down with a shorter --chunk-len and for --model tiny)")
+                   "down with a shorter --chunk-len and for --model tiny); --crop window only (a head crop's texts "
+                   "are all --max-len tokens)")
     g.add_argument("--max-len", type=int, help="longest text |X|; also caps QA contexts")
     g.add_argument("--crop", choices=("window", "head"), help="how a text is cut from a document: a window of "
                    "|X| tokens at a random offset, or its first --max-len tokens, a short document padded with EOS "
@@ -337,6 +338,10 @@ def resolve_defaults(args):
     lo, hi = paper["lengths"]
     args.max_len = args.max_len or max(args.min_len or 2, round(hi * scale))
     if args.crop == "head":   # AOC: every text is the first n = --max-len tokens of its document
+        if args.min_len not in (None, args.max_len):   # (never silently ignored)
+            fail(f"--crop head trains on the first --max-len ({args.max_len}) tokens of each document, so --min-len "
+                 f"{args.min_len} does not apply: drop it, or use --crop window for texts of {args.min_len} to "
+                 f"{args.max_len} tokens")
         args.min_len = args.max_len
     else:
         args.min_len = args.min_len or min(args.max_len, max(2, round(lo * scale)))

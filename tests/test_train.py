@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -216,6 +217,36 @@ def test_mem_on_tiny_compllm_is_a_fixed_budget_as_documented(device):
         assert sum(comp.compress([list(b"8 bytes!")]).mem_counts[0]) == slots, argv
     args, _ = train.parse_args(["--method", "compllm", "--mem", "2", "--ratio", "4"])   # both typed: the ratio
     assert (args.mem, args.ratio) == (2, 4.0)
+
+
+def test_the_tiny_demo_table_states_each_presets_n_m_and_steps(device):
+    """recipes/README.md's table of the tiny demo ("n (bytes) | m | steps") says what the code does: each preset's
+    demo run compresses an n-byte text into m vectors (GMSA: [BOS] and 8 bytes in groups of 2 are 5, not n/2 = 4)."""
+    readme = (Path(__file__).resolve().parents[1] / "recipes" / "README.md").read_text()
+    rows = {m: (int(n), int(k), int(steps.replace(",", ""))) for m, n, k, steps in
+            re.findall(r"^\| `(\w+)` \| (\d+) \| (\d+) \| ([\d,]+) \|", readme, flags=re.M)}
+    assert set(rows) == set(train.TINY)
+    for method, (n, m, steps) in rows.items():
+        args, _ = train.parse_args(["--method", method])
+        comp = train.build_compressor(args, device)
+        x = list(train.BUILTIN_TEXTS[0].encode())[:args.max_len]
+        ratios = [comp.cfg.ratios[0]] if comp.cfg.source == "group_mean" else None
+        assert (args.max_len, sum(comp.compress([comp.encoder_ids(x)], ratios=ratios).mem_counts[0]), args.steps) \
+            == (n, m, steps), method
+
+
+def test_head_crop_min_len_is_an_error_and_evaluate_lm_cuts_at_the_checkpoints_n(finished_run, tmp_path, capsys,
+                                                                                device):
+    """--min-len under --crop head (tiny's default) was silently ignored (|X| in [8, 8]): one line now, unless it
+    equals --max-len. evaluate.py --task lm takes the checkpoint's n as its --max-len default, as --help says for
+    ae, lm and interpolate (it compressed whole held-out texts: 58 and 81 tokens)."""
+    assert_one_line_error(["--method", "aoc", "--min-len", "4", "--max-len", "8", "--out", str(tmp_path / "x")],
+                          "--min-len 4 does not apply", capsys, device)
+    assert train.parse_args(["--method", "aoc", "--min-len", "8", "--max-len", "8"])[0].min_len == 8
+    n = json.loads((Path(finished_run) / "args.json").read_text())["max_len"]
+    result = E.main(["--ckpt", finished_run, "--task", "lm", "--n", "3", "--device", str(device),
+                     "--out", str(tmp_path / "lm.json")])
+    assert [ex["context_tokens"] for ex in result["examples"]] == [n // 2] * 3
 
 
 def test_the_log_and_help_say_where_tiny_changes_the_papers_objective(tmp_path, run_train, capsys):
