@@ -497,14 +497,14 @@ def test_mem_lr_trains_the_memory_tokens_at_their_own_rate(tmp_path, run_train, 
                    "--out", str(tmp_path / "gmsa")])
 
 
-def test_len_curriculum_grows_the_texts_from_n_tokens():
+def test_len_curriculum_grows_the_texts_from_n_tokens(tmp_path):
     """--len-curriculum 4 10 with --min-len 12 --max-len 16: texts of 4 tokens at step 0, 8-10 at step 5, and the
     run's own 12-16 from step 10 on."""
     args = train.argparse.Namespace(crop="window", min_len=12, max_len=16, len_curriculum=[4, 10])
     assert [train.text_lengths(args, s) for s in (0, 5, 10, 50)] == [(4, 5), (8, 11), (12, 17), (12, 17)]
     comp = C.build("aoc", *build_tiny(), mem=4)
     data, _ = train.tokenize_corpus(train.generated_texts(50, 0), [], "curriculum-test", comp,
-                                    cache_dir=str(Path("/tmp") / "cache-curriculum"))
+                                    cache_dir=str(tmp_path))
     args.seed, args.batch_size = 0, 8
     lengths = lambda step: {len(ex["context"]) for ex in train.step_examples(data, "ae", args, comp, step)}
     assert lengths(0) == {4} and lengths(20) <= set(range(12, 17)) and len(lengths(20)) > 1
@@ -656,11 +656,11 @@ def test_recipes_of_the_papers_code(tmp_path):
     assert train.parse_args(["--method", "gmsa", "--model", "x/y", "--objective", "qa"])[0].max_len == 3072
 
 
-def test_head_crop_takes_the_first_n_tokens_of_a_document_and_pads_with_eos():
+def test_head_crop_takes_the_first_n_tokens_of_a_document_and_pads_with_eos(tmp_path):
     """AOC code: tokenizer(text, truncation=True, padding="max_length", max_length=n); pad = EOS, trained on."""
     comp = C.build("aoc", *build_tiny(), mem=4)
     docs = ["A long document that has more than enough tokens.", "Short one."]
-    data, _ = train.tokenize_corpus(docs, [], "head-crop-test", comp, cache_dir=str(Path("/tmp") / "cache-head"))
+    data, _ = train.tokenize_corpus(docs, [], "head-crop-test", comp, cache_dir=str(tmp_path))
     args = train.argparse.Namespace(crop="head", min_len=16, max_len=16)
     seen = set()
     for i in range(40):
