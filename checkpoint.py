@@ -122,3 +122,10 @@ def trim_log(path, step):
     with open(path + ".tmp", "w") as f:
         f.writelines(keep)
     os.replace(path + ".tmp", path)
+
+
+def is_out_of_memory(e) -> bool:
+    """A CUDA OOM, or a CPU allocation failure (PyTorch raises RuntimeError "can't allocate memory"): the run stops
+    with one line, and its last good checkpoint stays."""
+    return isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or any(
+        m in str(e) for m in ("out of memory", "can't allocate memory"))

@@ -23,6 +23,8 @@ from presets import fail
 # flags that may change when a run is continued with --resume; every other flag must match the checkpoint
 RUN_FLAGS = {"resume", "out", "steps", "stop_after", "save_every", "keep_every", "micro_batch", "compile",
              "grad_ckpt", "device", "cache_dir", "eval_data", "eval_every", "eval_n"}
+# flags that name a local file or folder (or a hub id): saved absolute, so a run resumes from any directory
+PATH_FLAGS = ("model", "decoder", "data", "eval_data", "init", "warm_start")
 EXAMPLES = """examples:
   python train.py --method aoc --mem 16                # quickstart: --model tiny, its demo settings (above)
   python train.py --method aoc --mem 16 --model meta-llama/Llama-3.2-1B-Instruct --data corpus/ --steps 20000
@@ -109,7 +111,8 @@ def add_data_and_run_flags(p: argparse.ArgumentParser):
 
     g = p.add_argument_group("data")
     g.add_argument("--min-len", type=int, help="shortest text |X| in tokens (default: the paper's, scaled "
-                   "down with a shorter --chunk-len and for --model tiny)")
+                   "down with a shorter --chunk-len and for --model tiny); --crop window only (a head crop's texts "
+                   "are all --max-len tokens)")
     g.add_argument("--max-len", type=int, help="longest text |X|; also caps QA contexts")
     g.add_argument("--crop", choices=("window", "head"), help="how a text is cut from a document: a window of "
                    "|X| tokens at a random offset, or its first --max-len tokens, a short document padded with EOS "
@@ -147,9 +150,9 @@ def parse_args(argv=None):
     --resume, else None; each training setting's value and source, presets.recipe_for's)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    given = {k for k, v in vars(args).items() if v != parser.get_default(k)}   # typed on the command line
+    given = typed_flags(argv)
     # local paths become absolute, so --resume and compressors.load(--out) work from any directory
-    for k in ("model", "decoder", "data", "init", "warm_start"):
+    for k in PATH_FLAGS:
         v = getattr(args, k)
         if v and os.path.exists(v):
             setattr(args, k, os.path.abspath(v))
@@ -172,6 +175,15 @@ def parse_args(argv=None):
     return args, None, settings
 
 
+def typed_flags(argv=None) -> set:
+    """The flags typed on the command line (dests), whatever their values: argv parsed again with every default
+    suppressed, so a flag typed with its default value counts too (--resume DIR --eval-n 32 after --eval-n 4)."""
+    probe = build_parser()
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(probe.parse_args(argv)))
+
+
 # the training settings a run's first log line names (presets.recipe_for returns them, and the compressor settings
 # the objective or the demo change)
 SETTINGS = ("objective", "lr", "betas", "weight_decay", "schedule", "warmup", "batch_size", "clip", "steps",
@@ -190,12 +202,24 @@ def resolve_defaults(args):
         args.model = init["compressor_model"] or init["model"]
         args.decoder = init["model"] if init["compressor_model"] else None
     settings = P.recipe_for(args.method, args.model, args.decoder, args.stage, flags=vars(args), init=init)
+    max_len = settings["max_len"].value
+    if settings["crop"].value == "head" and args.min_len not in (None, max_len):   # (never silently ignored)
+        fail(f"--crop head trains on the first --max-len ({max_len}) tokens of each document, so --min-len "
+             f"{args.min_len} does not apply: drop it, or use --crop window for texts of {args.min_len} to "
+             f"{max_len} tokens")
+    # the compressor settings the recipe row or the demo changes are make_config's defaults, not typed flags, so that
+    # its mappings see what was typed (--mem 2 on tiny's CompLLM: a fixed budget, not the demo's ratio 1)
+    typed = {k: getattr(args, k) for k in COMPRESSOR_FLAGS if getattr(args, k) is not None}
+    row = {k: s.value for k, s in settings.items() if k in COMPRESSOR_FLAGS and k not in typed}
     for k, s in settings.items():   # (a flag's own value, or the default that replaces an unset flag)
-        setattr(args, k, list(s.value) if isinstance(s.value, tuple) else s.value)   # a list, as argparse gives
+        if k not in row:
+            setattr(args, k, list(s.value) if isinstance(s.value, tuple) else s.value)   # a list, as argparse gives
     try:   # validates the compressor flags before any model is loaded
-        cfg = init or asdict(P.make_config(args.method, **{k: getattr(args, k) for k in COMPRESSOR_FLAGS}))
+        cfg = init or asdict(P.make_config(args.method, defaults=row, **typed))
     except ValueError as e:
         fail(e)
+    for k in row:   # the values the row's settings resolved to (build_compressor passes them as flags)
+        setattr(args, k, list(cfg[k]) if isinstance(cfg[k], tuple) else cfg[k])
     if init:
         if args.method != cfg["method"]:
             fail(f"--init {args.init} is a {cfg['method']} compressor, not {args.method}")

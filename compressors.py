@@ -187,8 +187,8 @@ def draw(mem_init: str, n: int, model: Transformer) -> torch.Tensor:
     x = torch.randn(n, w.shape[1], device=w.device)
     if mem_init == "embed":    # EPL code: normal_(mean=embed.mean(), std=embed.std()), scalars (of the rows as read)
         x = x * (w.float().std() * embed_scale(model)) + w.float().mean() * embed_scale(model)
-    elif mem_init == "hf":     # PCC code: resize_token_embeddings' init, N(0, initializer_range)
-        x = x * 0.02
+    elif mem_init == "hf":     # PCC code: resize_token_embeddings' init, N(0, initializer_range), a row of the
+        x = x * (0.02 * embed_scale(model))   # table: read as the decoder reads its rows (x sqrt(d) on Gemma 3)
     return x.to(w.dtype)       # "normal": AOC/500x torch.randn, ICAE nn.Embedding default N(0, 1)
 
 
@@ -436,6 +436,14 @@ class Compressor(nn.Module):
                     dec_context=pieces(ctx, "{context}", context, self.tok),
                     enc_context=pieces(ctx, "{context}", context, self.enc_tok),
                     prompt=pieces(prompt, "{question}", question, self.tok))
+
+    def cut_context(self, ids: list, max_len: int, tok) -> list:
+        """A dec_context / enc_context of qa_parts (tokenised with `tok`) with the context's own ids cut to their
+        first max_len (train.py and evaluate.py --max-len); the template's text around it is never cut (ours: a cut
+        of the whole piece left EPL's "### Context:\n" and no context at n = 8, on tiny)."""
+        before, _, after = self.template()[1].partition("{context}")
+        b, a = (len(tok.encode(s)) if s else 0 for s in (before, after))   # qa_parts tokenises each piece alone
+        return ids[:b] + ids[b:len(ids) - a][:max_len] + ids[len(ids) - a:]
 
     # ---- cutting contexts ----
 
@@ -790,15 +798,21 @@ def read_checkpoint_config(ckpt_dir: str) -> dict:
                                 "(point --ckpt at a train.py --out directory)")
     try:
         with open(path) as f:
-            return json.load(f)
+            meta = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"'{path}' is corrupt ({e.msg}): restore it or retrain") from None
+    if not isinstance(meta, dict):   # (a JSON list or number: every caller reads keys)
+        raise ValueError(f"'{path}' is corrupt (a JSON {type(meta).__name__}, not an object): restore it or retrain")
+    return meta
 
 
 def saved_config(ckpt_dir: str) -> CompressorConfig:
     """The settings a checkpoint was trained with (its compressor.json); one added since it was saved takes its
     default, as load() and train.py --init both build it."""
-    saved = read_checkpoint_config(ckpt_dir)["config"]
+    saved = read_checkpoint_config(ckpt_dir).get("config")
+    if not isinstance(saved, dict) or not {"method", "model"} <= saved.keys():
+        raise ValueError(f"'{ckpt_dir}/compressor.json' has no compressor config (\"config\" with its method and "
+                         "model): restore it or retrain")
     unknown = sorted(set(saved) - {f.name for f in fields(CompressorConfig)})
     if unknown:
         raise ValueError(f"'{ckpt_dir}/compressor.json' has settings this code does not know ({', '.join(unknown)}): "

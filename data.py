@@ -53,14 +53,18 @@ def read_corpus(path):
     texts, qa = [], []
     for f in files:
         if f.endswith((".jsonl", ".parquet")):
-            for where, rec in records(f):
-                kind = record_kind(rec)
-                if kind is None:
-                    fail(f'{f} {where}: expected {{"text"}} or {{"context", "question", "answer"}}')
-                if kind == "text":
-                    texts.append(rec["text"])
-                else:
-                    qa.append((rec["context"], rec["question"], first_answer(rec["answer"])))
+            try:
+                for where, rec in records(f):
+                    kind = record_kind(rec)
+                    if kind is None:
+                        fail(f'{f} {where}: expected {{"text"}} or {{"context", "question", "answer"}}')
+                    if kind == "text":
+                        texts.append(rec["text"])
+                    else:
+                        r = qa_record(rec, f"{f} {where}")
+                        qa.append((r["context"], r["question"], first_answer(r["answer"])))
+            except ValueError as e:   # a line that is no JSON, a malformed QA record: one line naming it
+                fail(e)
         else:
             with open(f, encoding="utf-8", errors="replace") as fh:
                 texts.append(fh.read())   # a whole file is one document: windows never straddle two files
@@ -72,12 +76,12 @@ def read_corpus(path):
 
 
 def records(path):
-    """(where, record) for every row of a .jsonl or .parquet file; a bad line is a one-line error."""
+    """(where, record) for every row of a .jsonl or .parquet file; a bad line is a ValueError naming it."""
     if path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            fail(f"reading {path} needs pyarrow: pip install pyarrow")
+            raise ValueError(f"reading {path} needs pyarrow: pip install pyarrow") from None
         for i, rec in enumerate(pq.read_table(path).to_pylist(), 1):
             yield f"row {i}", rec
         return
@@ -88,7 +92,7 @@ def records(path):
             try:
                 yield f"line {i}", json.loads(line)
             except json.JSONDecodeError as e:
-                fail(f"{path} line {i} is not JSON ({e.msg})")
+                raise ValueError(f"{path} line {i} is not JSON ({e.msg})") from None
 
 
 def record_kind(rec):
@@ -101,6 +105,31 @@ def record_kind(rec):
         rec["answer"] = rec["answers"]
         return "qa"
     return None
+
+
+def qa_record(rec, where):
+    """A {"context", "question", "answer"} record (record_kind "qa"), checked and normalised for QA training and
+    evaluation alike: context a non-empty str, question a str; answer a str or a number (its text), a list of those
+    (accepted answers), SQuAD's {"text": [...]} or a list of {"text": ...} dicts -> a str, or a list of str where the
+    record gave a list. Anything else is a ValueError naming `where` (file and line)."""
+    context, question, raw = rec.get("context"), rec.get("question"), rec.get("answer")
+    if not isinstance(context, str) or not context.strip():
+        raise ValueError(f'{where}: "context" must be a non-empty string, got {str(context)[:40]!r}')
+    if not isinstance(question, str):
+        raise ValueError(f'{where}: "question" must be a string, got {str(question)[:40]!r}')
+    items = raw.get("text") if isinstance(raw, dict) else raw   # SQuAD {"text": [...], "answer_start": [...]}
+    items = list(items) if isinstance(items, (list, tuple)) else [items]
+    answers = []
+    for a in items:
+        a = a.get("text") if isinstance(a, dict) else a      # [{"text": ..., "answer_start": ...}]
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
+            a = str(a)                                       # {"answer": 1932}: the number as written
+        if not isinstance(a, str):
+            raise ValueError(f'{where}: "answer" must be a string, a number or a list of them, got {str(raw)[:40]!r}')
+        answers.append(a)
+    if not answers:
+        raise ValueError(f'{where}: "answer" is an empty list')
+    return {**rec, "answer": answers if isinstance(raw, (list, tuple, dict)) else answers[0]}
 
 
 def first_answer(answer):
@@ -201,8 +230,9 @@ def sample_example(data, s: Sampling, rng, comp, step):
 
 def draw_qa(data, s: Sampling, rng, comp):
     ex = {k: v.tolist() for k, v in data["qa"][rng.integers(len(data["qa"]))].items()}
-    # contexts cut at --max-len (ours)
-    ctx, enc_ctx = ex["dec_context"][:s.max_len], ex["enc_context"][:s.max_len]
+    # contexts cut at --max-len (ours): the context's own tokens, the template's text around it kept
+    ctx, enc_ctx = (comp.cut_context(ex[k], s.max_len, t) for k, t in (("dec_context", comp.tok),
+                                                                        ("enc_context", comp.enc_tok)))
     if s.objective == "distill":   # the answer is the teacher's own (teacher_answer), not the data set's
         return dict(context=enc_ctx, dec_context=ctx, prefix=ex["prefix"], question=ex["prompt"])
     # [prefix; memory; [LM]; prompt] -> answer: the loss covers answer + EOS only (EPL code)

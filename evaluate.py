@@ -17,6 +17,7 @@ import random
 import re
 import statistics
 import sys
+import weakref
 from contextlib import nullcontext
 from dataclasses import asdict
 from typing import NamedTuple
@@ -56,28 +57,30 @@ MODES = ("compressed", "full", "none")
 def load_examples(path, task, n=None):
     """The examples of a task: dicts with "text" (ae, lm, heatmap) or "context", "question", "answer" (qa; answer is a
     str or a list of accepted answers). No path: the built-in sets. path: .jsonl or .parquet, one record a row, as
-    train.py reads them ({"text"} or {"context", "question", "answer"}; a QA record serves the text tasks through its
-    context), or any other file as plain text, one text per non-empty line (train.py reads a whole .txt file as one
+    train.py reads and checks them ({"text"} or {"context", "question", "answer"}, data.qa_record: a number answer is
+    its text, SQuAD's answer dicts their texts; a malformed record is one line naming the file and line; a QA record
+    serves the text tasks through its context), or any other file as plain text, one text per non-empty line (train.py reads a whole .txt file as one
     document to draw windows from; an evaluation needs fixed examples). n: keep the first n."""
     if path is None:
         rows = [dict(r) for r in D.EVAL_QA] if task == "qa" else [{"text": t} for t in D.held_out_texts()]
     elif not os.path.isfile(path):
         raise FileNotFoundError(f"--data {path}: no such file")
-    elif path.endswith((".jsonl", ".parquet")):
-        rows = [rec for _, rec in D.records(path)]
-        for r in rows:
-            D.record_kind(r)   # SQuAD's "answers" -> "answer"
+    elif path.endswith((".jsonl", ".parquet")):   # data.py's reader (train.py's), and its checks of a QA record
+        need = '{"context", "question", "answer"}' if task == "qa" else '{"text"} or {"context", ...}'
+        rows = []
+        for where, rec in D.records(path):
+            kind = D.record_kind(rec)   # (SQuAD's "answers" -> "answer")
+            if kind == "qa":
+                rec = D.qa_record(rec, f"{path} {where}")
+            if kind is None or (task == "qa") != (kind == "qa"):
+                raise ValueError(f"{path} {where}: --task {task} reads {need} records")
+            rows.append(rec if task == "qa" or kind == "text" else {"text": rec["context"]})
     else:
         with open(path, encoding="utf-8") as f:
             rows = [{"text": line.rstrip("\n")} for line in f if line.strip()]
-    need = ("context", "question", "answer") if task == "qa" else ("text",)
-    for i, r in enumerate(rows):
-        if task != "qa" and isinstance(r, dict) and "text" not in r and "context" in r:
-            rows[i] = r = {"text": r["context"]}
-        if task == "qa" and isinstance(r, dict) and isinstance(r.get("answer"), dict):   # SQuAD {"text": [...]}
-            rows[i] = r = {**r, "answer": list(r["answer"].get("text", []))}
-        if not isinstance(r, dict) or any(k not in r for k in need):
-            raise ValueError(f"--data {path} record {i + 1} needs the fields {', '.join(need)} for --task {task}")
+        if task == "qa":
+            raise ValueError(f'--data {path}: --task qa reads .jsonl or .parquet records '
+                             '{"context", "question", "answer"}, not lines of text')
     if not rows:
         raise ValueError(f"--data {path} holds no examples")
     return rows[:n] if n else rows
@@ -127,15 +130,23 @@ def compress(comp, contexts, ratio=None, cache=None):
     return comp.compress(contexts, ratios=ratios, cache=cache)
 
 
+# after GMSA's KEFT: compressor -> its base LLM, loaded once and kept while the compressor lives (train.py's held-out
+# check scores every --eval-every steps: a load per check cost a disk read and a model's memory each time)
+BASE_LLMS = weakref.WeakKeyDictionary()
+
+
 class PlainLLM:
     """The references' LLM: the base model with no memory. Usually the compressor's own decoder with a shared
-    encoder's LoRA switched off; after GMSA's KEFT (whose q/k/v are trained) a fresh copy of the base model."""
+    encoder's LoRA switched off; after GMSA's KEFT (whose q/k/v are trained) a copy of the base model, in the
+    decoder's dtype, loaded once per compressor (BASE_LLMS)."""
 
-    def __init__(self, comp, dtype=torch.float32):
+    def __init__(self, comp):
         self.tok, self.device = comp.tok, comp.device
         if comp.cfg.decoder_train == "keft":
-            self.model, _ = load_pretrained(comp.cfg.model, dtype=dtype, device=comp.device)
-            self.decoding = nullcontext
+            if comp not in BASE_LLMS:
+                dtype = comp.decoder.model.embed_tokens.weight.dtype
+                BASE_LLMS[comp] = load_pretrained(comp.cfg.model, dtype=dtype, device=comp.device)[0].eval()
+            self.model, self.decoding = BASE_LLMS[comp], nullcontext
         else:
             self.model, self.decoding = comp.decoder, comp.decoding
 
@@ -192,9 +203,16 @@ def memory_losses(rows):
 
 
 def derangement(n, k=1):
-    """The fixed derangement of the own/other test: text i reads the memory of text i + k (mod n); None when there
-    is no other (n <= k: qa's k questions of one long context share it)."""
-    return [(i + k) % n for i in range(n)] if n > k else None
+    """The fixed "other" of the own/other test: text i reads the memory of text i + 1 (mod n). qa --concat k: the
+    questions sit in groups of k (the last may be shorter) that share one long context, and question i reads the next
+    group's, at the same place in it (or its last): i + k (mod n) only where k divides n, since i + k can land back
+    in i's own group when it wraps (n = 5, k = 3: question 2 would read group 0, its own). None when there is no
+    other group (n <= k)."""
+    groups = -(-n // k)   # ceil(n / k)
+    if groups < 2:
+        return None
+    nxt = lambda i: (i // k + 1) % groups * k                   # the first question of the next group
+    return [nxt(i) + min(i % k, n - nxt(i) - 1) for i in range(n)]
 
 
 def memory_nll(comp, task, enc, follow, ratio=None, cache=None, **nll_args):
@@ -249,7 +267,7 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
 
 @torch.no_grad()
 def run_lm(comp, examples, batch_size=8, ratio=None, max_len=None):
-    """Completion: cut each text at p = ⌊|X|/2⌋ (EPL §4.1), compress the first half and score the second half and EOS
+    """Completion: cut each text at p = ⌊|X|/2⌋ (EPL §4.1; at least 1, as train.py cuts), compress the first half and score the second half and EOS
     (the LM target of the EPL and PCC code) given that memory (PIC Eq. 7, EPL Table 4), the memory of another text's
     first half, the full first half, or nothing. Perplexity is exp(Σ NLL / Σ tokens) over the whole set, never a mean
     of per-example perplexities. max_len: each text cut to its first max_len tokens first, as pretraining cut it."""
@@ -257,9 +275,10 @@ def run_lm(comp, examples, batch_size=8, ratio=None, max_len=None):
     cuts = []
     for ex in examples:
         ids = tok.encode(ex["text"])[:max_len]
-        if len(ids) < 4:
-            raise ValueError(f"text too short for the LM task ({len(ids)} tokens): {ex['text']!r}")
-        cuts.append((ids[:len(ids) // 2], ids[len(ids) // 2:] + [tok.eos_id]))
+        if not ids:
+            raise ValueError(f"an empty text has nothing to compress for the LM task: {ex['text']!r}")
+        p = max(1, len(ids) // 2)   # as data.draw_text cuts a pretraining text: a 1-3 token text too
+        cuts.append((ids[:p], ids[p:] + [tok.eos_id]))
     other = derangement(len(cuts))
     rows = []
     for idx in tqdm(batches(list(range(len(cuts))), batch_size), desc="lm", leave=False):
@@ -318,9 +337,9 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
     # a chat template carries its own start; otherwise the plain LLM's prompt starts with BOS
     lead = [] if comp.template()[0] else [tok.start_id]
     parts = [comp.qa_parts(ex["context"], ex["question"]) for ex in examples]
-    if max_len:   # data.draw_qa: contexts cut at --max-len
-        parts = [{**p, "enc_context": p["enc_context"][:max_len], "dec_context": p["dec_context"][:max_len]}
-                 for p in parts]
+    if max_len:   # data.draw_qa: contexts cut at --max-len (the context's tokens; the template's text kept)
+        parts = [{**p, "enc_context": comp.cut_context(p["enc_context"], max_len, comp.enc_tok),
+                  "dec_context": comp.cut_context(p["dec_context"], max_len, tok)} for p in parts]
     answers = [tok.encode(D.first_answer(ex["answer"])) for ex in examples]
     # over documents: question i reads the memory of question i + concat's context, the next document's
     other = derangement(len(examples), concat)
@@ -729,8 +748,9 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, help="generation budget (default: ae n for a head-cropped "
                    "checkpoint, else reference + 8; qa the paper's: PCC 30, CompLLM 512, EPL 1024, else 64; "
                    f"needle {NEEDLE_BUDGET})")
-    p.add_argument("--max-len", type=int, help="ae, lm, interpolate: cut texts to their first N tokens; qa: cut "
-                   "contexts (default: the checkpoint's n when it was trained with --crop head)")
+    p.add_argument("--max-len", type=int, help="ae, lm, interpolate: cut texts to their first N tokens (default: "
+                   "the checkpoint's n when it was trained with --crop head, else whole texts); qa: cut each context "
+                   "to its first N tokens (default: whole contexts)")
     p.add_argument("--ratio", type=int, help="group merging (GMSA): the compression ratio r (group size) to evaluate "
                    "at, one of train.py's --ratios (default: the preset's first, 4)")
     p.add_argument("--concat", type=int, default=1, help="qa: join the contexts of K examples into one long "
@@ -765,9 +785,7 @@ def load_compressor(args):
     """The checkpoint's compressor (args: ckpt, model, method, device, dtype); one-line errors. Also
     tests/bench_speed.py's."""
     dtype = DTYPES[args.dtype]
-    cfg = C.read_checkpoint_config(args.ckpt).get("config")
-    if not isinstance(cfg, dict) or "method" not in cfg or "model" not in cfg:
-        raise ValueError(f"'{args.ckpt}/compressor.json' has no compressor config: restore it or retrain")
+    cfg = asdict(C.saved_config(args.ckpt))   # one-line errors for a missing or malformed compressor.json
     if args.model is not None and args.model != cfg["model"]:
         raise ValueError(f"checkpoint '{args.ckpt}' was trained on model '{cfg['model']}', not '{args.model}'")
     if args.method is not None and args.method != cfg["method"]:
@@ -793,7 +811,7 @@ TASKS = {   # a: the parsed arguments, ex: the examples, out: the results' path 
                True, lambda a, comp, ex, proto, out: run_ae(comp, ex, a.max_new_tokens, proto, a.batch_size, a.ratio),
                report_text),
     "lm": Task("the perplexity of each text's second half (cut at len/2, EPL) given the memory of its first half",
-               True, lambda a, comp, ex, proto, out: run_lm(comp, ex, a.batch_size, a.ratio, a.max_len), report_text),
+               True, lambda a, comp, ex, proto, out: run_lm(comp, ex, a.batch_size, a.ratio, proto["n"]), report_text),
     "qa": Task("answer from memory + question (5 built-in): squad_f1/em, exact_match, token_f1, substring_acc, rouge1",
                True, lambda a, comp, ex, proto, out: run_qa(comp, ex, a.max_new_tokens, a.batch_size, a.ratio,
                                                             a.concat, not a.no_reuse, a.max_len), report_text),

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 import evaluate as E
-from checkpoint import read_log
+from checkpoint import is_out_of_memory, read_log
 from presets import fail
 
 PROMPT_LIKE, PROMPT_EVALS = 0.95, 3   # warn when this many evaluations in a row past the warmup are all >= 0.95
@@ -56,7 +56,7 @@ def held_out(train_args: dict, every: int, tiny: bool, resumed: bool, master: bo
     # a resumed run's log (trimmed to its checkpoint) holds its earlier evaluations
     out = train_args["out"]
     rows = read_log(out)[1] if resumed and os.path.exists(os.path.join(out, "log.jsonl")) else []
-    return HeldOut(examples, task, every, rows, train_args)
+    return HeldOut(examples, task, every, rows, train_args, warned=any(r.get("warned") for r in rows))
 
 
 @torch.no_grad()
@@ -82,19 +82,29 @@ def held_out_losses(comp, ho: HeldOut, device, autocast) -> dict:
 def check_held_out(comp, ho: HeldOut, log, step: int, device, autocast):
     """Score the held-out examples at `step`, log the row, and warn once when the memory acts as a constant prompt."""
     t0 = time.time()
-    row = {"step": step, "eval": held_out_losses(comp, ho, device, autocast)}
+    try:   # e.g. an empty held-out text, or no memory left for it: one line, not a traceback
+        row = {"step": step, "eval": held_out_losses(comp, ho, device, autocast)}
+    except ValueError as e:
+        fail(f"the held-out check at step {step}: {e} (--eval-data {ho.train_args['eval_data'] or 'the built-in set'})")
+    except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
+        if not is_out_of_memory(e):
+            raise
+        fail(f"out of memory in the held-out check at step {step} on {device}: use a smaller --eval-n, or "
+             f"--eval-every 0 (no check); the last good checkpoint in {ho.train_args['out']} is kept")
     row["eval"]["seconds"] = time.time() - t0   # what the check cost (the training steps' dt leaves it out)
     ho.rows.append(row)
+    ratio = row["eval"]["own_other"]
+    recent = [r["eval"]["own_other"] for r in ho.rows if r["step"] > ho.train_args["warmup"]][-PROMPT_EVALS:]
+    warn = not ho.warned and len(recent) == PROMPT_EVALS and all(x is not None and x >= PROMPT_LIKE for x in recent)
+    if warn:   # saved with the row: a resumed run (held_out reads its log) does not warn again
+        ho.warned = row["warned"] = True
     log.write(json.dumps(row) + "\n")
     log.flush()
-    ratio = row["eval"]["own_other"]
     if ratio is None:   # a single held-out example has no other
         return
     tqdm.write(f"step {step} | held-out own/other {ratio:.3f} (own {row['eval']['own']:.4f}, other "
                f"{row['eval']['other']:.4f}, no memory {row['eval']['none']:.4f})")
-    recent = [r["eval"]["own_other"] for r in ho.rows if r["step"] > ho.train_args["warmup"]][-PROMPT_EVALS:]
-    if not ho.warned and len(recent) == PROMPT_EVALS and all(x is not None and x >= PROMPT_LIKE for x in recent):
-        ho.warned = True
+    if warn:
         tqdm.write(f"warning: held-out own/other {ratio:.3f} at step {step} ({PROMPT_EVALS} evaluations in a row >= "
                    f"{PROMPT_LIKE}): the memory acts as a constant prompt, the same for every text; see "
                    f"recipes/README.md, 'The ladder' (what the decoder sees of each memory, recipes/diagnosis.py)")

@@ -15,6 +15,7 @@ What is here, and where it comes from:
                                   causal block (CompLLM §3; multi-chunk ICAE / EPL §3.1.1).
     with_prefix / with_padding    glue for a KV prefix and for padded batches.
     sliding_window(T, S, W)       Gemma 3's local-attention band: each query sees the last W slots only.
+    with_window(mask, W)          a layer's mask with that band ANDed on, keeping with_padding's promise.
     render(mask)                  a ■ / · text grid;  `python masks.py pic 8 2` draws Figure 4(c).
 
 PIC, Eq. (4): the compressor input is Z = [c_1, …, c_N, m_1, …, m_N] = [X, M̃], the context X
@@ -174,10 +175,15 @@ def with_padding(mask, valid):
         raise ValueError(f"valid batch size {valid.shape[0]} does not match mask batch size {mask.shape[0]}")
     if T > S:
         raise ValueError(f"mask must have at least as many keys as queries, got [{T}, {S}]")
-    out = mask & valid[:, None, :]  # [T, S] & [B, 1, S] -> [B, T, S]: padded keys invisible
-    b, t = (~out.any(dim=-1)).nonzero(as_tuple=True)  # rows with no visible key at all
-    out[b, t, t + (S - T)] = True  # ... see themselves only, so SDPA never gets an all-False row
-    return out
+    return _no_empty_rows(mask & valid[:, None, :])  # [T, S] & [B, 1, S] -> [B, T, S]: padded keys invisible
+
+
+def _no_empty_rows(mask):
+    """[..., T, S] -> the same mask, where a query row with no visible key at all sees itself (query i is key
+    S−T+i), so SDPA never gets an all-False row (with_padding's docstring says why)."""
+    T, S = mask.shape[-2], mask.shape[-1]
+    own = torch.arange(S, device=mask.device)[None, :] == torch.arange(S - T, S, device=mask.device)[:, None]  # [T, S]
+    return mask | (~mask.any(dim=-1, keepdim=True) & own)
 
 
 def stack_padded(row_masks, size):
@@ -209,6 +215,17 @@ def sliding_window(num_queries, num_keys, window):
     q = torch.arange(num_keys - num_queries, num_keys)[:, None]   # [T, 1] the queries' slots
     k = torch.arange(num_keys)[None, :]                            # [1, S]
     return k > q - window
+
+
+def with_window(mask, window):
+    """A Gemma 3 local layer's mask: sliding_window ANDed onto a layer's mask [..., T, S] (queries the last T of the
+    S slots). The band can empty a row that with_padding had left non-empty: under right padding a pad query sees
+    the real keys, all of which may lie W or more slots back (real lengths 30 and 5, W = 8: 18 such rows). Such a
+    row sees itself again, as in with_padding, so the composition keeps its promise of no all-False row (SDPA
+    returns NaN there on some kernels, and 0 × NaN in the next layer reaches real tokens). Real queries always
+    see themselves, so they are untouched."""
+    T, S = mask.shape[-2], mask.shape[-1]
+    return _no_empty_rows(mask & sliding_window(T, S, window).to(mask.device))
 
 
 # ---- text rendering ----

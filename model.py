@@ -705,7 +705,7 @@ class Transformer(nn.Module):
         local_mask = mask
         if P + T > self.config.sliding_window:  # else the band hides nothing: keep the fast causal kernel
             base = mask if mask is not None else masks.with_prefix(masks.causal(T), P).to(h.device)
-            local_mask = base & masks.sliding_window(T, P + T, self.config.sliding_window).to(h.device)
+            local_mask = masks.with_window(base, self.config.sliding_window)   # never an all-False row
         return (*self.rope(pos, h.dtype, local=True), local_mask)
 
     @torch.no_grad()

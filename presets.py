@@ -275,8 +275,10 @@ PRESETS = {
 METHODS = tuple(PRESETS)
 
 
-def make_config(method: str, **overrides) -> CompressorConfig:
-    """The preset `method` with `overrides` (None values are ignored) applied on top, validated.
+def make_config(method: str, defaults: dict | None = None, **overrides) -> CompressorConfig:
+    """The preset `method` with `overrides` (None values are ignored) applied on top, validated. `defaults`: settings
+    that replace the preset's own without counting as given (train.py: a recipe row's, the tiny demo's), so the
+    mappings below read the overrides only (the demo's CompLLM ratio 1 is not a typed --ratio).
     Two documented mappings between the three settings of the compression ratio (their flags' help says the same):
       * `mem` given without `ratio`: a fixed budget, so a preset's ratio (CompLLM's C = 2) becomes 0;
       * `ratio` R > 0 on group merging (GMSA): its one compression ratio, i.e. ratios = (R,) and ratio = 0."""
@@ -287,7 +289,7 @@ def make_config(method: str, **overrides) -> CompressorConfig:
     for k in overrides:
         if k not in known:
             raise ValueError(f"unknown compressor setting '{k}': known settings are {', '.join(sorted(known))}")
-    settings = {**PRESETS[method].settings, **overrides}
+    settings = {**PRESETS[method].settings, **(defaults or {}), **overrides}
     if "mem" in overrides and "ratio" not in overrides:   # mapping 1 (docstring): a fixed budget, no ratio
         settings["ratio"] = 0.0
     if settings.get("source") == "group_mean" and settings.get("ratio", 0) > 0:   # mapping 2: ratio R -> ratios (R,)
@@ -352,9 +354,9 @@ def validate(cfg: CompressorConfig):
 # together on 2 CPU cores and print held-out own/other <= 0.5 (the README's Quickstart; each preset's measured number
 # and wall time: recipes/README.md). Every method trains AE (what evaluate.py --task ae scores) on the first n bytes of
 # each document (a head crop: evaluate.py cuts its held-out texts the same way), batch 4, lr 3e-3 decaying linearly to 0
-# (TINY_ALL), with the text length n, steps and memory size m of its row (TINY): m = n (ICAE 2n, GMSA n/2 in groups of
-# 2), n = 16 for AOC and 8 for the others (which do not carry 16 bytes within two minutes). These fill only the flags
-# not given, in place of the paper's recipe; any other model keeps the paper's.
+# (TINY_ALL), with the text length n, steps and memory size m of its row (TINY): m = n (ICAE 2n; GMSA 5: [BOS] and the
+# 8 bytes in groups of 2), n = 16 for AOC and 8 for the others (which do not carry 16 bytes within two minutes). These
+# fill only the flags not given, in place of the paper's recipe; any other model keeps the paper's.
 TINY_ALL = dict(objective="ae", crop="head", batch_size=4, lr=3e-3, schedule="linear")
 TINY = {   # ours: measured on this repository's 2-core CPU, recipes/README.md "The tiny demo, each preset"
     "icae": dict(lengths=(8, 8), mem=16, steps=3000),   # (at m = 8: own/other 0.514 at step 3000)

@@ -47,7 +47,8 @@ import cli
 import compressors as C
 import data as D
 import presets as P
-from checkpoint import gather_rng_states, latest_checkpoint, save_checkpoint, set_rng_state, trim_log
+from checkpoint import gather_rng_states, is_out_of_memory, latest_checkpoint, save_checkpoint, set_rng_state, \
+    trim_log
 from heldout import check_held_out, first_carrying_step, held_out
 from model import load_pretrained
 from presets import fail
@@ -307,12 +308,6 @@ def accumulate(run: Run, comp, step_fn, data: D.Data, step: int):
             parts[k] = parts.get(k, 0.0) + v.item()
         tokens += batch["tokens"]
     return total, parts, tokens
-
-
-def is_out_of_memory(e) -> bool:
-    """A CUDA OOM, or a CPU allocation failure (PyTorch raises RuntimeError "can't allocate memory")."""
-    return isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or any(
-        m in str(e) for m in ("out of memory", "can't allocate memory"))
 
 
 def train_step(run: Run, comp, step_fn, opt, params, data: D.Data, lr: float, step: int, stop: dict) -> dict:

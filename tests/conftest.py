@@ -61,6 +61,38 @@ def pytest_configure(config):
         # cuBLAS is deterministic only with a fixed workspace; it reads this when its first handle is made,
         # so it is set here, before any test touches the GPU (the `device` fixture asks for determinism)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    if workers > 1:   # pytest-xdist: the workers share the cores (2 workers x 2 threads on 2 cores would thrash)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`-n 2`, its default --dist load), the SMOKE recipe runs (tests/test_recipes.py, minutes
+    each) start first, dealt longest first to the least loaded worker: each at the head of the first batch xdist's
+    load scheduler hands that worker (LoadScheduling.schedule: worker k gets items [k c, (k + 1) c) with
+    c = max(2, items per worker // 4)), the rest of the batch and the common queue filling in behind. Without it, one
+    batch could hold several of them and one worker end the suite alone. Only the order changes: without xdist, or
+    if the scheduler ever batches otherwise, every test still runs."""
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    if workers < 2 or getattr(config.option, "dist", "load") != "load":
+        return
+    cost = lambda item: item.module.SMOKE_SECONDS[item.callspec.params["paper"]]
+    slow = sorted((it for it in items if it.originalname == "test_recipe_runs_end_to_end"), key=cost, reverse=True)
+    if not slow:
+        return
+    bins, loads = [[] for _ in range(workers)], [0] * workers
+    for item in slow:
+        k = loads.index(min(loads))
+        bins[k].append(item)
+        loads[k] += cost(item)
+    rest = [it for it in items if all(it is not s for s in slow)]
+    c = max(2, min(len(items) // workers // 4, getattr(config.option, "maxschedchunk", None) or len(items)))
+    ordered = []
+    for b in bins:
+        take = max(0, c - len(b))
+        ordered += b + rest[:take]
+        rest = rest[take:]
+    items[:] = ordered + rest
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,7 @@ from hf import byte_tokenizer  # noqa: E402
 from model import TINY_CONFIG, build_tiny  # noqa: E402
 
 BASE = ["--model", "tiny", "--steps", "3", "--batch-size", "2", "--lr", "1e-3", "--warmup", "1", "--mem", "4",
-        "--chunk-len", "16", "--min-len", "8", "--max-len", "24", "--lora-r", "4", "--lora-alpha", "8",
+        "--chunk-len", "16", "--max-len", "24", "--lora-r", "4", "--lora-alpha", "8",
         "--eval-every", "0", "--device", "cpu"]
 MEM_TOKENS = ("icae", "500x", "pcc", "pic", "aoc")   # presets with memory tokens: the layouts apply to them
 # (name, method, extra flags): every preset under every objective, then each option once on a preset it changes
@@ -63,9 +63,9 @@ ARMS += [
     ("icae_template_chat", "icae", ["--objective", "qa", "--template", "chat"]),
     ("icae_template_pcc", "icae", ["--objective", "qa", "--template", "pcc"]),
     ("icae_mem_lr", "icae", ["--objective", "ae", "--mem-lr", "1e-2"]),
-    ("icae_curriculum", "icae", ["--objective", "ae", "--len-curriculum", "8", "2", "--crop", "window"]),
+    ("icae_curriculum", "icae", ["--objective", "ae", "--len-curriculum", "8", "2", "--crop", "window", "--min-len", "8"]),
     ("icae_micro", "icae", ["--objective", "ae", "--micro-batch", "1"]),
-    ("icae_window", "icae", ["--objective", "pretrain", "--crop", "window", "--schedule", "cosine"]),
+    ("icae_window", "icae", ["--objective", "pretrain", "--crop", "window", "--schedule", "cosine", "--min-len", "8"]),
     ("pcc_frozen_specials", "pcc", ["--objective", "pretrain", "--no-train-specials"]),
     ("500x_mlp_aoc", "500x", ["--objective", "ae", "--mlp", "aoc"]),
     ("aoc_mlp_none", "aoc", ["--objective", "ae", "--mlp", "none"]),

@@ -399,10 +399,52 @@ def test_bad_input_is_a_one_line_error(ckpt, tmp_path, one_line_error):
     assert "no such file" in one_line_error(["--ckpt", ckpt["aoc"], "--task", "ae", "--data", tmp_path / "x.jsonl"])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"context": "c", "question": "q", "answer": "a"}\n{"question": "no context"}\n')
-    assert "record 2 needs the fields context, question, answer" in one_line_error(
-        ["--ckpt", ckpt["icae"], "--task", "qa", "--data", bad])
+    assert "bad.jsonl line 2: --task qa reads" in one_line_error(["--ckpt", ckpt["icae"], "--task", "qa", "--data", bad])
     # CompLLM sizes memory by length: the two default prompts (31 and 34 bytes) give 16 and 17 slots
     assert "same size" in one_line_error(["--ckpt", ckpt["compllm"], "--task", "interpolate"])
+
+
+QA = '{"context": "The river is long.", "question": "What is long?", "answer": "the river"}'
+MALFORMED_QA = {   # file -> (its lines, the line the error names; None: it is scored)
+    "missing_question": ([QA, '{"context": "c", "answer": "a"}'], 2),
+    "empty_context": ([QA, QA, '{"context": "", "question": "q", "answer": "a"}'], 3),
+    "blank_context": (['{"context": " \\n ", "question": "q", "answer": "a"}'], 1),
+    "numeric_context": (['{"context": 12, "question": "q", "answer": "a"}'], 1),
+    "null_answer": ([QA, '{"context": "c", "question": "q", "answer": null}'], 2),
+    "empty_answers": (['{"context": "c", "question": "q", "answers": []}'], 1),
+    "dict_in_answer_list": (['{"context": "c", "question": "q", "answer": [{"start": 0}]}'], 1),
+    "not_json": ([QA, "{not json"], 2),          # train.py's reader cases from here on
+    "json_list": (["[1, 2]"], 1),
+    "a_number": ([QA, QA, "5"], 3),
+    "text_record": (['{"text": null}'], 1),
+    "text_for_qa": (['{"text": "a text, no question"}'], 1),
+    "scored": (["", '{"context": "Year.", "question": "When?", "answer": 1932}', "   ",   # blank lines: skipped
+                '{"context": "Two.", "question": "Who?", "answers": [{"text": "Ann", "answer_start": 0}, '
+                '{"text": "Bo", "answer_start": 4}]}',
+                '{"context": "SQuAD.", "question": "Which?", "answers": {"text": ["x"], "answer_start": [0]}}',
+                '{"context": "Float \\xff.", "question": "How much?", "answer": [2.5, "two and a half"]}'], None),
+}
+
+
+def test_malformed_qa_files_are_one_line_naming_file_and_line_or_scored(ckpt, tmp_path, one_line_error, device):
+    """evaluate.py --task qa reads QA records with train.py's reader and its checks (data.qa_record): each malformed
+    file gives one line naming the file and the line, or is scored as documented (a number answer as its text, a
+    list of {"text"} dicts as the list of their texts); never a traceback. An empty file holds no examples."""
+    for name, (lines, bad_line) in sorted(MALFORMED_QA.items(), key=lambda kv: kv[1][1] is not None):   # scored 1st
+        path = tmp_path / f"{name}.jsonl"
+        path.write_bytes("\n".join(lines).encode().replace("\\xff".encode(), b"\xff") + b"\n")
+        argv = ["--ckpt", ckpt["aoc"], "--task", "qa", "--data", path, "--max-new-tokens", "1",
+                "--out", tmp_path / f"{name}.json"]
+        if bad_line is not None:
+            assert f"{path} line {bad_line}" in one_line_error(argv), name
+            continue
+        result, _ = run(argv, device)
+        assert [ex["answer"] for ex in result["examples"]] == ["1932", ["Ann", "Bo"], ["x"], ["2.5", "two and a half"]]
+        assert all(math.isfinite(ex["compressed"]["scores"]["token_f1"]) for ex in result["examples"])
+    (tmp_path / "empty.jsonl").write_text("")
+    assert "holds no examples" in one_line_error(["--ckpt", ckpt["aoc"], "--task", "qa", "--data", tmp_path / "empty.jsonl"])
+    (tmp_path / "lines.txt").write_text("a plain line of text\n")
+    assert "not lines of text" in one_line_error(["--ckpt", ckpt["aoc"], "--task", "qa", "--data", tmp_path / "lines.txt"])
 
 
 def test_speed_bad_input_is_a_one_line_error(ckpt, one_line_error):
@@ -508,6 +550,21 @@ def test_qa_own_other_scores_the_reference_answer_after_the_next_documents_memor
                               for ex in qa)
     assert all(math.isfinite(L[k]) for k in ("own", "other", "none", "full"))
     assert E.run_qa(comp, qa[:1], max_new_tokens=1)["loss"]["other"] is None       # one document: no other
+
+
+def test_qa_other_memory_is_never_the_questions_own_long_context(monkeypatch, device):
+    """--concat 3 on 5 examples: groups of 3 and 2 questions share one long context each; every question's "other"
+    memory is another group's context (i + 3 mod 5 sends question 2 back to its own group: own = other)."""
+    comp = random_comp("compllm", device)
+    seen = []
+    compress = comp.compress
+    monkeypatch.setattr(comp, "compress", lambda ctx, **kw: seen.append([list(c) for c in ctx]) or compress(ctx, **kw))
+    qa = D.EVAL_QA[:5]
+    assert len(qa) == 5
+    E.run_qa(comp, qa, max_new_tokens=1, batch_size=8, concat=3, generate=False)
+    own, other = seen[0], seen[1]
+    assert len(own) == len(other) == 5 and len({tuple(c) for c in own}) == 2   # two long contexts
+    assert all(o != m for o, m in zip(own, other))
 
 
 def test_batched_evaluation_equals_one_at_a_time(device):

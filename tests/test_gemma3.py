@@ -367,8 +367,40 @@ def test_vectors_handed_to_the_decoder_sit_at_the_scale_gemma_reads(gemma, devic
     torch.manual_seed(0)
     drawn = C.draw("embed", 20000, ours).float()                 # EPL code: N(mean, std) of the embedding
     assert abs(drawn.std().item() / (table.float().std().item() * scale) - 1) < 0.02
+    drawn = C.draw("hf", 20000, ours).float()                    # PCC code: new table rows N(0, 0.02), as read
+    assert abs(drawn.std().item() / (0.02 * scale) - 1) < 0.02
     comp = C.build("icae", copy_model(ours), tok, mem_norm=True)
     memory = comp.compress([tok.encode("some text to compress")])
     target = table.float().norm(dim=-1).mean().item() * scale
     norms = memory.embeds[memory.valid].float().norm(dim=-1)
     assert torch.allclose(norms, torch.full_like(norms, target), rtol=1e-4)
+
+
+def test_padded_batch_under_the_window_gives_sdpa_no_all_false_row(gemma, device, monkeypatch):
+    """masks.with_padding promises no all-False query row (NaN on some kernels, then 0 x NaN reaches real tokens in
+    the next layer). The window ANDed on top must keep it: with W = 8 and real lengths 30 and 5 (right padding), the
+    short row's pad queries 12..29 see only real keys W or more slots back. Every mask SDPA gets has a key per row."""
+    import model as M
+
+    _, _, ours = gemma
+    seen, sdpa = [], M.F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        seen.append(attn_mask)
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(M.F, "scaled_dot_product_attention", spy)
+    T, lengths = 30, (30, 5)
+    valid = torch.tensor([[t < n for t in range(T)] for n in lengths])
+    mask = masks.with_padding(masks.causal(T), valid).to(device)
+    assert T - lengths[1] > W   # more padding than the window
+    with torch.no_grad():
+        out = ours(ids_(device, T=T), attn_mask=mask).logits
+    local = [m for m, layer in zip(seen, ours.model.layers) if layer.sliding]
+    assert len(seen) == len(ours.model.layers) and local
+    assert all(m is not None and m.any(dim=-1).all() for m in seen)
+    assert torch.isfinite(out).all()
+    # the composition itself, in masks: the band is applied, and real queries keep exactly their band
+    composed = masks.with_window(mask.cpu(), W)
+    assert composed.any(dim=-1).all()
+    assert torch.equal(composed[0], (masks.causal(T) & masks.sliding_window(T, T, W)))

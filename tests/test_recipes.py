@@ -1,6 +1,7 @@
 """Every recipe end to end at SMOKE=1 (the tiny model, the built-in data, 2 steps per arm), so they cannot rot:
 each trains its arms, evaluates them and writes results.json and results.md (and its figures, with matplotlib)."""
 
+import importlib.util
 import json
 import os
 import re
@@ -36,9 +37,19 @@ def run_recipe(paper, out, hide_matplotlib, expect_ok=True, **extra_env):
     return p, json.loads((out / "results.json").read_text())
 
 
+# One SMOKE run per recipe (each costs tens of Python start-ups): the checks that need a recipe's run share it. gmsa
+# runs with matplotlib and draws its figures; the others run without it (figures are optional); the ladder's run is
+# then run again over its records without their weights.
+DRAWS_FIGURES = "gmsa"
+# seconds each SMOKE test took on the 2-core machine (under load; the ladder's includes its two runs over records):
+# conftest.py starts them first, spread over the pytest-xdist workers, so that no worker ends the suite alone on one
+SMOKE_SECONDS = {"ladder": 400, "pic": 190, "aoc": 170, "compllm": 90, "gmsa": 80, "epl": 70}
+
+
 @pytest.mark.parametrize("paper", RECIPES)
-def test_recipe_runs_end_to_end_without_matplotlib(paper, tmp_path):
-    p, results = run_recipe(paper, tmp_path, hide_matplotlib=True)
+def test_recipe_runs_end_to_end(paper, tmp_path):
+    hidden = paper != DRAWS_FIGURES or importlib.util.find_spec("matplotlib") is None
+    p, results = run_recipe(paper, tmp_path, hide_matplotlib=hidden)
     for table in results["tables"]:
         if "verdicts" in table:   # recipes/verdict.py's claim tables: one verdict per metric, each a known word
             assert table["verdicts"] and all(v.startswith(VERDICTS) for v in table["verdicts"].values()), table
@@ -46,16 +57,21 @@ def test_recipe_runs_end_to_end_without_matplotlib(paper, tmp_path):
         # every metric is read; only "first step at own/other ..." may be None: the arm never got there (curve.py)
         assert table["arms"] and all(v is not None or name.startswith("first step at")
                                      for arm in table["arms"].values() for name, v in arm.items()), table
-        assert all(curve["png"] is None for curve in table["curves"].values())
-    # each skipped figure is named on stderr with the fix; a table that had a figure says it was skipped
-    assert "matplotlib is not installed (pip install matplotlib" in p.stderr
-    if any(table.get("curves") for table in results["tables"]):
-        assert "(figure skipped: no matplotlib)" in (tmp_path / "results.md").read_text()
-    assert not list(tmp_path.rglob("*.png"))
+        assert all((curve["png"] is None) == hidden for curve in table["curves"].values())
+    if hidden:   # each skipped figure is named on stderr with the fix; a table that had a figure says it was skipped
+        assert "matplotlib is not installed (pip install matplotlib" in p.stderr
+        if any(table.get("curves") for table in results["tables"]):
+            assert "(figure skipped: no matplotlib)" in (tmp_path / "results.md").read_text()
+        assert not list(tmp_path.rglob("*.png"))
+    else:
+        curves = [c for table in results["tables"] for c in table.get("curves", {}).values()]
+        assert curves and all(Path(c["png"]).is_file() for c in curves)
+        assert (tmp_path / "curve.png").is_file()        # own/other along the runs (recipes/curve.py)
     if paper == "ladder":   # at SMOKE the lever arms train two at a time (JOBS), one of them under two levers
         args = json.loads((tmp_path / "aoc_memlr+curriculum_1x" / "args.json").read_text())
         assert args["mem_lr"] == 1e-3 and args["len_curriculum"] and (tmp_path / "aoc_memlr+curriculum_1x.out").is_file()
         assert "aoc_memlr+curriculum_1x" in results["tables"][0]["arms"]
+        continues_from_a_record_without_weights(tmp_path)
     if paper == "pic":   # at SMOKE PCC carries nothing at 1x, so the probe stops there, and neither memory carries
         assert "PCC at 1x" in p.stdout and not list(tmp_path.glob("*_r4_*")) and not list(tmp_path.glob("*_r16_*"))
         assert "neither memory carries its text at 1x" in p.stdout   # so seed 1 of the default SEEDS is not run
@@ -70,31 +86,23 @@ def test_recipe_runs_end_to_end_without_matplotlib(paper, tmp_path):
         assert list(results["tables"][0]["arms"]) == ["compllm_s0"]
 
 
-def test_a_recipe_with_matplotlib_draws_its_figures(tmp_path):
-    pytest.importorskip("matplotlib")
-    _, results = run_recipe("gmsa", tmp_path, hide_matplotlib=False)
-    curves = [c for table in results["tables"] for c in table.get("curves", {}).values()]
-    assert curves and all(Path(c["png"]).is_file() for c in curves)
-    assert (tmp_path / "curve.png").is_file()        # own/other along the runs (recipes/curve.py)
-
-
-def test_a_recipe_continues_from_a_record_without_weights(tmp_path):
+def continues_from_a_record_without_weights(out):
     """recipes/results keeps what a run measured, not its weights: a recipe run again over such a record trains
-    nothing, reads every score from it and writes the same results; a record of an unfinished run stops it."""
-    run_recipe("ladder", tmp_path, hide_matplotlib=True, ARMS="aoc")
-    results = (tmp_path / "results.md").read_text()
-    log = (tmp_path / "aoc_1x" / "log.jsonl").read_text()
-    weights = [*tmp_path.rglob("*.safetensors"), *tmp_path.rglob("*.pt")]
+    nothing, reads every score from it and writes the same results; a record of an unfinished run stops it.
+    (On the ladder's SMOKE run, in `out`.)"""
+    results = (out / "results.md").read_text()
+    log = (out / "icae_1x" / "log.jsonl").read_text()
+    weights = [*out.rglob("*.safetensors"), *out.rglob("*.pt")]
     assert weights
     for path in weights:
         path.unlink()
-    again, _ = run_recipe("ladder", tmp_path, hide_matplotlib=True, ARMS="aoc")
-    assert "aoc_1x: trained to step 2 (its record is kept" in again.stdout and "python train.py" not in again.stdout
-    assert (tmp_path / "results.md").read_text() == results and (tmp_path / "aoc_1x" / "log.jsonl").read_text() == log
+    again, _ = run_recipe("ladder", out, hide_matplotlib=True)
+    assert "icae_1x: trained to step 2 (its record is kept" in again.stdout and "python train.py" not in again.stdout
+    assert (out / "results.md").read_text() == results and (out / "icae_1x" / "log.jsonl").read_text() == log
     rows = log.splitlines()
     kept = [r for r in rows if json.loads(r)["step"] <= 1]   # as if the machine had stopped after step 1
-    (tmp_path / "aoc_1x" / "log.jsonl").write_text("\n".join(kept) + "\n")
-    p = run_recipe("ladder", tmp_path, hide_matplotlib=True, expect_ok=False, ARMS="aoc")
+    (out / "icae_1x" / "log.jsonl").write_text("\n".join(kept) + "\n")
+    p = run_recipe("ladder", out, hide_matplotlib=True, expect_ok=False)
     assert p.returncode == 1 and "stopped at step 1 of 2, without its weights: remove the folder" in p.stderr
 
 

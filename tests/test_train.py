@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -250,6 +251,47 @@ def test_the_first_log_line_names_each_setting_and_its_source(tmp_path, run_trai
     assert all(f"{k} " in first for k in cli.SETTINGS) and args["lr"] == 3e-3
 
 
+def test_mem_on_tiny_compllm_is_a_fixed_budget_as_documented(device):
+    """make_config's rule, on tiny too: --mem without --ratio sets the ratio to 0 (a fixed budget). The demo row's
+    ratio 1 is a default, not a typed --ratio: --mem 2 gives 2 slots for an 8-byte text, not one per byte."""
+    for argv, slots in ((["--mem", "2"], 2), ([], 8)):
+        args, *_ = cli.parse_args(["--method", "compllm", *argv])
+        comp = train.build_compressor(args, device)
+        assert sum(comp.compress([list(b"8 bytes!")]).mem_counts[0]) == slots, argv
+    args, *_ = cli.parse_args(["--method", "compllm", "--mem", "2", "--ratio", "4"])   # both typed: the ratio
+    assert (args.mem, args.ratio) == (2, 4.0)
+
+
+def test_the_tiny_demo_table_states_each_presets_n_m_and_steps(device):
+    """recipes/README.md's table of the tiny demo ("n (bytes) | m | steps") says what the code does: each preset's
+    demo run compresses an n-byte text into m vectors (GMSA: [BOS] and 8 bytes in groups of 2 are 5, not n/2 = 4)."""
+    readme = (Path(__file__).resolve().parents[1] / "recipes" / "README.md").read_text()
+    rows = {m: (int(n), int(k), int(steps.replace(",", ""))) for m, n, k, steps in
+            re.findall(r"^\| `(\w+)` \| (\d+) \| (\d+) \| ([\d,]+) \|", readme, flags=re.M)}
+    assert set(rows) == set(P.TINY)
+    for method, (n, m, steps) in rows.items():
+        args, *_ = cli.parse_args(["--method", method])
+        comp = train.build_compressor(args, device)
+        x = list(D.BUILTIN_TEXTS[0].encode())[:args.max_len]
+        ratios = [comp.cfg.ratios[0]] if comp.cfg.source == "group_mean" else None
+        assert (args.max_len, sum(comp.compress([comp.encoder_ids(x)], ratios=ratios).mem_counts[0]), args.steps) \
+            == (n, m, steps), method
+
+
+def test_head_crop_min_len_is_an_error_and_evaluate_lm_cuts_at_the_checkpoints_n(finished_run, tmp_path, capsys,
+                                                                                device):
+    """--min-len under --crop head (tiny's default) was silently ignored (|X| in [8, 8]): one line now, unless it
+    equals --max-len. evaluate.py --task lm takes the checkpoint's n as its --max-len default, as --help says for
+    ae, lm and interpolate (it compressed whole held-out texts: 58 and 81 tokens)."""
+    assert_one_line_error(["--method", "aoc", "--min-len", "4", "--max-len", "8", "--out", str(tmp_path / "x")],
+                          "--min-len 4 does not apply", capsys, device)
+    assert cli.parse_args(["--method", "aoc", "--min-len", "8", "--max-len", "8"])[0].min_len == 8
+    n = json.loads((Path(finished_run) / "args.json").read_text())["max_len"]
+    result = E.main(["--ckpt", finished_run, "--task", "lm", "--n", "3", "--device", str(device),
+                     "--out", str(tmp_path / "lm.json")])
+    assert [ex["context_tokens"] for ex in result["examples"]] == [n // 2] * 3
+
+
 def test_the_log_and_help_say_where_tiny_changes_the_papers_objective(tmp_path, run_train, capsys):
     run_train(["--method", "icae", "--steps", "1", "--eval-every", "0", "--out", str(tmp_path / "icae")])
     assert "icae: ae objective (--model tiny's demo; the paper's: pretrain) on" in capsys.readouterr().out
@@ -442,6 +484,35 @@ def test_a_constant_memory_gets_the_prompt_warning_and_a_carrying_one_does_not(t
     assert "constant prompt" in text and "never <= 0.5 within 60 steps" in text
 
 
+def test_the_prompt_warning_is_saved_and_not_repeated_after_resume(tmp_path, run_train, monkeypatch, capsys):
+    """The constant-prompt warning is given once per run: saved with its held-out row, so a --resume past it (whose
+    checks are still all at 1.0) does not give it again."""
+    compress = C.Compressor.compress
+    monkeypatch.setattr(C.Compressor, "compress", lambda self, contexts, **kw: compress(
+        self, [[65] * 8] * len(contexts), **kw))   # one memory for every text
+    out = str(tmp_path / "constant")
+    run_train(["--method", "aoc", "--mem", "4", "--batch-size", "2", "--warmup", "1", "--steps", "7",
+               "--stop-after", "5", "--eval-every", "1", "--out", out])
+    assert capsys.readouterr().out.count("warning: held-out own/other 1.000 at step 4") == 1   # checks 2, 3, 4
+    run_train(["--resume", out])
+    assert "warning: held-out" not in capsys.readouterr().out
+    assert [r["step"] for r in eval_rows(out) if r.get("warned")] == [4]
+
+
+def test_pretrain_held_out_check_takes_the_short_texts_training_takes(tmp_path, run_train, capsys):
+    """--max-len 3 trains pretrain on 2-3 token texts (p = max(1, n // 2)); its held-out LM check cuts them the same
+    way instead of stopping at step 0 ('text too short for the LM task'). An empty held-out text is one line."""
+    out = str(tmp_path / "short")
+    run_train(["--method", "icae", "--objective", "pretrain", "--mem", "2", "--batch-size", "2", "--steps", "1",
+               "--max-len", "3", "--eval-every", "1", "--eval-n", "4", "--out", out])
+    assert [r["step"] for r in eval_rows(out)] == [0, 1] and all("lm" in r["eval"] for r in eval_rows(out))
+    (tmp_path / "held.jsonl").write_text(json.dumps({"text": "some text"}) + "\n" + json.dumps({"text": ""}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        run_train(["--method", "icae", "--objective", "pretrain", "--mem", "2", "--batch-size", "2", "--steps", "1",
+                   "--eval-data", str(tmp_path / "held.jsonl"), "--out", str(tmp_path / "empty")])
+    assert "held-out check at step 0" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_a_real_model_without_eval_data_says_no_check_runs(files, tmp_path, run_train, capsys):
     run_train(["--method", "aoc", "--mem", "4", "--model", files["model"], "--data", files["doc"], "--crop", "window",
                "--max-len", "16", "--batch-size", "2", "--steps", "1", "--out", str(tmp_path / "real")])
@@ -469,14 +540,13 @@ def test_mem_lr_trains_the_memory_tokens_at_their_own_rate(tmp_path, run_train, 
                    "--out", str(tmp_path / "gmsa")])
 
 
-def test_len_curriculum_grows_the_texts_from_n_tokens():
+def test_len_curriculum_grows_the_texts_from_n_tokens(tmp_path):
     """--len-curriculum 4 10 with --min-len 12 --max-len 16: texts of 4 tokens at step 0, 8-10 at step 5, and the
     run's own 12-16 from step 10 on."""
     args = D.Sampling("ae", "window", 12, 16, batch_size=8, seed=0, len_curriculum=(4, 10))
     assert [D.text_lengths(args, s) for s in (0, 5, 10, 50)] == [(4, 5), (8, 11), (12, 17), (12, 17)]
     comp = C.build("aoc", *build_tiny(), mem=4)
-    data, _ = D.tokenize_corpus(D.generated_texts(50, 0), [], "curriculum-test", comp,
-                                    cache_dir=str(Path("/tmp") / "cache-curriculum"))
+    data, _ = D.tokenize_corpus(D.generated_texts(50, 0), [], "curriculum-test", comp, cache_dir=str(tmp_path))
     s = D.Sampling("ae", "window", 12, 16, batch_size=8, seed=0, len_curriculum=(4, 10))
     lengths = lambda step: {len(ex["context"]) for ex in D.step_examples(data, s, comp, step)}
     assert lengths(0) == {4} and lengths(20) <= set(range(12, 17)) and len(lengths(20)) > 1
@@ -625,11 +695,11 @@ def test_recipes_of_the_papers_code(tmp_path):
     assert cli.parse_args(["--method", "gmsa", "--model", "x/y", "--objective", "qa"])[0].max_len == 3072
 
 
-def test_head_crop_takes_the_first_n_tokens_of_a_document_and_pads_with_eos():
+def test_head_crop_takes_the_first_n_tokens_of_a_document_and_pads_with_eos(tmp_path):
     """AOC code: tokenizer(text, truncation=True, padding="max_length", max_length=n); pad = EOS, trained on."""
     comp = C.build("aoc", *build_tiny(), mem=4)
     docs = ["A long document that has more than enough tokens.", "Short one."]
-    data, _ = D.tokenize_corpus(docs, [], "head-crop-test", comp, cache_dir=str(Path("/tmp") / "cache-head"))
+    data, _ = D.tokenize_corpus(docs, [], "head-crop-test", comp, cache_dir=str(tmp_path))
     s = D.Sampling("ae", "head", 16, 16, batch_size=1, seed=0)
     seen = set()
     for i in range(40):
@@ -638,6 +708,27 @@ def test_head_crop_takes_the_first_n_tokens_of_a_document_and_pads_with_eos():
         assert ex["ae"] == ex["context"] + [comp.tok.eos_id]
     tok = comp.tok
     assert seen == {tuple(tok.encode(docs[0])[:16]), tuple(tok.encode(docs[1]) + [tok.pad_id] * 6)}
+
+
+@pytest.mark.parametrize("method", ["icae", "500x"])
+def test_qa_max_len_cuts_the_context_not_the_templates_text(method, tmp_path, device):
+    """On tiny (n = 8) EPL's template "### Context:\n" (13 bytes) must not eat the context's budget: the compressed
+    ids, in training (draw_qa) and in the held-out check / evaluate.py --max-len (run_qa), are the template's text
+    around the context's first 8 bytes. Cutting the whole piece left "### Cont", no context: own/other exactly 1."""
+    comp = C.build(method, *build_tiny(), mem=4, chunk_len=64, lora_r=4, lora_alpha=8)
+    assert comp.template()[1] == "### Context:\n{context}"
+    context, question, answer = D.BUILTIN_QA[2]
+    data, _ = D.tokenize_corpus([], [(context, question, answer)], "qa-cut-test", comp, str(tmp_path))
+    qa, distill = (D.Sampling(o, "window", 2, 8, batch_size=1, seed=0) for o in ("qa", "distill"))
+    want = comp.enc_tok.encode("### Context:\n" + context[:8])
+    assert D.draw_qa(data, qa, np.random.default_rng(0), comp)["context"] == want
+    assert D.draw_qa(data, distill, np.random.default_rng(0), comp)["dec_context"] == \
+        comp.tok.encode("### Context:\n" + context[:8])
+    seen = []
+    compress = comp.compress
+    comp.compress = lambda ctx, **kw: seen.append([list(c) for c in ctx]) or compress(ctx, **kw)
+    E.run_qa(comp, [dict(context=context, question=question, answer=answer)], max_len=8, generate=False)
+    assert seen[0] == [want]
 
 
 def test_keep_every_keeps_the_intermediate_checkpoints(tmp_path, run_train):
@@ -713,6 +804,27 @@ def test_gmsa_keft_trains_only_decoder_qkv_from_the_stage_1_run(files, tmp_path,
             torch.testing.assert_close(t, before[name], rtol=0, atol=0)
         else:
             assert name.startswith("decoder.") and name.split(".")[-2] in ("q_proj", "k_proj", "v_proj")
+
+
+def test_keft_held_out_checks_load_the_base_llm_once(files, tmp_path, run_train, monkeypatch, capsys):
+    """After GMSA's --stage keft the references need the base LLM (the decoder's q/k/v train): one copy per run,
+    not a load per held-out check (4 checks of a 3-step run at --eval-every 1: 4 loads, on a 7B model 28 GB each);
+    an out-of-memory error in the check is one line."""
+    stage1, keft = str(tmp_path / "ae"), str(tmp_path / "keft")
+    run_train(["--method", "gmsa", "--model", files["model"], "--data", files["doc"], *LORA, "--ratios", "2",
+               "--batch-size", "2", "--steps", "1", "--out", stage1])
+    loads = []
+    load = E.load_pretrained
+    monkeypatch.setattr(E, "load_pretrained", lambda *a, **kw: loads.append(a) or load(*a, **kw))
+    flags = ["--method", "gmsa", "--stage", "keft", "--init", stage1, "--data", files["qa"], "--batch-size", "2",
+             "--steps", "3", "--eval-every", "1", "--eval-data", files["qa"]]
+    run_train([*flags, "--out", keft])
+    assert [r["step"] for r in eval_rows(keft)] == [0, 1, 2, 3] and len(loads) == 1
+    monkeypatch.setattr(E, "load_pretrained", lambda *a, **kw: (_ for _ in ()).throw(
+        RuntimeError("CUDA out of memory. Tried to allocate 28.00 GiB")))
+    with pytest.raises(SystemExit) as e:
+        run_train([*flags, "--out", str(tmp_path / "oom")])
+    assert "out of memory in the held-out check at step 0" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_separate_decoder_compresses_with_model_and_decodes_with_decoder(files, tmp_path, run_train):
@@ -823,6 +935,51 @@ def test_resume_accepts_the_flags_it_was_trained_with(finished_run, tmp_path, ru
     shutil.copytree(finished_run, run)
     run_train(["--resume", run, "--method", "aoc", "--mem", "4", "--betas", "0.9", "0.999", "--steps", "3"])
     assert [r["step"] for r in log_rows(run)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("meta", [{"train_args": {}}, [1, 2], {"config": "aoc"}, {"config": {"mem": 4}}])
+def test_init_and_evaluate_on_a_compressor_json_without_a_config_are_one_line(meta, finished_run, tmp_path, capsys,
+                                                                             device):
+    """compressor.json without "config", a JSON list, a config that is no object or lacks method and model: one
+    line from train.py --init and from evaluate.py alike (a KeyError / TypeError / AttributeError before)."""
+    run = tmp_path / "broken"
+    shutil.copytree(finished_run, run)
+    (run / "compressor.json").write_text(json.dumps(meta))
+    assert_one_line_error(["--method", "aoc", "--init", str(run), "--out", str(tmp_path / "x")],
+                          "compressor.json", capsys, device)
+    with pytest.raises(SystemExit) as e:
+        E.main(["--ckpt", str(run), "--task", "ae", "--device", str(device)])
+    assert str(e.value).startswith("error: ") and "compressor.json" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_resume_takes_a_run_flag_typed_with_its_default_value(tmp_path, run_train):
+    """A run flag typed on --resume wins, also when its value is the flag's default: --eval-n 32 after a run with
+    --eval-n 4, --save-every 1000 after --save-every 1 (a comparison with the default took them for untyped)."""
+    out = str(tmp_path / "run")
+    run_train(["--method", "aoc", "--mem", "4", "--batch-size", "2", "--steps", "1", "--eval-n", "4",
+               "--save-every", "1", "--eval-every", "0", "--out", out])
+    parser = cli.build_parser()
+    assert (parser.get_default("eval_n"), parser.get_default("save_every")) == (32, 1000)
+    args, *_ = cli.parse_args(["--resume", out, "--eval-n", "32", "--save-every", "1000"])
+    assert (args.eval_n, args.save_every) == (32, 1000)
+    args, *_ = cli.parse_args(["--resume", out])   # untyped: the run's own
+    assert (args.eval_n, args.save_every) == (4, 1)
+
+
+def test_a_run_with_relative_paths_resumes_from_another_directory(tmp_path, run_train, monkeypatch):
+    """Every path-valued flag is saved absolute (cli.PATH_FLAGS): a run started with --data and --eval-data
+    relative to its directory resumes from anywhere (--eval-data was kept relative: 'no such file')."""
+    (tmp_path / "start").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "start" / "held.txt").write_text("\n".join(D.held_out_texts()[:3]) + "\n")
+    (tmp_path / "start" / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in D.BUILTIN_TEXTS))
+    monkeypatch.chdir(tmp_path / "start")
+    out = str(tmp_path / "run")
+    run_train(["--method", "aoc", "--mem", "4", "--batch-size", "2", "--steps", "2", "--stop-after", "1",
+               "--data", "docs.jsonl", "--eval-data", "held.txt", "--eval-every", "1", "--out", out])
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    run_train(["--resume", out])
+    assert [r["step"] for r in eval_rows(out)] == [0, 1, 2] and all(r["eval"]["n"] == 3 for r in eval_rows(out))
 
 
 def test_a_new_run_never_overwrites_a_checkpoint(finished_run, capsys, device):
