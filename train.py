@@ -81,7 +81,7 @@ TINY = {   # ours: measured on this repository's 2-core CPU, recipes/README.md "
 }
 # flags that may change when a run is continued with --resume; every other flag must match the checkpoint
 RUN_FLAGS = {"resume", "out", "steps", "stop_after", "save_every", "keep_every", "micro_batch", "compile",
-             "grad_ckpt", "device", "cache_dir", "eval_data", "eval_every", "eval_n"}
+             "grad_ckpt", "device", "frozen_dtype", "cache_dir", "eval_data", "eval_every", "eval_n"}
 EXAMPLES = """examples:
   python train.py --method aoc --mem 16                # quickstart: --model tiny, its demo settings (above)
   python train.py --method aoc --mem 16 --model meta-llama/Llama-3.2-1B-Instruct --data corpus/ --steps 20000
@@ -192,6 +192,10 @@ def add_data_and_run_flags(p: argparse.ArgumentParser):
                    "(encoder and decoder): less memory, about a third more compute")
     g.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
     g.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    g.add_argument("--frozen-dtype", choices=("auto", "fp32", "bf16"), default="auto", help="the frozen base "
+                   "weights' dtype; what trains (and what a checkpoint holds) is always fp32 for AdamW. auto: bf16 on "
+                   "CUDA (the EPL and AOC code's dtype: half the memory), fp32 elsewhere. bf16 computes under bf16 "
+                   "autocast on any device; fp32 keeps every weight fp32 (CUDA still autocasts)")
 
     g = p.add_argument_group("held-out check: does the memory carry its own text? (ours)")
     g.add_argument("--eval-data", help="held-out examples to score while training (.jsonl/.parquet/.txt, as "
@@ -364,23 +368,24 @@ def setup_device(args):
     return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")), 0, 1
 
 
-def build_compressor(args, device, ckpt_dir=None):
+def build_compressor(args, device, ckpt_dir=None, frozen=torch.float32):
     """The compressor of --method (with the flags' overrides), of --init, or of the checkpoint to resume.
-    Weights stay fp32 (AdamW needs fp32 master weights); CUDA runs compute in bf16 through autocast."""
-    if ckpt_dir or args.init:
-        comp = C.load(ckpt_dir or args.init, device=device)     # its config + its trained tensors
+    Trained weights are fp32 (AdamW's master weights), frozen base weights `frozen` (--frozen-dtype,
+    Compressor.set_dtypes); CUDA runs, and bf16 ones anywhere, compute in bf16 through autocast."""
+    if ckpt_dir or args.init:   # its config + its trained tensors
+        comp = C.load(ckpt_dir or args.init, dtype=frozen, device=device, for_training=True)
     else:
         # --model compresses and decodes; with --decoder, --model is only the compressor (pcc/pic)
         if args.decoder and (args.encoder or C.PRESETS[args.method].settings.get("encoder")) != "separate":
             fail(f"--decoder needs a separate compressor model (pcc, pic or --encoder separate), "
                  f"not {args.method}'s encoder")
-        decoder, tok = load_pretrained(args.decoder or args.model, device=device)
-        encoder, enc_tok = load_pretrained(args.model, device=device) if args.decoder else (None, None)
+        decoder, tok = load_pretrained(args.decoder or args.model, dtype=frozen, device=device)
+        encoder, enc_tok = load_pretrained(args.model, dtype=frozen, device=device) if args.decoder else (None, None)
         # (not C.build: its `encoder` model argument would clash with the --encoder setting)
         cfg = C.make_config(args.method, model=args.decoder or args.model,
                             compressor_model=args.model if args.decoder else None,
                             **{k: getattr(args, k) for k in COMPRESSOR_FLAGS})
-        comp = C.Compressor(cfg, decoder, tok, encoder, enc_tok)
+        comp = C.Compressor(cfg, decoder, tok, encoder, enc_tok).set_dtypes(frozen)   # before any load_trained
         if args.warm_start:   # ours: another run's trained tensors, this run's settings (load_trained checks them)
             try:
                 comp.load_trained(load_file(os.path.join(args.warm_start, "compressor.safetensors"), device=str(device)))
@@ -393,7 +398,7 @@ def build_compressor(args, device, ckpt_dir=None):
         if not args.init:
             fail("--stage keft starts from a stage-1 (ae) run: pass --init DIR")
         comp.set_stage("keft")    # GMSA §3.5: freeze encoder + LSA, train decoder W_q, W_k, W_v
-    return comp
+    return comp.set_dtypes(frozen)   # (after set_stage: what it unfroze trains in fp32)
 
 
 def compile_blocks(comp):
@@ -719,7 +724,8 @@ class Run:
     micro: int          # examples per forward pass and process
     accum: int          # micro-batches per step and process
     start: int          # steps done (the data position is this number)
-    autocast: object    # bf16 autocast on CUDA, else nothing
+    autocast: object    # bf16 autocast on CUDA or with bf16 frozen weights, else nothing
+    frozen: torch.dtype = torch.float32   # the frozen base weights' dtype (--frozen-dtype)
 
     @property
     def master(self) -> bool:
@@ -739,14 +745,19 @@ def set_up(args, resume_state) -> Run:
     # 0's weights to every process) and LoRA dropout; the data, GMSA's rates included, has generators of its own
     # (step_examples), so torch's is the only global generator a run draws from
     torch.manual_seed(args.seed + rank)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    return Run(device, rank, world, micro, args.batch_size // (micro * world), start, autocast)
+    # --frozen-dtype auto: bf16 on CUDA (the EPL and AOC code's dtype), fp32 elsewhere. bf16 weights need autocast
+    # on the CPU too (a matmul of fp32 activations with bf16 weights is an error outside it)
+    frozen = torch.bfloat16 if args.frozen_dtype == "bf16" or (
+        args.frozen_dtype == "auto" and device.type == "cuda") else torch.float32
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" or \
+        frozen == torch.bfloat16 else nullcontext()
+    return Run(device, rank, world, micro, args.batch_size // (micro * world), start, autocast, frozen)
 
 
 def build_step(args, run: Run, ckpt_dir):
     """The compressor (from the checkpoint when resuming) and the objective as a module (DDP-wrapped on > 1 GPU)."""
     try:   # a bad model name, a corrupt checkpoint: one line, not a traceback
-        comp = build_compressor(args, run.device, ckpt_dir)
+        comp = build_compressor(args, run.device, ckpt_dir, run.frozen)
     except (ValueError, OSError) as e:
         fail(e)
     for model in (comp.encoder, comp.decoder):   # activation checkpointing per block (model.py)
