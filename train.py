@@ -57,7 +57,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 import compressors as C
-from model import load_pretrained
+from model import SHAPES, load_pretrained
 
 # ---- arguments ----
 
@@ -192,6 +192,10 @@ def add_data_and_run_flags(p: argparse.ArgumentParser):
                    "(encoder and decoder): less memory, about a third more compute")
     g.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
     g.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    g.add_argument("--plan", action="store_true", help="print the run's memory per GPU (parameters by dtype, "
+                   "weights, gradients, AdamW, activations; plan.py), built on the meta device, and exit")
+    g.add_argument("--shape", choices=tuple(SHAPES), help="with --plan: a paper model's shape (model.SHAPES) in place "
+                   "of --model, no download")
     g.add_argument("--frozen-dtype", choices=("auto", "fp32", "bf16"), default="auto", help="the frozen base "
                    "weights' dtype; what trains (and what a checkpoint holds) is always fp32 for AdamW. auto: bf16 on "
                    "CUDA (the EPL and AOC code's dtype: half the memory), fp32 elsewhere. bf16 computes under bf16 "
@@ -268,6 +272,11 @@ def parse_args(argv=None):
         return argparse.Namespace(**merged), state
     if args.method is None:
         parser.error("--method is required (or --resume DIR)")
+    if args.shape:   # --plan only: the paper's recipe at that shape (not tiny's demo)
+        if not args.plan or args.model != "tiny":
+            fail("--shape names a model shape for --plan (tests/bench_train.py --shape times one): drop --model, "
+                 "add --plan")
+        args.model = args.shape
     return resolve_defaults(args), None
 
 
@@ -1017,6 +1026,9 @@ def catch_signals(stop: dict) -> dict:
 
 def main(argv=None):
     args, resume_state = parse_args(argv)
+    if args.plan:   # what the run would need, built on the meta device: nothing is allocated or written
+        import plan
+        return plan.show(args)
     run = set_up(args, resume_state)
     if run.start >= args.steps:
         print(f"{args.resume} is already at step {run.start} of {args.steps}: nothing to do (raise --steps)")
