@@ -38,7 +38,7 @@ from model import SHAPES, TINY_CONFIG, ModelConfig, Tokenizer, Transformer, buil
 
 GIB = 2 ** 30
 CARD_GB = 80          # one H100 / A100 80GB: what "fits" means in the table
-OVERHEAD = 1.25       # measured peak / counted activations (tests/README.md, "The memory plan against measured peaks")
+OVERHEAD = 1.5        # measured peak / counted activations: 1.36-1.47 on the CPU (tests/README.md, "The memory plan")
 
 
 def fail(message):
