@@ -1060,12 +1060,13 @@ class Compressor(nn.Module):
     def trained_state(self) -> dict:
         return {n: p.detach().contiguous() for n, p in self.named_parameters() if saved(self.cfg, n)}
 
-    def save(self, out_dir: str, extra: dict | None = None):
+    def save(self, out_dir: str, extra: dict | None = None, state: dict | None = None):
         """Write compressor.safetensors (exactly the trained tensors) and compressor.json (the config),
-        each atomically (temp file + rename), so an interrupted save never leaves a broken checkpoint."""
+        each atomically (temp file + rename), so an interrupted save never leaves a broken checkpoint.
+        state: the trained tensors, when they were gathered already (train.py --fsdp: sharding.full_state)."""
         os.makedirs(out_dir, exist_ok=True)
         tmp = os.path.join(out_dir, "compressor.safetensors.tmp")
-        state = self.trained_state()
+        state = state or self.trained_state()
         save_file({k: v.cpu() for k, v in state.items()}, tmp)
         os.replace(tmp, os.path.join(out_dir, "compressor.safetensors"))
         # the size of what was trained, special-token vectors aside, kept with the config (a record without weights)

@@ -81,7 +81,7 @@ TINY = {   # ours: measured on this repository's 2-core CPU, recipes/README.md "
 }
 # flags that may change when a run is continued with --resume; every other flag must match the checkpoint
 RUN_FLAGS = {"resume", "out", "steps", "stop_after", "save_every", "keep_every", "micro_batch", "compile",
-             "grad_ckpt", "device", "frozen_dtype", "cache_dir", "eval_data", "eval_every", "eval_n"}
+             "grad_ckpt", "device", "frozen_dtype", "fsdp", "cache_dir", "eval_data", "eval_every", "eval_n"}
 EXAMPLES = """examples:
   python train.py --method aoc --mem 16                # quickstart: --model tiny, its demo settings (above)
   python train.py --method aoc --mem 16 --model meta-llama/Llama-3.2-1B-Instruct --data corpus/ --steps 20000
@@ -192,6 +192,9 @@ def add_data_and_run_flags(p: argparse.ArgumentParser):
                    "(encoder and decoder): less memory, about a third more compute")
     g.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
     g.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    g.add_argument("--fsdp", action="store_true", help="shard every weight over the torchrun processes with "
+                   "PyTorch's FSDP2 (sharding.py) instead of replicating it (DDP): for a model that does not fit on "
+                   "one GPU. Checkpoints are the one-process format")
     g.add_argument("--plan", action="store_true", help="print the run's memory per GPU (parameters by dtype, "
                    "weights, gradients, AdamW, activations; plan.py), built on the meta device, and exit")
     g.add_argument("--shape", choices=tuple(SHAPES), help="with --plan: a paper model's shape (model.SHAPES) in place "
@@ -374,7 +377,11 @@ def setup_device(args):
         if device.type == "cuda":
             torch.cuda.set_device(device)
         return device, dist.get_rank(), dist.get_world_size()
-    return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")), 0, 1
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.fsdp:   # FSDP needs a process group, even of one process (the test at world size 1)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    return device, 0, 1
 
 
 def build_compressor(args, device, ckpt_dir=None, frozen=torch.float32):
@@ -774,7 +781,12 @@ def build_step(args, run: Run, ckpt_dir):
     if args.compile:
         compile_blocks(comp)
     step_fn = TrainStep(comp, args.objective, args.lm_weight)
-    if run.world > 1:   # unused parameters: e.g. the [LM] embedding when the objective is ae
+    if args.fsdp:
+        if args.objective == "distill":   # the teacher generates outside the step, where the root's weights are shards
+            fail("--fsdp does not run distill (its frozen teacher generates outside the training step): use DDP")
+        import sharding
+        step_fn = sharding.shard(comp, step_fn)
+    elif run.world > 1:   # unused parameters: e.g. the [LM] embedding when the objective is ae
         step_fn = nn.parallel.DistributedDataParallel(step_fn, find_unused_parameters=True, device_ids=[
             run.device.index] if run.device.type == "cuda" else None)
     return comp, step_fn
@@ -817,9 +829,12 @@ def load_data(args, comp) -> Data:
     return Data(data, key, len(texts), len(qa), answers, answers_path)
 
 
-def restore(opt, resume_state, rank):
+def restore(opt, resume_state, rank, fsdp=False):
     """A resumed run's optimizer moments and step counts, and every RNG where it stood."""
     try:
+        if fsdp:   # the one-process moments, cut into this rank's shards
+            import sharding
+            resume_state["optimizer"] = sharding.shard_optimizer_state(opt, resume_state["optimizer"])
         opt.load_state_dict(resume_state["optimizer"])
     except (ValueError, KeyError) as e:
         fail(f"mismatched checkpoint: its optimizer state does not fit this compressor ({e})")
@@ -841,7 +856,8 @@ def accumulate(args, run: Run, comp, step_fn, data: Data, step: int):
             batch["tokens"] += sum(len(c) + len(q) + 2 * len(a) for c, q, a in   # teacher + student
                                    zip(batch["dec_context"], batch["question"], batch["answer"]))
         # DDP all-reduces gradients after every backward; only the last micro-batch needs it
-        sync = step_fn.no_sync() if run.world > 1 and m < run.accum - 1 else nullcontext()
+        ddp = isinstance(step_fn, nn.parallel.DistributedDataParallel)   # (FSDP syncs every micro-batch)
+        sync = step_fn.no_sync() if ddp and m < run.accum - 1 else nullcontext()
         try:
             with sync, run.autocast:
                 loss, part = step_fn(batch)
@@ -871,7 +887,8 @@ def train_step(args, run: Run, comp, step_fn, opt, params, data: Data, step: int
         group["lr"] = lr * group.get("lr_scale", 1.0)   # --mem-lr's group runs at its own peak
     total, parts, tokens = accumulate(args, run, comp, step_fn, data, step)
     # clip_grad_norm_ returns the norm before clipping; clip 0 = measure only
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else float("inf")).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else float("inf"))
+    grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()   # FSDP: a DTensor
     stats = torch.tensor([total, grad_norm, tokens, stop["signal"] is not None, *parts.values()], dtype=torch.float64,
                          device=run.device)
     if run.world > 1:   # the processes' shares add up to the step's loss; every rank then decides alike below
@@ -910,8 +927,12 @@ def write_log(log, bar, row, steps, own_other=None):
 def save(args, run: Run, comp, opt, data: Data, done: int):
     """A checkpoint of step `done` (every rank hands rank 0 its RNG state; rank 0 writes)."""
     rng = gather_rng_states(run.world)
+    whole = None
+    if args.fsdp:   # every rank gathers the shards; rank 0 writes the one-process format
+        import sharding
+        whole = sharding.full_state(comp, opt)
     if run.master:
-        save_checkpoint(args.out, done, comp, opt, args, rng, data.key, args.keep_every)
+        save_checkpoint(args.out, done, comp, opt, args, rng, data.key, args.keep_every, whole)
         if data.answers:
             torch.save(data.answers, data.answers_path + ".tmp")
             os.replace(data.answers_path + ".tmp", data.answers_path)
@@ -948,6 +969,10 @@ def held_out(args, run: Run) -> HeldOut | None:
     import evaluate as E   # here, not at the top: evaluate imports train (the built-in texts, the record reader)
     every = args.eval_every if args.eval_every is not None else args.save_every
     task = "qa" if args.objective in ("qa", "distill") else "ae"
+    if args.fsdp and every > 0:   # rank 0 alone would score a model whose weights are spread over every rank
+        if run.master:
+            print("no held-out check runs under --fsdp: score a checkpoint with evaluate.py --ckpt")
+        return None
     if every <= 0 or (args.eval_data is None and not on_tiny(args.model, args.decoder)):
         if run.master and every > 0:
             print(f"no held-out check runs: pass --eval-data FILE (held-out {'QA triples' if task == 'qa' else 'texts'}) "
@@ -1042,7 +1067,7 @@ def main(argv=None):
     params = comp.trainable_parameters()   # what compressors.py leaves trainable for this method and stage
     opt = make_optimizer(comp, args, run.device)
     if resume_state:
-        restore(opt, resume_state, run.rank)
+        restore(opt, resume_state, run.rank, args.fsdp)
 
     if run.master:
         os.makedirs(args.out, exist_ok=True)
@@ -1088,7 +1113,7 @@ def main(argv=None):
             signal.signal(s, h)
         if run.master:
             log.close()
-        if run.world > 1:
+        if dist.is_initialized():
             dist.destroy_process_group()
     if run.master and ho and ho.rows:
         print(first_carrying_step(ho))
@@ -1117,15 +1142,16 @@ def batch_shape(batch) -> str:
                      for k in ("context", "ae", "lm", "qa", "answer") if k in batch)
 
 
-def save_checkpoint(out, step, comp, opt, args, rng, data_key, keep_every=None):
+def save_checkpoint(out, step, comp, opt, args, rng, data_key, keep_every=None, whole=None):
     """Write everything a run needs to continue into a temporary directory, then rename it into place: a run
     killed at any moment leaves the previous checkpoint or the new one, never half of one. Then point the
     top-level compressor files at it and drop older checkpoints. (Atomic against a killed process; without
     fsync, not against a power cut.)"""
     tmp, final = os.path.join(out, f".tmp-ckpt-{step:06d}"), os.path.join(out, f"ckpt-{step:06d}")
     shutil.rmtree(tmp, ignore_errors=True)
-    comp.save(tmp, extra={"step": step, "train_args": vars(args)})    # compressor.json + compressor.safetensors
-    torch.save(dict(step=step, optimizer=opt.state_dict(), rng=rng, args=vars(args), data=data_key,
+    # compressor.json + compressor.safetensors; whole: the trained tensors and AdamW state gathered from FSDP's shards
+    comp.save(tmp, extra={"step": step, "train_args": vars(args)}, state=whole and whole[0])
+    torch.save(dict(step=step, optimizer=whole[1] if whole else opt.state_dict(), rng=rng, args=vars(args), data=data_key,
                     config=asdict(comp.cfg)), os.path.join(tmp, "train_state.pt"))
     # the schedule is a function of the step and the data of (seed, step): step + RNG states are their state
     if os.path.exists(final):
