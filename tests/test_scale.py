@@ -229,3 +229,11 @@ def test_fsdp_over_two_processes_trains_exactly_as_one(case, tmp_path):
     for out in ("a", "b"):
         for a, b in zip(one, rows(tmp_path / out), strict=True):
             assert abs(a["loss"] - b["loss"]) <= (5e-3 if bf16 else 1e-4) * a["loss"], (out, a["step"], a["loss"], b["loss"])
+
+
+def test_fsdp_in_one_process_trains_as_without_it(tmp_path):
+    """--fsdp without torchrun (a process group of one: what a single GPU runs) changes nothing but the wrapping."""
+    flags = ["--method", "aoc", "--model", "tiny", "--mem", "4", "--batch-size", "2", "--steps", "3"]
+    plain, sharded = run(flags, tmp_path / "plain"), run(flags + ["--fsdp"], tmp_path / "fsdp")
+    assert [r["loss"] for r in plain] == [r["loss"] for r in sharded]
+    assert not torch.distributed.is_initialized()   # the group of one is gone again
