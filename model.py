@@ -676,7 +676,8 @@ class Transformer(nn.Module):
             cos, sin, mask = local_attn if layer.sliding else full_attn
             if ckpt:
                 # non-reentrant: gradients still reach a past_kv prefix and inputs that need no grad work
-                h, layer_kv = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, past, use_reentrant=False)
+                h, layer_kv = torch.utils.checkpoint.checkpoint(lora_as_now(layer), h, cos, sin, mask, past,
+                                                                use_reentrant=False)
             else:
                 h, layer_kv = layer(h, cos, sin, mask, past, None if cache is None else cache[i])
             if output_hidden_states:
@@ -821,6 +822,28 @@ def add_lora(model: nn.Module, targets=("q_proj", "v_proj"), r: int = 8, alpha: 
     for n, p in model.named_parameters():
         p.requires_grad_("lora_" in n)
     return [n for n, _ in model.named_parameters() if "lora_" in n]
+
+
+def lora_as_now(module: nn.Module):
+    """`module` as a function that runs with its LoRA switches as they are now: activation checkpointing runs a
+    block again in backward, after the lora_disabled() block its forward ran in has ended (ICAE's decoder is its
+    LoRA encoder), and a recomputation with LoRA switched back on is another function (a CheckpointError, or
+    wrong gradients where the shapes happen to match)."""
+    mods = [m for m in module.modules() if isinstance(m, LoRALinear)]
+    if not mods:
+        return module
+    now = [m.lora_enabled for m in mods]
+
+    def run(*args):
+        before = [m.lora_enabled for m in mods]
+        for m, on in zip(mods, now):
+            m.lora_enabled = on
+        try:
+            return module(*args)
+        finally:
+            for m, on in zip(mods, before):
+                m.lora_enabled = on
+    return run
 
 
 @contextmanager

@@ -14,7 +14,8 @@ settings and --frozen-dtype. Nothing is allocated. Per GPU:
 adding up every distinct tensor autograd keeps for the backward pass (parameters left out: they are the weights
 above). Under bf16 autocast (CUDA, or --frozen-dtype bf16) the forward runs in bf16, as autocast computes: the
 meta device has no autocast, so the counted model is cast to bf16 whole, and the bf16 copies autocast makes of
-the fp32 trained weights are added (trained numel × 2). --grad-ckpt counts as it runs: only each block's input.
+the fp32 trained weights are added (trained numel × 2). --grad-ckpt counts as it runs (only each block's input),
+plus one block's activations, which backward recomputes and holds while it goes through that block.
 OVERHEAD covers what the count cannot see: the backward pass's transient gradients of activations, the
 cross-entropy's chunk of logits, the allocator. It is calibrated on measured peaks (tests/README.md, "The memory
 plan against measured peaks"). Attention is counted as the CPU's SDPA keeps it, the full (B, H, T, S)
@@ -31,9 +32,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn as nn
+import torch.nn.functional as F
 
 import compressors as C
+
 from model import SHAPES, TINY_CONFIG, ModelConfig, Tokenizer, Transformer, build_tiny
 
 GIB = 2 ** 30
@@ -103,6 +105,40 @@ def example_batch(comp, args, micro: int) -> dict:
     return batch
 
 
+class CudaAttention(torch.autograd.Function):
+    """SDPA on the meta device, saving for backward what CUDA's kernels save (the memory-efficient kernel, which takes a
+    mask): q, k and v (each K/V head repeated for its query heads: that kernel has no GQA), the output, the fp32
+    log-sum-exp per query, and the boolean mask as a bias in q's dtype. The meta device's own SDPA is the math
+    path, which keeps the (B, H, T, S) probabilities: 100 GB and more at the papers' batches and lengths, which no
+    GPU run holds."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        B, H, T, D = q.shape
+        out = q.new_empty(B, H, T, v.shape[-1])
+        k, v = (x.repeat_interleave(H // x.shape[1], dim=1) if mask is not None else x for x in (k, v))
+        saved = [q, k, v, out, q.new_empty(B, H, T, dtype=torch.float32)]
+        if mask is not None:
+            saved.append(torch.empty(mask.shape, dtype=q.dtype, device=q.device))
+        ctx.save_for_backward(*saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors[:3]
+        return torch.empty_like(q), grad.new_empty(k.shape), grad.new_empty(v.shape), None
+
+
+SDPA = F.scaled_dot_product_attention
+
+
+def sdpa(q, k, v, attn_mask=None, **kw):
+    """F.scaled_dot_product_attention, counted as on CUDA when on the meta device (CudaAttention)."""
+    if q.is_meta:
+        return CudaAttention.apply(q, k, v, attn_mask)
+    return SDPA(q, k, v, attn_mask=attn_mask, **kw)
+
+
 def saved_bytes(comp, args, micro: int, autocast: bool) -> int:
     """Bytes of every distinct tensor autograd saves for backward in one forward of a micro-batch (parameters
     aside), counted on the meta device; under autocast the model computes in bf16 (see the module docstring)."""
@@ -121,8 +157,12 @@ def saved_bytes(comp, args, micro: int, autocast: bool) -> int:
         return t
     batch = example_batch(comp, args, micro)
     step = T.TrainStep(comp, args.objective, args.lm_weight)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step(batch)
+    F.scaled_dot_product_attention = sdpa   # torch.nn.functional, as model.py calls it: put back below
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            step(batch)
+    finally:
+        F.scaled_dot_product_attention = SDPA
     return sum(nbytes for _, nbytes in kept.values())
 
 
@@ -158,6 +198,12 @@ def make_plan(args, micro: int | None = None) -> Plan:
         weights += p.numel() * p.element_size()
         trained += p.numel() if p.requires_grad else 0
     saved = saved_bytes(comp, args, micro, autocast) + (2 * trained if autocast else 0)
+    if args.grad_ckpt:   # backward recomputes one block at a time and keeps its activations meanwhile: one
+        # block's share of what the run without checkpointing saves (the decoder's layer count, an upper bound where
+        # a shorter encoder's blocks are larger)
+        whole = saved_bytes(build_on_meta(args, frozen), argparse.Namespace(**{**vars(args), "grad_ckpt": False}),
+                            micro, autocast)
+        saved += whole // comp.decoder.config.num_hidden_layers
     return Plan(params, weights, 4 * trained, 8 * trained, int(OVERHEAD * saved), micro)
 
 

@@ -47,6 +47,23 @@ def measure(argv):
         return int(next(line.split()[1] for line in p.stdout.splitlines() if line.startswith("DELTA")))
 
 
+def random_checkpoint(folder, config):
+    """A model folder (config.json, model.safetensors in bf16, the byte tokenizer) of random weights: train.py loads it
+    like a real checkpoint, with no download and no transformers."""
+    import torch
+    from safetensors.torch import save_file
+    from model import ModelConfig, Transformer, byte_tokenizer
+    os.makedirs(folder, exist_ok=True)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_hf(config)).to(torch.bfloat16)
+    state = {k: v for k, v in model.state_dict().items() if not (config.get("tie_word_embeddings") and k == "lm_head.weight")}
+    save_file(state, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**config, "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}, f)
+    byte_tokenizer().save(os.path.join(folder, "tokenizer.json"))
+    return folder
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", nargs="+", default=["aoc", "icae", "pcc", "gmsa"])
@@ -54,11 +71,11 @@ def main():
     p.add_argument("--shape", help="a model.SHAPES entry (random weights; CUDA) instead of the small random model")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--grad-ckpt", action="store_true")
     a = p.parse_args()
     sys.path.insert(0, REPO)
     import plan
     import train
-    from conftest import build_hf_checkpoint   # a random HF checkpoint folder, as the tests make them
     with tempfile.TemporaryDirectory() as tmp:
         if a.shape:
             from model import SHAPES
@@ -68,25 +85,25 @@ def main():
                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                           rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=256, eos_token_id=257,
                           pad_token_id=258)
-        from pathlib import Path
-        folder = str(build_hf_checkpoint(Path(tmp) / "model", config, std=0.02)[0])
+        folder = random_checkpoint(os.path.join(tmp, "model"), config)
         doc = os.path.join(tmp, "doc.jsonl")
         with open(doc, "w") as f:   # byte-level ids: a text of max_len characters is max_len tokens
             for i in range(64):
                 f.write(json.dumps({"text": (f"document {i} " + "some words to compress " * 200)}) + "\n")
-        print(f"| method | device | batch x \\|X\\| | planned GB | measured GB | ratio | act ratio |")
-        print("|---|---|---|---|---|---|---|")
+        print(f"| method | device | batch x \\|X\\| | grad-ckpt | planned GB | measured GB | ratio | act ratio |")
+        print("|---|---|---|---|---|---|---|---|")
         for method in a.methods:
             argv = ["--method", method, "--model", folder, "--data", doc, "--steps", "2", "--warmup", "0",
                     "--batch-size", str(a.batch_size), "--crop", "window", "--min-len", str(a.max_len), "--max-len",
                     str(a.max_len), "--objective", "ae" if method in ("aoc", "gmsa") else "pretrain",
-                    "--device", a.device, "--eval-every", "0", "--save-every", "1000"]
+                    "--device", a.device, "--eval-every", "0", "--save-every", "1000"] + \
+                (["--grad-ckpt"] if a.grad_ckpt else [])
             args, _ = train.parse_args(argv + ["--plan", "--out", tmp])
             pl = plan.make_plan(args)
             counted = pl.activations / plan.OVERHEAD
             got = measure(argv)
             planned = pl.grads + pl.optimizer + pl.activations
-            print(f"| {method} | {a.device} | {a.batch_size} x {a.max_len} | {planned / 2**30:.3f} | "
+            print(f"| {method} | {a.device} | {a.batch_size} x {a.max_len} | {a.grad_ckpt} | {planned / 2**30:.3f} | "
                   f"{got / 2**30:.3f} | {got / planned:.2f} | {(got - pl.grads - pl.optimizer) / counted:.2f} |",
                   flush=True)
 

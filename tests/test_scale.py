@@ -40,8 +40,8 @@ def rows(out):
     return train.read_log(out)[0]
 
 
-def run(argv, out):
-    train.main([*argv, "--out", str(out), "--device", "cpu", "--eval-every", "0"])
+def run(argv, out, device="cpu"):
+    train.main([*argv, "--out", str(out), "--device", str(device), "--eval-every", "0"])
     return rows(out)
 
 
@@ -189,7 +189,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def torchrun(flags, n=2):
-    """train.py under `torchrun --standalone --nproc_per_node n` on the CPU (gloo), as test_train's DDP test."""
+    """train.py under `torchrun --standalone --nproc_per_node n`: on the CPU (gloo) as test_train's DDP test, or one
+    process on one GPU (nccl, a group of one)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
                         "train.py", *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -203,15 +204,16 @@ FSDP_RUNS = {   # LoRA on the decoder itself, pretrain's two losses; a separate 
 
 
 @pytest.mark.parametrize("case", FSDP_RUNS)
-def test_fsdp_over_two_processes_trains_exactly_as_one(case, tmp_path):
+def test_fsdp_over_two_processes_trains_exactly_as_one(case, tmp_path, device):
     """torchrun --nproc_per_node 2 ... --fsdp (FSDP2 on gloo: every weight sharded over the two processes) logs the
     single-process run's loss, parts and gradient norm at every step within 1e-4 relative, with two micro-batches
     per process; its checkpoint continues in one process, and a one-process checkpoint continues under FSDP, each
-    exactly where the uninterrupted run went."""
+    exactly where the uninterrupted run went. With --device cuda: world size 1 on one GPU (nccl)."""
+    n = 2 if device.type == "cpu" else 1
     flags = ["--model", "tiny", *FSDP_RUNS[case], "--batch-size", "8", "--micro-batch", "2", "--lr", "3e-3",
-             "--warmup", "0", "--steps", "4", "--seed", "1", "--device", "cpu", "--eval-every", "0"]
-    torchrun(flags + ["--fsdp", "--out", str(tmp_path / "fsdp")])
-    one = run(flags, tmp_path / "one")
+             "--warmup", "0", "--steps", "4", "--seed", "1", "--device", str(device), "--eval-every", "0"]
+    torchrun(flags + ["--fsdp", "--out", str(tmp_path / "fsdp")], n)
+    one = run(flags, tmp_path / "one", device)
     fsdp = rows(tmp_path / "fsdp")
     assert [r["step"] for r in fsdp] == [1, 2, 3, 4]
     # bf16: later steps round differently once fp32 summation order (2 x 2 micro-batches reduced, against 4
@@ -222,19 +224,19 @@ def test_fsdp_over_two_processes_trains_exactly_as_one(case, tmp_path):
             bound = (3e-2 if key == "grad_norm" else 5e-3) if bf16 and a["step"] > 1 else 1e-4
             assert abs(a[key] - b[key]) <= bound * abs(a[key]), (a["step"], key, a[key], b[key])
     # FSDP -> one process, and one process -> FSDP
-    torchrun(flags + ["--fsdp", "--stop-after", "2", "--out", str(tmp_path / "a")])
-    train.main(["--resume", str(tmp_path / "a"), "--device", "cpu"])
-    run(flags + ["--stop-after", "2"], tmp_path / "b")
-    torchrun(["--resume", str(tmp_path / "b"), "--fsdp"])
+    torchrun(flags + ["--fsdp", "--stop-after", "2", "--out", str(tmp_path / "a")], n)
+    train.main(["--resume", str(tmp_path / "a"), "--device", str(device)])
+    run(flags + ["--stop-after", "2"], tmp_path / "b", device)
+    torchrun(["--resume", str(tmp_path / "b"), "--fsdp"], n)
     for out in ("a", "b"):
         for a, b in zip(one, rows(tmp_path / out), strict=True):
             assert abs(a["loss"] - b["loss"]) <= (5e-3 if bf16 else 1e-4) * a["loss"], (out, a["step"], a["loss"], b["loss"])
 
 
-def test_fsdp_in_one_process_trains_as_without_it(tmp_path):
+def test_fsdp_in_one_process_trains_as_without_it(tmp_path, device):
     """--fsdp without torchrun (a process group of one: what a single GPU runs) changes nothing but the wrapping."""
     flags = ["--method", "aoc", "--model", "tiny", "--mem", "4", "--batch-size", "2", "--steps", "3"]
-    plain, sharded = run(flags, tmp_path / "plain"), run(flags + ["--fsdp"], tmp_path / "fsdp")
+    plain, sharded = run(flags, tmp_path / "plain", device), run(flags + ["--fsdp"], tmp_path / "fsdp", device)
     assert [r["loss"] for r in plain] == [r["loss"] for r in sharded]
     assert not torch.distributed.is_initialized()   # the group of one is gone again
 
@@ -252,3 +254,14 @@ def test_compile_gives_aocs_losses(tmp_path):
     for a, b in zip(eager, compiled, strict=True):
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]), (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.parametrize("method", ["icae", "compllm"])
+def test_grad_ckpt_gives_the_same_losses_where_the_encoder_is_the_decoder(method, tmp_path, device):
+    """--grad-ckpt recomputes each block in backward; where the LoRA encoder IS the decoder (icae, 500x, compllm),
+    the decoder's blocks ran with LoRA switched off, and the recomputation must too (it ran with LoRA on: a
+    CheckpointError in backward, found by the memory plan's --grad-ckpt column)."""
+    flags = ["--method", method, "--model", "tiny", *KINDS[method], "--batch-size", "2", "--steps", "3"]
+    plain, ckpt = run(flags, tmp_path / "plain", device), run(flags + ["--grad-ckpt"], tmp_path / "ckpt", device)
+    for a, b in zip(plain, ckpt, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"] and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"]
