@@ -112,8 +112,7 @@ def profile(argv, steps=6, skip=2, top=12):
                                                    "the dispatcher, the framework)")]
     if cuda:   # kernel events: their count and the time the GPU spent in them
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        busy = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in kernels)
-        busy = busy / n / 1e3   # ms per step
+        busy = sum(e.time_range.elapsed_us() for e in kernels) / n / 1e3   # ms per step in kernels
         rows += [("CUDA kernels per step", f"{len(kernels) / n:,.0f}"), ("GPU time in kernels per step",
                  f"{busy:.1f} ms ({100 * busy / (per_step * 1000):.0f}% of the step: the rest the GPU waits on "
                  "launches, the CPU and copies)"),
