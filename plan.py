@@ -242,23 +242,30 @@ PAPERS = [
 
 
 def paper_table() -> str:
+    """tests/README.md's table. Activations grow linearly with the micro-batch, a + b·m (a: what autocast's bf16
+    copies of the trained weights and a recomputed block's fixed part hold): planned at m = 1 and 2, then extended."""
     import train as T
-    rows = ["| preset | model | batch | frozen | trained params | weights+grads+AdamW GB | activations GB (batch) | "
-            "total GB | fits 80 GB | with --grad-ckpt GB | fits | largest micro-batch that fits (ckpt) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| preset | model | batch | trained params | weights+grads+AdamW GB | activations GB | total GB | "
+            "fits 80 GB | with --grad-ckpt GB | fits | largest micro-batch that fits (ckpt) | "
+            "GPUs under --fsdp (micro-batch 1, ckpt) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, shape, batch, source in PAPERS:
         args, _ = T.parse_args(["--method", method, "--shape", shape, "--plan", "--batch-size", str(batch)])
-        one = {ckpt: make_plan(argparse.Namespace(**{**vars(args), "grad_ckpt": ckpt}), micro=1)
-               for ckpt in (False, True)}
-        fixed = one[False].weights + one[False].grads + one[False].optimizer
-        total = {ckpt: fixed + batch * p.activations for ckpt, p in one.items()}
-        fits = {ckpt: total[ckpt] <= CARD_GB * 1e9 for ckpt in total}
-        room = int((CARD_GB * 1e9 - fixed) // max(1, one[True].activations))
-        trained = sum(n for (kind, _), n in one[False].params.items() if kind == "trained")
-        rows.append(f"| {method} | {shape} ({source}) | {batch} | {frozen_dtype(args).__repr__()[6:]} | "
-                    f"{trained / 1e9:.2f}B | {fixed / GIB:.1f} | {batch * one[False].activations / GIB:.1f} | "
-                    f"{total[False] / GIB:.1f} | {'yes' if fits[False] else 'no'} | {total[True] / GIB:.1f} | "
-                    f"{'yes' if fits[True] else 'no'} | {min(room, batch) if room > 0 else 'none'} |")
+        act, fixed = {}, 0
+        for ckpt in (False, True):
+            p1, p2 = (make_plan(argparse.Namespace(**{**vars(args), "grad_ckpt": ckpt}), micro=m) for m in (1, 2))
+            act[ckpt] = (2 * p1.activations - p2.activations, p2.activations - p1.activations)   # (a, b)
+            fixed = p1.weights + p1.grads + p1.optimizer
+            trained = sum(n for (kind, _), n in p1.params.items() if kind == "trained")
+        total = {ckpt: fixed + a + b * batch for ckpt, (a, b) in act.items()}
+        card = CARD_GB * 1e9
+        a, b = act[True]
+        room = int((card - fixed - a) // b) if card > fixed + a else 0
+        # FSDP shards weights, gradients and AdamW over the GPUs; each still holds its own micro-batch's activations
+        gpus = next((k for k in range(1, 65) if fixed / k + a + b <= card), "> 64")
+        rows.append(f"| {method} | {shape} ({source}) | {batch} | {trained / 1e9:.2f}B | {fixed / GIB:.1f} | "
+                    f"{(total[False] - fixed) / GIB:.1f} | {total[False] / GIB:.1f} | "
+                    f"{'yes' if total[False] <= card else 'no'} | {total[True] / GIB:.1f} | "
+                    f"{'yes' if total[True] <= card else 'no'} | {min(room, batch) if room > 0 else 'none'} | {gpus} |")
     return "\n".join(rows)
 
 
