@@ -7,7 +7,7 @@ Checkpoints of a training run, written so that a run killed at any moment can co
 
 train_state.pt holds the optimizer, the step, the args and every RNG state a run draws from (one per process); the
 schedule is a function of the step and the data of (seed, step), so nothing else is needed. The log is JSON lines:
-training rows and held-out rows ({"step", "eval"}).
+training rows (write_log, which also prints the step's console line) and held-out rows ({"step", "eval"}).
 """
 
 import json
@@ -18,20 +18,22 @@ from glob import glob
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from presets import fail
 
 
-def save_checkpoint(out, step, comp, opt, args, rng, data_key, keep_every=None):
+def save_checkpoint(out, step, comp, opt, args, rng, data_key, keep_every=None, whole=None):
     """Write everything a run needs to continue into a temporary directory, then rename it into place: a run
     killed at any moment leaves the previous checkpoint or the new one, never half of one. Then point the
     top-level compressor files at it and drop older checkpoints. (Atomic against a killed process; without
     fsync, not against a power cut.)"""
     tmp, final = os.path.join(out, f".tmp-ckpt-{step:06d}"), os.path.join(out, f"ckpt-{step:06d}")
     shutil.rmtree(tmp, ignore_errors=True)
-    comp.save(tmp, extra={"step": step, "train_args": vars(args)})    # compressor.json + compressor.safetensors
-    torch.save(dict(step=step, optimizer=opt.state_dict(), rng=rng, args=vars(args), data=data_key,
-                    config=asdict(comp.cfg)), os.path.join(tmp, "train_state.pt"))
+    # compressor.json + compressor.safetensors; whole: the trained tensors and AdamW state gathered from FSDP's shards
+    comp.save(tmp, extra={"step": step, "train_args": vars(args)}, state=whole and whole[0])
+    torch.save(dict(step=step, optimizer=whole[1] if whole else opt.state_dict(), rng=rng, args=vars(args),
+                    data=data_key, config=asdict(comp.cfg)), os.path.join(tmp, "train_state.pt"))
     # the schedule is a function of the step and the data of (seed, step): step + RNG states are their state
     if os.path.exists(final):
         shutil.rmtree(tmp)   # this very step was saved already (same state)
@@ -129,3 +131,18 @@ def is_out_of_memory(e) -> bool:
     with one line, and its last good checkpoint stays."""
     return isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or any(
         m in str(e) for m in ("out of memory", "can't allocate memory"))
+
+
+def write_log(log, bar, row, steps, own_other=None):
+    """The step's row in log.jsonl and on the console."""
+    parts = {k: v for k, v in row.items() if k not in ("step", "loss", "lr", "grad_norm", "dt", "tokens_per_s",
+                                                       "tokens", "stop")}
+    log.write(json.dumps({k: v for k, v in row.items() if k != "stop"}) + "\n")
+    log.flush()
+    detail = ", ".join(f"{k} {v:.4f}" for k, v in parts.items())
+    tqdm.write(f"step {row['step']:>{len(str(steps))}}/{steps} | loss {row['loss']:.4f} ({detail}) | "
+               f"lr {row['lr']:.2e} | grad-norm {row['grad_norm']:.3f} | dt {row['dt'] * 1000:.0f}ms | "
+               f"tok/s {row['tokens_per_s']:,.0f}")
+    held = {} if own_other is None else {"own_other": f"{own_other:.3f}"}   # the latest held-out check
+    bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}", **held)
+    bar.update(1)

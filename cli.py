@@ -18,11 +18,12 @@ import compressors as C
 import presets as P
 from checkpoint import read_train_state
 from data import Sampling, check_len_curriculum
+from model import SHAPES
 from presets import fail
 
 # flags that may change when a run is continued with --resume; every other flag must match the checkpoint
 RUN_FLAGS = {"resume", "out", "steps", "stop_after", "save_every", "keep_every", "micro_batch", "compile",
-             "grad_ckpt", "device", "cache_dir", "eval_data", "eval_every", "eval_n"}
+             "grad_ckpt", "device", "frozen_dtype", "fsdp", "cache_dir", "eval_data", "eval_every", "eval_n"}
 # flags that name a local file or folder (or a hub id): saved absolute, so a run resumes from any directory
 PATH_FLAGS = ("model", "decoder", "data", "eval_data", "init", "warm_start")
 EXAMPLES = """examples:
@@ -135,6 +136,17 @@ def add_data_and_run_flags(p: argparse.ArgumentParser):
                    "(encoder and decoder): less memory, about a third more compute")
     g.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
     g.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    g.add_argument("--fsdp", action="store_true", help="shard every weight over the torchrun processes with "
+                   "PyTorch's FSDP2 (sharding.py) instead of replicating it (DDP): for a model that does not fit on "
+                   "one GPU. Checkpoints are the one-process format")
+    g.add_argument("--plan", action="store_true", help="print the run's memory per GPU (parameters by dtype, "
+                   "weights, gradients, AdamW, activations; plan.py), built on the meta device, and exit")
+    g.add_argument("--shape", choices=tuple(SHAPES), help="with --plan: a paper model's shape (model.SHAPES) in place "
+                   "of --model, no download")
+    g.add_argument("--frozen-dtype", choices=("auto", "fp32", "bf16"), default="auto", help="the frozen base "
+                   "weights' dtype; what trains (and what a checkpoint holds) is always fp32 for AdamW. auto: bf16 on "
+                   "CUDA (the EPL and AOC code's dtype: half the memory), fp32 elsewhere. bf16 computes under bf16 "
+                   "autocast on any device; fp32 keeps every weight fp32 (CUDA still autocasts)")
 
     g = p.add_argument_group("held-out check: does the memory carry its own text? (ours)")
     g.add_argument("--eval-data", help="held-out examples to score while training (.jsonl/.parquet/.txt, as "
@@ -171,6 +183,11 @@ def parse_args(argv=None):
         return args, state, {k: P.Setting(merged[k], f"--resume {args.resume}") for k in SETTINGS if k in merged}
     if args.method is None:
         parser.error("--method is required (or --resume DIR)")
+    if args.shape:   # --plan only: the paper's recipe at that shape (not tiny's demo)
+        if not args.plan or args.model != "tiny":
+            fail("--shape names a model shape for --plan (tests/bench_train.py --shape times one): drop --model, "
+                 "add --plan")
+        args.model = args.shape
     args, settings = resolve_defaults(args)
     return args, None, settings
 

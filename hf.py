@@ -115,6 +115,17 @@ GEMMA_3_4B_CONFIG = dict(  # google/gemma-3-4b-it's text_config (CompLLM's other
     rope_local_base_freq=10000.0, sliding_window=1024, sliding_window_pattern=6, query_pre_attn_scalar=256,
     max_position_embeddings=131072, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)
 
+LLAMA_2_7B_CONFIG = dict(  # meta-llama/Llama-2-7b-hf config.json (ICAE's and GMSA's model): 6,738,415,616 parameters
+    model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-5, rope_theta=10000.0,
+    max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+LLAMA_3_8B_CONFIG = dict(  # meta-llama/Meta-Llama-3-8B config.json (500xCompressor's, and PIC's decoder, -Instruct:
+    # the same shapes): 8,030,261,248 parameters
+    model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+    max_position_embeddings=8192, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001)
+
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}

@@ -81,3 +81,25 @@ def lora_disabled(model: nn.Module):
     finally:
         for m, b in zip(mods, before):
             m.lora_enabled = b
+
+
+def lora_as_now(module: nn.Module):
+    """`module` as a function that runs with its LoRA switches as they are now: activation checkpointing runs a
+    block again in backward, after the lora_disabled() block its forward ran in has ended (ICAE's decoder is its
+    LoRA encoder), and a recomputation with LoRA switched back on is another function (a CheckpointError, or
+    wrong gradients where the shapes happen to match)."""
+    mods = [m for m in module.modules() if isinstance(m, LoRALinear)]
+    if not mods:
+        return module
+    now = [m.lora_enabled for m in mods]
+
+    def run(*args):
+        before = [m.lora_enabled for m in mods]
+        for m, on in zip(mods, now):
+            m.lora_enabled = on
+        try:
+            return module(*args)
+        finally:
+            for m, on in zip(mods, before):
+                m.lora_enabled = on
+    return run

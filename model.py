@@ -51,8 +51,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import masks
-from hf import GEMMA_3_4B_CONFIG, LLAMA_3_2_1B_CONFIG, QWEN3_4B_CONFIG, Tokenizer, byte_tokenizer, load_weights, \
-    read_json, resolve
+from hf import GEMMA_3_4B_CONFIG, LLAMA_2_7B_CONFIG, LLAMA_3_2_1B_CONFIG, LLAMA_3_8B_CONFIG, QWEN3_4B_CONFIG, \
+    Tokenizer, byte_tokenizer, load_weights, read_json, resolve
+from lora import lora_as_now
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma3")
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -683,7 +684,8 @@ class Transformer(nn.Module):
             cos, sin, mask = local_attn if layer.sliding else full_attn
             if ckpt:
                 # non-reentrant: gradients still reach a past_kv prefix and inputs that need no grad work
-                h, layer_kv = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, past, use_reentrant=False)
+                h, layer_kv = torch.utils.checkpoint.checkpoint(lora_as_now(layer), h, cos, sin, mask, past,
+                                                                use_reentrant=False)
             else:
                 h, layer_kv = layer(h, cos, sin, mask, past, None if cache is None else cache[i])
             if output_hidden_states:
@@ -798,7 +800,8 @@ TINY_CONFIG = dict(  # a small Llama: 4 layers, d=64, GQA 4:2, byte-level vocabu
     max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=256, eos_token_id=257, pad_token_id=258)
 
 
-SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B_CONFIG, "qwen3-4b": QWEN3_4B_CONFIG, "gemma-3-4b": GEMMA_3_4B_CONFIG}
+SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B_CONFIG, "qwen3-4b": QWEN3_4B_CONFIG, "gemma-3-4b": GEMMA_3_4B_CONFIG,
+          "llama-2-7b": LLAMA_2_7B_CONFIG, "llama-3-8b": LLAMA_3_8B_CONFIG}
 
 
 def build_shape(shape: str, device="cpu", dtype=torch.float32) -> tuple[Transformer, "Tokenizer"]:

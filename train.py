@@ -28,7 +28,6 @@ recipe. On a GPU with a paper model (bf16 autocast, same flags):
     torchrun --nproc_per_node 8 train.py --method icae --layout epl --model meta-llama/Llama-3.2-1B --data pile.jsonl
 """
 
-import json
 import math
 import os
 import signal
@@ -46,9 +45,11 @@ from tqdm import tqdm
 import cli
 import compressors as C
 import data as D
+import plan
 import presets as P
+import sharding
 from checkpoint import gather_rng_states, is_out_of_memory, latest_checkpoint, save_checkpoint, set_rng_state, \
-    trim_log
+    trim_log, write_log
 from heldout import check_held_out, first_carrying_step, held_out
 from model import load_pretrained
 from presets import fail
@@ -61,7 +62,7 @@ def under_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def setup_device(device=None):
+def setup_device(device=None, fsdp=False):
     """Returns (device, rank, world): this process's share of a torchrun job, or the one device."""
     if under_torchrun():
         local = int(os.environ["LOCAL_RANK"])
@@ -71,7 +72,11 @@ def setup_device(device=None):
         if device.type == "cuda":
             torch.cuda.set_device(device)
         return device, dist.get_rank(), dist.get_world_size()
-    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")), 0, 1
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if fsdp:   # FSDP needs a process group, even of one process (the test at world size 1)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    return device, 0, 1
 
 
 @dataclass
@@ -83,12 +88,13 @@ class Run:
     micro: int          # examples per forward pass and process
     accum: int          # micro-batches per step and process
     start: int          # steps done (the data position is this number)
-    autocast: object    # bf16 autocast on CUDA, else nothing
+    autocast: object    # bf16 autocast on CUDA or with bf16 frozen weights, else nothing
     out: str            # the run directory (--out)
     grad_ckpt: bool     # activation checkpointing (an out-of-memory error suggests it when off)
     sampling: D.Sampling    # how a step's examples are drawn
     clip: float         # gradient-norm clipping (0 = off)
     answer_tokens: int  # distill: the teacher's longest answer
+    frozen: torch.dtype = torch.float32   # the frozen base weights' dtype (--frozen-dtype)
 
     @property
     def master(self) -> bool:
@@ -97,7 +103,7 @@ class Run:
 
 def set_up(args, resume_state) -> Run:
     """Processes, the batch split, the seeds; refuses a run that would overwrite another."""
-    device, rank, world = setup_device(args.device)
+    device, rank, world = setup_device(args.device, args.fsdp)
     micro = args.micro_batch or args.batch_size // world
     if micro < 1 or args.batch_size % (micro * world):
         fail(f"--batch-size {args.batch_size} must be a multiple of --micro-batch {micro} x {world} GPU(s)")
@@ -108,32 +114,38 @@ def set_up(args, resume_state) -> Run:
     # 0's weights to every process) and LoRA dropout; the data, GMSA's rates included, has generators of its own
     # (step_examples), so torch's is the only global generator a run draws from
     torch.manual_seed(args.seed + rank)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    # --frozen-dtype auto: bf16 on CUDA (the EPL and AOC code's dtype), fp32 elsewhere. bf16 weights need autocast
+    # on the CPU too (a matmul of fp32 activations with bf16 weights is an error outside it)
+    frozen = torch.bfloat16 if args.frozen_dtype == "bf16" or (
+        args.frozen_dtype == "auto" and device.type == "cuda") else torch.float32
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" or \
+        frozen == torch.bfloat16 else nullcontext()
     return Run(device, rank, world, micro, args.batch_size // (micro * world), start, autocast, args.out,
-               args.grad_ckpt, cli.sampling(args), args.clip, args.answer_tokens)
+               args.grad_ckpt, cli.sampling(args), args.clip, args.answer_tokens, frozen)
 
 # ---- the compressor ----
 
 
-def build_compressor(args, device, ckpt_dir=None):
+def build_compressor(args, device, ckpt_dir=None, frozen=torch.float32):
     """The compressor of --method (with the flags' overrides), of --init, or of the checkpoint to resume.
-    Weights stay fp32 (AdamW needs fp32 master weights); CUDA runs compute in bf16 through autocast."""
+    Trained weights are fp32 (AdamW's master weights), frozen base weights `frozen` (--frozen-dtype,
+    Compressor.set_dtypes); CUDA runs, and bf16 ones anywhere, compute in bf16 through autocast."""
     if args.warm_start and not ckpt_dir:
         check_warm_start(args.warm_start, args.init)
-    if ckpt_dir or args.init:
-        comp = C.load(ckpt_dir or args.init, device=device)     # its config + its trained tensors
+    if ckpt_dir or args.init:   # its config + its trained tensors
+        comp = C.load(ckpt_dir or args.init, dtype=frozen, device=device, for_training=True)
     else:
         # --model compresses and decodes; with --decoder, --model is only the compressor (pcc/pic)
         if args.decoder and (args.encoder or P.PRESETS[args.method].settings.get("encoder")) != "separate":
             fail(f"--decoder needs a separate compressor model (pcc, pic or --encoder separate), "
                  f"not {args.method}'s encoder")
-        decoder, tok = load_pretrained(args.decoder or args.model, device=device)
-        encoder, enc_tok = load_pretrained(args.model, device=device) if args.decoder else (None, None)
+        decoder, tok = load_pretrained(args.decoder or args.model, dtype=frozen, device=device)
+        encoder, enc_tok = load_pretrained(args.model, dtype=frozen, device=device) if args.decoder else (None, None)
         # (not C.build: its `encoder` model argument would clash with the --encoder setting)
         cfg = P.make_config(args.method, model=args.decoder or args.model,
                             compressor_model=args.model if args.decoder else None,
                             **{k: getattr(args, k) for k in cli.COMPRESSOR_FLAGS})
-        comp = C.Compressor(cfg, decoder, tok, encoder, enc_tok)
+        comp = C.Compressor(cfg, decoder, tok, encoder, enc_tok).set_dtypes(frozen)   # before any load_trained
         if args.warm_start:
             warm_start(comp, args.warm_start, device)
     if args.stage == "keft" and comp.cfg.decoder_train != "keft":
@@ -142,7 +154,7 @@ def build_compressor(args, device, ckpt_dir=None):
         if not args.init:
             fail("--stage keft starts from a stage-1 (ae) run: pass --init DIR")
         comp.set_stage("keft")    # GMSA §3.5: freeze encoder + LSA, train decoder W_q, W_k, W_v
-    return comp
+    return comp.set_dtypes(frozen)   # (after set_stage: what it unfroze trains in fp32)
 
 
 def check_warm_start(run_dir, init):
@@ -173,7 +185,7 @@ def compile_blocks(comp):
 def build_step(args, run: Run, ckpt_dir):
     """The compressor (from the checkpoint when resuming) and the objective as a module (DDP-wrapped on > 1 GPU)."""
     try:   # a bad model name, a corrupt checkpoint: one line, not a traceback
-        comp = build_compressor(args, run.device, ckpt_dir)
+        comp = build_compressor(args, run.device, ckpt_dir, run.frozen)
     except (ValueError, OSError) as e:
         fail(e)
     for model in (comp.encoder, comp.decoder):   # activation checkpointing per block (model.py)
@@ -181,7 +193,11 @@ def build_step(args, run: Run, ckpt_dir):
     if args.compile:
         compile_blocks(comp)
     step_fn = TrainStep(comp, args.objective, args.lm_weight)
-    if run.world > 1:   # unused parameters: e.g. the [LM] embedding when the objective is ae
+    if args.fsdp:
+        if args.objective == "distill":   # the teacher generates outside the step, where the root's weights are shards
+            fail("--fsdp does not run distill (its frozen teacher generates outside the training step): use DDP")
+        step_fn = sharding.shard(comp, step_fn)
+    elif run.world > 1:   # unused parameters: e.g. the [LM] embedding when the objective is ae
         step_fn = nn.parallel.DistributedDataParallel(step_fn, find_unused_parameters=True, device_ids=[
             run.device.index] if run.device.type == "cuda" else None)
     return comp, step_fn
@@ -287,8 +303,9 @@ def accumulate(run: Run, comp, step_fn, data: D.Data, step: int):
         batch["norm"] = norm
         if s.objective == "distill":   # the frozen LLM answers first (once per example, cached)
             D.add_teacher_answers(comp, batch, data.answers, run.answer_tokens, run.autocast)
-        # DDP all-reduces gradients after every backward; only the last micro-batch needs it
-        sync = step_fn.no_sync() if run.world > 1 and m < run.accum - 1 else nullcontext()
+        # DDP all-reduces gradients after every backward; only the last micro-batch needs it (FSDP syncs each)
+        ddp = isinstance(step_fn, nn.parallel.DistributedDataParallel)
+        sync = step_fn.no_sync() if ddp and m < run.accum - 1 else nullcontext()
         try:
             with sync, run.autocast:
                 loss, part = step_fn(batch)
@@ -318,7 +335,8 @@ def train_step(run: Run, comp, step_fn, opt, params, data: D.Data, lr: float, st
         group["lr"] = lr * group.get("lr_scale", 1.0)   # --mem-lr's group runs at its own peak
     total, parts, tokens = accumulate(run, comp, step_fn, data, step)
     # clip_grad_norm_ returns the norm before clipping; clip 0 = measure only
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, run.clip if run.clip > 0 else float("inf")).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, run.clip if run.clip > 0 else float("inf"))
+    grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()   # FSDP: a DTensor
     stats = torch.tensor([total, grad_norm, tokens, stop["signal"] is not None, *parts.values()], dtype=torch.float64,
                          device=run.device)
     if run.world > 1:   # the processes' shares add up to the step's loss; every rank then decides alike below
@@ -342,26 +360,12 @@ def train_step(run: Run, comp, step_fn, opt, params, data: D.Data, lr: float, st
 # ---- log and checkpoint ----
 
 
-def write_log(log, bar, row, steps, own_other=None):
-    """The step's row in log.jsonl and on the console."""
-    parts = {k: v for k, v in row.items() if k not in ("step", "loss", "lr", "grad_norm", "dt", "tokens_per_s",
-                                                       "tokens", "stop")}
-    log.write(json.dumps({k: v for k, v in row.items() if k != "stop"}) + "\n")
-    log.flush()
-    detail = ", ".join(f"{k} {v:.4f}" for k, v in parts.items())
-    tqdm.write(f"step {row['step']:>{len(str(steps))}}/{steps} | loss {row['loss']:.4f} ({detail}) | "
-               f"lr {row['lr']:.2e} | grad-norm {row['grad_norm']:.3f} | dt {row['dt'] * 1000:.0f}ms | "
-               f"tok/s {row['tokens_per_s']:,.0f}")
-    held = {} if own_other is None else {"own_other": f"{own_other:.3f}"}   # the latest held-out check
-    bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}", **held)
-    bar.update(1)
-
-
 def save(args, run: Run, comp, opt, data: D.Data, done: int):
     """A checkpoint of step `done` (every rank hands rank 0 its RNG state; rank 0 writes)."""
     rng = gather_rng_states(run.world)
+    whole = sharding.full_state(comp, opt) if args.fsdp else None   # every rank gathers; rank 0 writes them whole
     if run.master:
-        save_checkpoint(args.out, done, comp, opt, args, rng, data.key, args.keep_every)
+        save_checkpoint(args.out, done, comp, opt, args, rng, data.key, args.keep_every, whole)
         D.save_answers(data)
 
 
@@ -379,6 +383,8 @@ def catch_signals(stop: dict) -> dict:
 
 def main(argv=None):
     args, resume_state, settings = cli.parse_args(argv)
+    if args.plan:   # what the run would need, built on the meta device: nothing is allocated or written
+        return plan.show(args, TrainStep)
     run = set_up(args, resume_state)
     if run.start >= args.steps:
         print(f"{args.resume} is already at step {run.start} of {args.steps}: nothing to do (raise --steps)")
@@ -394,13 +400,19 @@ def main(argv=None):
     opt = make_optimizer(comp, args.lr, args.betas, args.weight_decay, args.mem_lr, run.device)
     if resume_state:
         try:   # a resumed run's optimizer moments and step counts, and every RNG where it stood
+            if args.fsdp:   # the one-process moments, cut into this rank's shards
+                resume_state["optimizer"] = sharding.shard_optimizer_state(opt, resume_state["optimizer"])
             opt.load_state_dict(resume_state["optimizer"])
         except (ValueError, KeyError) as e:
             fail(f"mismatched checkpoint: its optimizer state does not fit this compressor ({e})")
         set_rng_state(resume_state["rng"][run.rank if run.rank < len(resume_state["rng"]) else 0])
     log = open_log(args, run, comp, data, settings, sum(p.numel() for p in params)) if run.master else None
-    ho = held_out(vars(args), args.eval_every if args.eval_every is not None else args.save_every,
-                  P.on_tiny(args.model, args.decoder), run.start > 0, run.master)
+    every = args.eval_every if args.eval_every is not None else args.save_every
+    if args.fsdp and every > 0:   # rank 0 alone would score a model whose weights are spread over every rank
+        every = 0
+        if run.master:
+            print("no held-out check runs under --fsdp: score a checkpoint with evaluate.py --ckpt")
+    ho = held_out(vars(args), every, P.on_tiny(args.model, args.decoder), run.start > 0, run.master)
     end = loop(args, run, comp, step_fn, opt, params, data, ho, log)
     if run.master and ho and ho.rows:
         print(first_carrying_step(ho))
@@ -461,7 +473,7 @@ def loop(args, run: Run, comp, step_fn, opt, params, data: D.Data, ho, log) -> i
             signal.signal(s, h)
         if log:
             log.close()
-        if run.world > 1:
+        if dist.is_initialized():
             dist.destroy_process_group()
     return end
 
