@@ -67,8 +67,8 @@ from model import load_pretrained
 # and wall time: recipes/README.md). Every method trains AE (what evaluate.py --task ae scores) on the first n bytes of
 # each document (a head crop: evaluate.py cuts its held-out texts the same way), batch 4, lr 3e-3 decaying linearly to 0
 # (TINY_ALL), with the text length n, steps and memory size m of its row (TINY): m = n (ICAE 2n; GMSA 5: [BOS] and the
-# 8 bytes in groups of 2), n = 16 for AOC and 8 for the others (which do not carry 16 bytes within two minutes). These fill only the flags
-# not given, in place of the paper's recipe; any other model keeps the paper's.
+# 8 bytes in groups of 2), n = 16 for AOC and 8 for the others (which do not carry 16 bytes within two minutes). These
+# fill only the flags not given, in place of the paper's recipe; any other model keeps the paper's.
 TINY_ALL = dict(objective="ae", crop="head", batch_size=4, lr=3e-3, schedule="linear")
 TINY = {   # ours: measured on this repository's 2-core CPU, recipes/README.md "The tiny demo, each preset"
     "icae": dict(lengths=(8, 8), mem=16, steps=3000),   # (at m = 8: own/other 0.514 at step 3000)
