@@ -182,14 +182,14 @@ def embed_scale(model: Transformer) -> float:
 
 
 def draw(mem_init: str, n: int, model: Transformer) -> torch.Tensor:
-    """n vectors of `model`'s width, drawn as mem_init says, on its device and in its dtype."""
-    w = model.model.embed_tokens.weight
-    x = torch.randn(n, w.shape[1], device=w.device)
-    if mem_init == "embed":    # EPL code: normal_(mean=embed.mean(), std=embed.std()), scalars (of the rows as read)
-        x = x * (w.float().std() * embed_scale(model)) + w.float().mean() * embed_scale(model)
-    elif mem_init == "hf":     # PCC code: resize_token_embeddings' init, N(0, initializer_range), a row of the
-        x = x * (0.02 * embed_scale(model))   # table: read as the decoder reads its rows (x sqrt(d) on Gemma 3)
-    return x.to(w.dtype)       # "normal": AOC/500x torch.randn, ICAE nn.Embedding default N(0, 1)
+    """n vectors of `model`'s width, drawn as mem_init says, on its device and in its dtype: (std, mean) of
+    "embed", EPL code: normal_(mean=embed.mean(), std=embed.std()), scalars of the table's rows; "hf", PCC code:
+    resize_token_embeddings' init of new rows, N(0, initializer_range); both at the size the decoder reads its rows
+    (embed_scale: x sqrt(d) on Gemma 3). "normal": AOC/500x torch.randn, ICAE nn.Embedding's default N(0, 1)."""
+    w, s = model.model.embed_tokens.weight, embed_scale(model)
+    std, mean = ((w.float().std() * s, w.float().mean() * s) if mem_init == "embed" else
+                 (0.02 * s, 0.0) if mem_init == "hf" else (1.0, 0.0))
+    return (torch.randn(n, w.shape[1], device=w.device) * std + mean).to(w.dtype)
 
 
 def train_own_weights(model: Transformer, decoder: Transformer):

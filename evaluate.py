@@ -59,8 +59,9 @@ def load_examples(path, task, n=None):
     str or a list of accepted answers). No path: the built-in sets. path: .jsonl or .parquet, one record a row, as
     train.py reads and checks them ({"text"} or {"context", "question", "answer"}, data.qa_record: a number answer is
     its text, SQuAD's answer dicts their texts; a malformed record is one line naming the file and line; a QA record
-    serves the text tasks through its context), or any other file as plain text, one text per non-empty line (train.py reads a whole .txt file as one
-    document to draw windows from; an evaluation needs fixed examples). n: keep the first n."""
+    serves the text tasks through its context), or any other file as plain text, one text per non-empty line
+    (train.py reads a whole .txt file as one document to draw windows from; an evaluation needs fixed examples).
+    n: keep the first n."""
     if path is None:
         rows = [dict(r) for r in D.EVAL_QA] if task == "qa" else [{"text": t} for t in D.held_out_texts()]
     elif not os.path.isfile(path):
@@ -72,7 +73,7 @@ def load_examples(path, task, n=None):
             kind = D.record_kind(rec)   # (SQuAD's "answers" -> "answer")
             if kind == "qa":
                 rec = D.qa_record(rec, f"{path} {where}")
-            if kind is None or (task == "qa") != (kind == "qa"):
+            if kind is None or (task == "qa" and kind != "qa"):   # (a QA record serves the text tasks too)
                 raise ValueError(f"{path} {where}: --task {task} reads {need} records")
             rows.append(rec if task == "qa" or kind == "text" else {"text": rec["context"]})
     else:
@@ -267,10 +268,11 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
 
 @torch.no_grad()
 def run_lm(comp, examples, batch_size=8, ratio=None, max_len=None):
-    """Completion: cut each text at p = ⌊|X|/2⌋ (EPL §4.1; at least 1, as train.py cuts), compress the first half and score the second half and EOS
-    (the LM target of the EPL and PCC code) given that memory (PIC Eq. 7, EPL Table 4), the memory of another text's
-    first half, the full first half, or nothing. Perplexity is exp(Σ NLL / Σ tokens) over the whole set, never a mean
-    of per-example perplexities. max_len: each text cut to its first max_len tokens first, as pretraining cut it."""
+    """Completion: cut each text at p = ⌊|X|/2⌋ (EPL §4.1; at least 1, as train.py cuts), compress the first half and
+    score the second half and EOS (the LM target of the EPL and PCC code) given that memory (PIC Eq. 7, EPL Table 4),
+    the memory of another text's first half, the full first half, or nothing. Perplexity is exp(Σ NLL / Σ tokens) over
+    the whole set, never a mean of per-example perplexities. max_len: each text cut to its first max_len tokens
+    first, as pretraining cut it."""
     tok, plain = comp.tok, PlainLLM(comp)
     cuts = []
     for ex in examples:

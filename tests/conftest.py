@@ -73,8 +73,8 @@ def pytest_collection_modifyitems(config, items):
     c = max(2, items per worker // 4)), the rest of the batch and the common queue filling in behind. Without it, one
     batch could hold several of them and one worker end the suite alone. Only the order changes: without xdist, or
     if the scheduler ever batches otherwise, every test still runs."""
-    workers = getattr(config, "workerinput", {}).get("workercount", 1)
-    if workers < 2 or getattr(config.option, "dist", "load") != "load":
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)   # (a worker's own option.dist reads "no")
+    if workers < 2:
         return
     cost = lambda item: item.module.SMOKE_SECONDS[item.callspec.params["paper"]]
     slow = sorted((it for it in items if it.originalname == "test_recipe_runs_end_to_end"), key=cost, reverse=True)

@@ -399,7 +399,8 @@ def test_bad_input_is_a_one_line_error(ckpt, tmp_path, one_line_error):
     assert "no such file" in one_line_error(["--ckpt", ckpt["aoc"], "--task", "ae", "--data", tmp_path / "x.jsonl"])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"context": "c", "question": "q", "answer": "a"}\n{"question": "no context"}\n')
-    assert "bad.jsonl line 2: --task qa reads" in one_line_error(["--ckpt", ckpt["icae"], "--task", "qa", "--data", bad])
+    assert "bad.jsonl line 2: --task qa reads" in one_line_error(
+        ["--ckpt", ckpt["icae"], "--task", "qa", "--data", bad])
     # CompLLM sizes memory by length: the two default prompts (31 and 34 bytes) give 16 and 17 slots
     assert "same size" in one_line_error(["--ckpt", ckpt["compllm"], "--task", "interpolate"])
 
@@ -442,9 +443,10 @@ def test_malformed_qa_files_are_one_line_naming_file_and_line_or_scored(ckpt, tm
         assert [ex["answer"] for ex in result["examples"]] == ["1932", ["Ann", "Bo"], ["x"], ["2.5", "two and a half"]]
         assert all(math.isfinite(ex["compressed"]["scores"]["token_f1"]) for ex in result["examples"])
     (tmp_path / "empty.jsonl").write_text("")
-    assert "holds no examples" in one_line_error(["--ckpt", ckpt["aoc"], "--task", "qa", "--data", tmp_path / "empty.jsonl"])
+    qa_error = lambda path: one_line_error(["--ckpt", ckpt["aoc"], "--task", "qa", "--data", path])
+    assert "holds no examples" in qa_error(tmp_path / "empty.jsonl")
     (tmp_path / "lines.txt").write_text("a plain line of text\n")
-    assert "not lines of text" in one_line_error(["--ckpt", ckpt["aoc"], "--task", "qa", "--data", tmp_path / "lines.txt"])
+    assert "not lines of text" in qa_error(tmp_path / "lines.txt")
 
 
 def test_speed_bad_input_is_a_one_line_error(ckpt, one_line_error):
