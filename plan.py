@@ -43,10 +43,6 @@ CARD_GB = 80          # one H100 / A100 80GB: what "fits" means in the table
 OVERHEAD = 2.0        # measured peak / counted activations: 1.8-2.4 on the CPU, peak RSS (tests/README.md, "The memory plan")
 
 
-def fail(message):
-    raise SystemExit(f"train.py: error: {message}")
-
-
 def model_config(name: str, shape: str | None) -> tuple[dict, Tokenizer]:
     """The config.json of --shape, of `tiny`, or of a local model folder (only that file is read), and a tokenizer
     (the folder's own when it has one: the ids a QA template takes; else tiny's bytes, whose ids fit any vocabulary)."""
@@ -57,6 +53,7 @@ def model_config(name: str, shape: str | None) -> tuple[dict, Tokenizer]:
         return dict(TINY_CONFIG), tok
     folder = os.path.expanduser(name)
     if not os.path.isfile(os.path.join(folder, "config.json")):
+        from train import fail
         fail(f"--plan reads config.json from a local model folder, and '{name}' is not one: pass the folder, or "
              f"--shape {{{','.join(SHAPES)}}}")
     import json
