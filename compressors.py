@@ -1053,15 +1053,30 @@ class Compressor(nn.Module):
     def trainable_parameters(self) -> list:
         return [p for p in self.parameters() if p.requires_grad]
 
+    def set_dtypes(self, frozen: torch.dtype) -> "Compressor":
+        """The training precision: every tensor that trains, or that a checkpoint holds (the compressor's own, even
+        when frozen: PCC's delimiters, GMSA's stage-1 tensors under KEFT), in fp32, AdamW's master weights; every
+        frozen tensor of the base LLM(s) (`saved` is False: rebuilt from the checkpoint) in `frozen`. bf16 there is
+        the dtype the EPL and AOC code train their frozen LLM in, and halves its memory (train.py --frozen-dtype).
+        A tensor shared by two names (tied embeddings, an encoder embedding with the decoder's table) is one
+        Parameter: it takes the dtype of its first name, the decoder's. Called after set_stage (KEFT unfreezes the
+        decoder's q/k/v: fp32 from then on) and before load_trained (so trained tensors load unrounded)."""
+        for name, p in self.named_parameters():
+            want = torch.float32 if p.requires_grad or saved(self.cfg, name) else frozen
+            if p.dtype != want:
+                p.data = p.data.to(want)   # in place of the tensor: every module holding p sees the new dtype
+        return self
+
     def trained_state(self) -> dict:
         return {n: p.detach().contiguous() for n, p in self.named_parameters() if saved(self.cfg, n)}
 
-    def save(self, out_dir: str, extra: dict | None = None):
+    def save(self, out_dir: str, extra: dict | None = None, state: dict | None = None):
         """Write compressor.safetensors (exactly the trained tensors) and compressor.json (the config),
-        each atomically (temp file + rename), so an interrupted save never leaves a broken checkpoint."""
+        each atomically (temp file + rename), so an interrupted save never leaves a broken checkpoint.
+        state: the trained tensors, when they were gathered already (train.py --fsdp: sharding.full_state)."""
         os.makedirs(out_dir, exist_ok=True)
         tmp = os.path.join(out_dir, "compressor.safetensors.tmp")
-        state = self.trained_state()
+        state = state or self.trained_state()
         save_file({k: v.cpu() for k, v in state.items()}, tmp)
         os.replace(tmp, os.path.join(out_dir, "compressor.safetensors"))
         # the size of what was trained, special-token vectors aside, kept with the config (a record without weights)
@@ -1118,15 +1133,19 @@ def saved_config(ckpt_dir: str) -> CompressorConfig:
     return CompressorConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
 
 
-def load(ckpt_dir: str, dtype=torch.float32, device="cpu", trained=True) -> Compressor:
+def load(ckpt_dir: str, dtype=torch.float32, device="cpu", trained=True, for_training=False) -> Compressor:
     """Rebuild a compressor from a checkpoint: base model(s) from the config, trained tensors on top.
-    trained=False: the same compressor as first built, untrained (seeding torch as the run did reproduces its init)."""
+    trained=False: the same compressor as first built, untrained (seeding torch as the run did reproduces its init).
+    for_training: the base model(s) in `dtype`, the tensors that train or are saved in fp32 (Compressor.set_dtypes;
+    train.py resumes so); else every tensor in `dtype` (evaluation)."""
     cfg = saved_config(ckpt_dir)
     decoder, tok = load_pretrained(cfg.model, dtype=dtype, device=device)
     encoder, enc_tok = None, None
     if cfg.encoder == "separate" and cfg.compressor_model:
         encoder, enc_tok = load_pretrained(cfg.compressor_model, dtype=dtype, device=device)
     comp = Compressor(cfg, decoder, tok, encoder, enc_tok)
+    if for_training:
+        comp.set_dtypes(dtype)
     if not trained:
         return comp
     try:

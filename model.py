@@ -676,7 +676,8 @@ class Transformer(nn.Module):
             cos, sin, mask = local_attn if layer.sliding else full_attn
             if ckpt:
                 # non-reentrant: gradients still reach a past_kv prefix and inputs that need no grad work
-                h, layer_kv = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, past, use_reentrant=False)
+                h, layer_kv = torch.utils.checkpoint.checkpoint(lora_as_now(layer), h, cos, sin, mask, past,
+                                                                use_reentrant=False)
             else:
                 h, layer_kv = layer(h, cos, sin, mask, past, None if cache is None else cache[i])
             if output_hidden_states:
@@ -823,6 +824,28 @@ def add_lora(model: nn.Module, targets=("q_proj", "v_proj"), r: int = 8, alpha: 
     return [n for n, _ in model.named_parameters() if "lora_" in n]
 
 
+def lora_as_now(module: nn.Module):
+    """`module` as a function that runs with its LoRA switches as they are now: activation checkpointing runs a
+    block again in backward, after the lora_disabled() block its forward ran in has ended (ICAE's decoder is its
+    LoRA encoder), and a recomputation with LoRA switched back on is another function (a CheckpointError, or
+    wrong gradients where the shapes happen to match)."""
+    mods = [m for m in module.modules() if isinstance(m, LoRALinear)]
+    if not mods:
+        return module
+    now = [m.lora_enabled for m in mods]
+
+    def run(*args):
+        before = [m.lora_enabled for m in mods]
+        for m, on in zip(mods, now):
+            m.lora_enabled = on
+        try:
+            return module(*args)
+        finally:
+            for m, on in zip(mods, before):
+                m.lora_enabled = on
+    return run
+
+
 @contextmanager
 def lora_disabled(model: nn.Module):
     """Inside the block every LoRALinear of `model` computes its base linear only (the frozen LLM)."""
@@ -947,7 +970,19 @@ GEMMA_3_4B_CONFIG = dict(  # google/gemma-3-4b-it's text_config (CompLLM's other
     rope_local_base_freq=10000.0, sliding_window=1024, sliding_window_pattern=6, query_pre_attn_scalar=256,
     max_position_embeddings=131072, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)
 
-SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B_CONFIG, "qwen3-4b": QWEN3_4B_CONFIG, "gemma-3-4b": GEMMA_3_4B_CONFIG}
+LLAMA_2_7B_CONFIG = dict(  # meta-llama/Llama-2-7b-hf config.json (ICAE's and GMSA's model): 6,738,415,616 parameters
+    model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-5, rope_theta=10000.0,
+    max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+LLAMA_3_8B_CONFIG = dict(  # meta-llama/Meta-Llama-3-8B config.json (500xCompressor's, and PIC's decoder, -Instruct:
+    # the same shapes): 8,030,261,248 parameters
+    model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+    max_position_embeddings=8192, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001)
+
+SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B_CONFIG, "qwen3-4b": QWEN3_4B_CONFIG, "gemma-3-4b": GEMMA_3_4B_CONFIG,
+          "llama-2-7b": LLAMA_2_7B_CONFIG, "llama-3-8b": LLAMA_3_8B_CONFIG}
 
 
 def build_shape(shape: str, device="cpu", dtype=torch.float32) -> tuple[Transformer, "Tokenizer"]:

@@ -57,7 +57,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 import compressors as C
-from model import load_pretrained
+from model import SHAPES, load_pretrained
 
 # ---- arguments ----
 
@@ -81,7 +81,7 @@ TINY = {   # ours: measured on this repository's 2-core CPU, recipes/README.md "
 }
 # flags that may change when a run is continued with --resume; every other flag must match the checkpoint
 RUN_FLAGS = {"resume", "out", "steps", "stop_after", "save_every", "keep_every", "micro_batch", "compile",
-             "grad_ckpt", "device", "cache_dir", "eval_data", "eval_every", "eval_n"}
+             "grad_ckpt", "device", "frozen_dtype", "fsdp", "cache_dir", "eval_data", "eval_every", "eval_n"}
 # flags that name a local file or folder (or a hub id): saved absolute, so a run resumes from any directory
 PATH_FLAGS = ("model", "decoder", "data", "eval_data", "init", "warm_start")
 EXAMPLES = """examples:
@@ -195,6 +195,17 @@ def add_data_and_run_flags(p: argparse.ArgumentParser):
                    "(encoder and decoder): less memory, about a third more compute")
     g.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
     g.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    g.add_argument("--fsdp", action="store_true", help="shard every weight over the torchrun processes with "
+                   "PyTorch's FSDP2 (sharding.py) instead of replicating it (DDP): for a model that does not fit on "
+                   "one GPU. Checkpoints are the one-process format")
+    g.add_argument("--plan", action="store_true", help="print the run's memory per GPU (parameters by dtype, "
+                   "weights, gradients, AdamW, activations; plan.py), built on the meta device, and exit")
+    g.add_argument("--shape", choices=tuple(SHAPES), help="with --plan: a paper model's shape (model.SHAPES) in place "
+                   "of --model, no download")
+    g.add_argument("--frozen-dtype", choices=("auto", "fp32", "bf16"), default="auto", help="the frozen base "
+                   "weights' dtype; what trains (and what a checkpoint holds) is always fp32 for AdamW. auto: bf16 on "
+                   "CUDA (the EPL and AOC code's dtype: half the memory), fp32 elsewhere. bf16 computes under bf16 "
+                   "autocast on any device; fp32 keeps every weight fp32 (CUDA still autocasts)")
 
     g = p.add_argument_group("held-out check: does the memory carry its own text? (ours)")
     g.add_argument("--eval-data", help="held-out examples to score while training (.jsonl/.parquet/.txt, as "
@@ -267,6 +278,11 @@ def parse_args(argv=None):
         return argparse.Namespace(**merged), state
     if args.method is None:
         parser.error("--method is required (or --resume DIR)")
+    if args.shape:   # --plan only: the paper's recipe at that shape (not tiny's demo)
+        if not args.plan or args.model != "tiny":
+            fail("--shape names a model shape for --plan (tests/bench_train.py --shape times one): drop --model, "
+                 "add --plan")
+        args.model = args.shape
     return resolve_defaults(args), None
 
 
@@ -379,26 +395,31 @@ def setup_device(args):
         if device.type == "cuda":
             torch.cuda.set_device(device)
         return device, dist.get_rank(), dist.get_world_size()
-    return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")), 0, 1
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.fsdp:   # FSDP needs a process group, even of one process (the test at world size 1)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    return device, 0, 1
 
 
-def build_compressor(args, device, ckpt_dir=None):
+def build_compressor(args, device, ckpt_dir=None, frozen=torch.float32):
     """The compressor of --method (with the flags' overrides), of --init, or of the checkpoint to resume.
-    Weights stay fp32 (AdamW needs fp32 master weights); CUDA runs compute in bf16 through autocast."""
-    if ckpt_dir or args.init:
-        comp = C.load(ckpt_dir or args.init, device=device)     # its config + its trained tensors
+    Trained weights are fp32 (AdamW's master weights), frozen base weights `frozen` (--frozen-dtype,
+    Compressor.set_dtypes); CUDA runs, and bf16 ones anywhere, compute in bf16 through autocast."""
+    if ckpt_dir or args.init:   # its config + its trained tensors
+        comp = C.load(ckpt_dir or args.init, dtype=frozen, device=device, for_training=True)
     else:
         # --model compresses and decodes; with --decoder, --model is only the compressor (pcc/pic)
         if args.decoder and (args.encoder or C.PRESETS[args.method].settings.get("encoder")) != "separate":
             fail(f"--decoder needs a separate compressor model (pcc, pic or --encoder separate), "
                  f"not {args.method}'s encoder")
-        decoder, tok = load_pretrained(args.decoder or args.model, device=device)
-        encoder, enc_tok = load_pretrained(args.model, device=device) if args.decoder else (None, None)
+        decoder, tok = load_pretrained(args.decoder or args.model, dtype=frozen, device=device)
+        encoder, enc_tok = load_pretrained(args.model, dtype=frozen, device=device) if args.decoder else (None, None)
         # (not C.build: its `encoder` model argument would clash with the --encoder setting)
         cfg = C.make_config(args.method, model=args.decoder or args.model,
                             compressor_model=args.model if args.decoder else None,
                             **{k: getattr(args, k) for k in COMPRESSOR_FLAGS})
-        comp = C.Compressor(cfg, decoder, tok, encoder, enc_tok)
+        comp = C.Compressor(cfg, decoder, tok, encoder, enc_tok).set_dtypes(frozen)   # before any load_trained
         if args.warm_start:   # ours: another run's trained tensors, this run's settings (load_trained checks them)
             try:
                 comp.load_trained(load_file(os.path.join(args.warm_start, "compressor.safetensors"), device=str(device)))
@@ -411,7 +432,7 @@ def build_compressor(args, device, ckpt_dir=None):
         if not args.init:
             fail("--stage keft starts from a stage-1 (ae) run: pass --init DIR")
         comp.set_stage("keft")    # GMSA §3.5: freeze encoder + LSA, train decoder W_q, W_k, W_v
-    return comp
+    return comp.set_dtypes(frozen)   # (after set_stage: what it unfroze trains in fp32)
 
 
 def compile_blocks(comp):
@@ -767,7 +788,8 @@ class Run:
     micro: int          # examples per forward pass and process
     accum: int          # micro-batches per step and process
     start: int          # steps done (the data position is this number)
-    autocast: object    # bf16 autocast on CUDA, else nothing
+    autocast: object    # bf16 autocast on CUDA or with bf16 frozen weights, else nothing
+    frozen: torch.dtype = torch.float32   # the frozen base weights' dtype (--frozen-dtype)
 
     @property
     def master(self) -> bool:
@@ -787,14 +809,19 @@ def set_up(args, resume_state) -> Run:
     # 0's weights to every process) and LoRA dropout; the data, GMSA's rates included, has generators of its own
     # (step_examples), so torch's is the only global generator a run draws from
     torch.manual_seed(args.seed + rank)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    return Run(device, rank, world, micro, args.batch_size // (micro * world), start, autocast)
+    # --frozen-dtype auto: bf16 on CUDA (the EPL and AOC code's dtype), fp32 elsewhere. bf16 weights need autocast
+    # on the CPU too (a matmul of fp32 activations with bf16 weights is an error outside it)
+    frozen = torch.bfloat16 if args.frozen_dtype == "bf16" or (
+        args.frozen_dtype == "auto" and device.type == "cuda") else torch.float32
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" or \
+        frozen == torch.bfloat16 else nullcontext()
+    return Run(device, rank, world, micro, args.batch_size // (micro * world), start, autocast, frozen)
 
 
 def build_step(args, run: Run, ckpt_dir):
     """The compressor (from the checkpoint when resuming) and the objective as a module (DDP-wrapped on > 1 GPU)."""
     try:   # a bad model name, a corrupt checkpoint: one line, not a traceback
-        comp = build_compressor(args, run.device, ckpt_dir)
+        comp = build_compressor(args, run.device, ckpt_dir, run.frozen)
     except (ValueError, OSError) as e:
         fail(e)
     for model in (comp.encoder, comp.decoder):   # activation checkpointing per block (model.py)
@@ -802,7 +829,12 @@ def build_step(args, run: Run, ckpt_dir):
     if args.compile:
         compile_blocks(comp)
     step_fn = TrainStep(comp, args.objective, args.lm_weight)
-    if run.world > 1:   # unused parameters: e.g. the [LM] embedding when the objective is ae
+    if args.fsdp:
+        if args.objective == "distill":   # the teacher generates outside the step, where the root's weights are shards
+            fail("--fsdp does not run distill (its frozen teacher generates outside the training step): use DDP")
+        import sharding
+        step_fn = sharding.shard(comp, step_fn)
+    elif run.world > 1:   # unused parameters: e.g. the [LM] embedding when the objective is ae
         step_fn = nn.parallel.DistributedDataParallel(step_fn, find_unused_parameters=True, device_ids=[
             run.device.index] if run.device.type == "cuda" else None)
     return comp, step_fn
@@ -845,9 +877,12 @@ def load_data(args, comp) -> Data:
     return Data(data, key, len(texts), len(qa), answers, answers_path)
 
 
-def restore(opt, resume_state, rank):
+def restore(opt, resume_state, rank, fsdp=False):
     """A resumed run's optimizer moments and step counts, and every RNG where it stood."""
     try:
+        if fsdp:   # the one-process moments, cut into this rank's shards
+            import sharding
+            resume_state["optimizer"] = sharding.shard_optimizer_state(opt, resume_state["optimizer"])
         opt.load_state_dict(resume_state["optimizer"])
     except (ValueError, KeyError) as e:
         fail(f"mismatched checkpoint: its optimizer state does not fit this compressor ({e})")
@@ -869,7 +904,8 @@ def accumulate(args, run: Run, comp, step_fn, data: Data, step: int):
             batch["tokens"] += sum(len(c) + len(q) + 2 * len(a) for c, q, a in   # teacher + student
                                    zip(batch["dec_context"], batch["question"], batch["answer"]))
         # DDP all-reduces gradients after every backward; only the last micro-batch needs it
-        sync = step_fn.no_sync() if run.world > 1 and m < run.accum - 1 else nullcontext()
+        ddp = isinstance(step_fn, nn.parallel.DistributedDataParallel)   # (FSDP syncs every micro-batch)
+        sync = step_fn.no_sync() if ddp and m < run.accum - 1 else nullcontext()
         try:
             with sync, run.autocast:
                 loss, part = step_fn(batch)
@@ -899,7 +935,8 @@ def train_step(args, run: Run, comp, step_fn, opt, params, data: Data, step: int
         group["lr"] = lr * group.get("lr_scale", 1.0)   # --mem-lr's group runs at its own peak
     total, parts, tokens = accumulate(args, run, comp, step_fn, data, step)
     # clip_grad_norm_ returns the norm before clipping; clip 0 = measure only
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else float("inf")).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else float("inf"))
+    grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()   # FSDP: a DTensor
     stats = torch.tensor([total, grad_norm, tokens, stop["signal"] is not None, *parts.values()], dtype=torch.float64,
                          device=run.device)
     if run.world > 1:   # the processes' shares add up to the step's loss; every rank then decides alike below
@@ -938,8 +975,12 @@ def write_log(log, bar, row, steps, own_other=None):
 def save(args, run: Run, comp, opt, data: Data, done: int):
     """A checkpoint of step `done` (every rank hands rank 0 its RNG state; rank 0 writes)."""
     rng = gather_rng_states(run.world)
+    whole = None
+    if args.fsdp:   # every rank gathers the shards; rank 0 writes the one-process format
+        import sharding
+        whole = sharding.full_state(comp, opt)
     if run.master:
-        save_checkpoint(args.out, done, comp, opt, args, rng, data.key, args.keep_every)
+        save_checkpoint(args.out, done, comp, opt, args, rng, data.key, args.keep_every, whole)
         if data.answers:
             torch.save(data.answers, data.answers_path + ".tmp")
             os.replace(data.answers_path + ".tmp", data.answers_path)
@@ -976,6 +1017,10 @@ def held_out(args, run: Run) -> HeldOut | None:
     import evaluate as E   # here, not at the top: evaluate imports train (the built-in texts, the record reader)
     every = args.eval_every if args.eval_every is not None else args.save_every
     task = "qa" if args.objective in ("qa", "distill") else "ae"
+    if args.fsdp and every > 0:   # rank 0 alone would score a model whose weights are spread over every rank
+        if run.master:
+            print("no held-out check runs under --fsdp: score a checkpoint with evaluate.py --ckpt")
+        return None
     if every <= 0 or (args.eval_data is None and not on_tiny(args.model, args.decoder)):
         if run.master and every > 0:
             print(f"no held-out check runs: pass --eval-data FILE (held-out {'QA triples' if task == 'qa' else 'texts'}) "
@@ -1064,6 +1109,9 @@ def catch_signals(stop: dict) -> dict:
 
 def main(argv=None):
     args, resume_state = parse_args(argv)
+    if args.plan:   # what the run would need, built on the meta device: nothing is allocated or written
+        import plan
+        return plan.show(args)
     run = set_up(args, resume_state)
     if run.start >= args.steps:
         print(f"{args.resume} is already at step {run.start} of {args.steps}: nothing to do (raise --steps)")
@@ -1077,7 +1125,7 @@ def main(argv=None):
     params = comp.trainable_parameters()   # what compressors.py leaves trainable for this method and stage
     opt = make_optimizer(comp, args, run.device)
     if resume_state:
-        restore(opt, resume_state, run.rank)
+        restore(opt, resume_state, run.rank, args.fsdp)
 
     if run.master:
         os.makedirs(args.out, exist_ok=True)
@@ -1123,7 +1171,7 @@ def main(argv=None):
             signal.signal(s, h)
         if run.master:
             log.close()
-        if run.world > 1:
+        if dist.is_initialized():
             dist.destroy_process_group()
     if run.master and ho and ho.rows:
         print(first_carrying_step(ho))
@@ -1152,15 +1200,16 @@ def batch_shape(batch) -> str:
                      for k in ("context", "ae", "lm", "qa", "answer") if k in batch)
 
 
-def save_checkpoint(out, step, comp, opt, args, rng, data_key, keep_every=None):
+def save_checkpoint(out, step, comp, opt, args, rng, data_key, keep_every=None, whole=None):
     """Write everything a run needs to continue into a temporary directory, then rename it into place: a run
     killed at any moment leaves the previous checkpoint or the new one, never half of one. Then point the
     top-level compressor files at it and drop older checkpoints. (Atomic against a killed process; without
     fsync, not against a power cut.)"""
     tmp, final = os.path.join(out, f".tmp-ckpt-{step:06d}"), os.path.join(out, f"ckpt-{step:06d}")
     shutil.rmtree(tmp, ignore_errors=True)
-    comp.save(tmp, extra={"step": step, "train_args": vars(args)})    # compressor.json + compressor.safetensors
-    torch.save(dict(step=step, optimizer=opt.state_dict(), rng=rng, args=vars(args), data=data_key,
+    # compressor.json + compressor.safetensors; whole: the trained tensors and AdamW state gathered from FSDP's shards
+    comp.save(tmp, extra={"step": step, "train_args": vars(args)}, state=whole and whole[0])
+    torch.save(dict(step=step, optimizer=whole[1] if whole else opt.state_dict(), rng=rng, args=vars(args), data=data_key,
                     config=asdict(comp.cfg)), os.path.join(tmp, "train_state.pt"))
     # the schedule is a function of the step and the data of (seed, step): step + RNG states are their state
     if os.path.exists(final):

@@ -3,6 +3,7 @@
     python tests/bench_train.py [--steps 12] [--methods aoc icae ...]            # train.py on `tiny`, CPU (and CUDA)
     python tests/bench_train.py --shape llama-3.2-1b --device cuda [--peak-tflops 989]
     python tests/bench_train.py --steps 8 --profile --method 500x --objective ae --model DIR ...   # where the time goes
+    python tests/bench_train.py --profile --method aoc --model DIR --batch-size 4   # on CUDA: kernels vs launches
 
 Default: each method runs its defaults on `tiny` through train.py, as the quickstart does (there: the tiny demo's
 settings, train.py's TINY: AE on 16-byte texts, batch 4; on another --model, the paper's recipe); the median over
@@ -70,10 +71,12 @@ def profile(argv, steps=6, skip=2, top=12):
     `skip` left out as warm-up, by taking the profile's share only of the steps after them), as two tables: the
     ops that take the most self CPU time, and the time by kind of op."""
     from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
+    cuda = torch.cuda.is_available() and "cpu" not in argv   # train.py's device: CUDA unless --device cpu
     with tempfile.TemporaryDirectory() as out:
         sched = schedule(wait=0, warmup=skip, active=steps - skip, repeat=1)
         step_fn = train.train_step
-        with torch_profile(activities=[ProfilerActivity.CPU], schedule=sched) as prof:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with torch_profile(activities=activities, schedule=sched) as prof:
             def stepped(*a, **kw):   # one profiler step per optimizer step
                 row = step_fn(*a, **kw)
                 prof.step()
@@ -101,20 +104,40 @@ def profile(argv, steps=6, skip=2, top=12):
     print("\n| kind | share |\n|---|---|")
     for kind, t in sorted(share.items(), key=lambda kv: -kv[1]):
         print(f"| {kind} | {100 * t / total:.1f}% |")
+    # kernels against overhead: a step is launch-bound when the device computes for a small part of its wall time
+    n = len(dts)
+    calls = sum(e.count for e in events) / n
+    rows = [("wall time per step", f"{per_step * 1000:.1f} ms"), ("aten op calls per step", f"{calls:,.0f}"),
+            ("self CPU time in aten ops per step", f"{total / n / 1000:.1f} ms (the rest of the CPU's time: Python, "
+                                                   "the dispatcher, the framework)")]
+    if cuda:   # kernel events: their count and the time the GPU spent in them
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.time_range.elapsed_us() for e in kernels) / n / 1e3   # ms per step in kernels
+        rows += [("CUDA kernels per step", f"{len(kernels) / n:,.0f}"), ("GPU time in kernels per step",
+                 f"{busy:.1f} ms ({100 * busy / (per_step * 1000):.0f}% of the step: the rest the GPU waits on "
+                 "launches, the CPU and copies)"),
+                 ("wall time per kernel launched", f"{per_step * 1e6 / max(1, len(kernels) / n):.1f} us")]
+    print("\n| where a step's time goes | |\n|---|---|")
+    for k, v in rows:
+        print(f"| {k} | {v} |")
 
 
-def bench_shape(shape, method, device, steps, batch=4):
+def bench_shape(shape, method, device, steps, batch=4, frozen=torch.float32, compile=False):
     """AdamW steps of one preset around a random decoder of a paper model's shape in bf16 autocast:
-    (seconds per step, tokens per step, model FLOPs per step)."""
+    (seconds per step, tokens per step, model FLOPs per step). frozen: the frozen base weights' dtype, as train.py
+    --frozen-dtype (trained tensors fp32); compile: train.py --compile (torch.compile every block)."""
     torch.manual_seed(0)
-    decoder, tok = build_shape(shape, device)   # ids below the tiny vocabulary: any tokenizer will do
-    comp = C.build(method, decoder, tok)
+    decoder, tok = build_shape(shape, device, dtype=frozen)   # ids below the tiny vocabulary: any tokenizer will do
+    comp = C.build(method, decoder, tok).set_dtypes(frozen)
+    if compile:
+        train.compile_blocks(comp)
     recipe = C.PRESETS[method].recipe
     n = recipe.lengths[1] // (2 if recipe.objective == "pretrain" else 1)
     opt = torch.optim.AdamW(comp.trainable_parameters(), lr=1e-5, fused=device == "cuda")
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(3, 250, (n,), generator=g).tolist() for _ in range(batch)]
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext()
+    autocast = torch.autocast(device, dtype=torch.bfloat16) if device == "cuda" or frozen == torch.bfloat16 else \
+        contextlib.nullcontext()
     ratios = [4] * batch if comp.cfg.source == "group_mean" else None
     enc_params = sum(p.numel() for p in comp.encoder.parameters())
     dec_params = sum(p.numel() for p in decoder.parameters())
@@ -145,6 +168,10 @@ def main():
     p.add_argument("--model", default="tiny")
     p.add_argument("--shape", choices=tuple(SHAPES), help="a random model of this shape instead of train.py")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--frozen-dtype", nargs="+", default=["fp32"], choices=("fp32", "bf16"), help="--shape: the "
+                   "frozen weights' dtype(s) to time (train.py --frozen-dtype; trained ones stay fp32)")
+    p.add_argument("--batch", type=int, default=4, help="--shape: examples per step (default 4)")
+    p.add_argument("--compile", action="store_true", help="--shape: torch.compile every block (train.py --compile)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the accelerator's dense bf16 peak (H100: 989)")
     p.add_argument("--profile", nargs=argparse.REMAINDER, metavar="TRAIN.PY-FLAGS", help="instead: where one "
                    "training step's time goes, train.py with these flags under torch.profiler (give it last)")
@@ -155,13 +182,20 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
           + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
     if a.shape:
-        print(f"\n{a.shape} shape, bf16 autocast on {a.device}, batch 4, the paper's lengths\n")
-        print("| method | ms/step | tokens/step | tok/s | TFLOP/s | MFU |")
-        print("|---|---|---|---|---|---|")
+        print(f"\n{a.shape} shape, bf16 autocast on {a.device}, batch {a.batch}, the paper's lengths"
+              f"{', --compile' if a.compile else ''}\n")
+        print("| method | frozen | ms/step | tokens/step | tok/s | TFLOP/s | MFU | peak GB |")
+        print("|---|---|---|---|---|---|---|---|")
         for method in a.methods:
-            dt, tokens, flops = bench_shape(a.shape, method, a.device, a.steps)
-            print(f"| {method} | {dt * 1000:.0f} | {tokens} | {tokens / dt:,.0f} | {flops / dt / 1e12:.1f} | "
-                  f"{100 * flops / dt / 1e12 / a.peak_tflops:.1f}% |", flush=True)
+            for name in a.frozen_dtype:
+                if a.device == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                dt, tokens, flops = bench_shape(a.shape, method, a.device, a.steps, a.batch,
+                                                torch.bfloat16 if name == "bf16" else torch.float32, a.compile)
+                peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else float("nan")
+                print(f"| {method} | {name} | {dt * 1000:.0f} | {tokens} | {tokens / dt:,.0f} | {flops / dt / 1e12:.1f} | "
+                      f"{100 * flops / dt / 1e12 / a.peak_tflops:.1f}% | {peak:.1f} |", flush=True)
         return
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     print("\n| method | objective | device | batch | \\|X\\| | ms/step | tokens/step | tok/s |")
