@@ -168,6 +168,50 @@ def test_verdict_rules(a, b, better, carries, verdict):
     assert V.decide(a, b, better, carries).startswith(verdict)
 
 
+@pytest.mark.parametrize("a, b", [([0.9], [0.1]), ([0.9, 0.91], [0.1]), ([0.1], [0.9, 0.91]), ([], [])])
+def test_verdict_refuses_to_decide_on_fewer_than_two_seeds(a, b):
+    """The rule says 2 seeds per arm: one seed is undecided whatever the gap and whatever carries (EPL at r = 4 was
+    "reproduced" on one seed per arm before the rule was enforced)."""
+    import sys
+    sys.path.insert(0, str(REPO / "recipes"))
+    import verdict as V
+    for carries in ((True, True), (True, False), (False, True)):
+        assert V.decide(a, b, "higher", carries) .startswith("undecided (")
+        assert "the rule needs 2" in V.decide(a, b, "higher", carries)
+    if len(a) >= 1 and len(b) >= 1:   # the same values, once the rule allows one seed, are decided
+        assert not V.decide(a, b, "higher", (True, True), min_seeds=1).startswith("undecided")
+
+
+def test_verdict_kinds_and_the_carry_metric_in_the_record(tmp_path):
+    """verdict.py's CLI: a carry claim over arms that carry nothing is undecided, a mechanical claim over the same runs
+    is decided and says so; results.json names the carry metric (not "own_other" for a QA gap), and a 1-seed table
+    says in its footnote that it decides nothing."""
+    import sys
+    sys.path.insert(0, str(REPO / "recipes"))
+    import verdict as V
+    for run, (score, gap) in {"a0": (0.9, 0.01), "a1": (0.92, 0.02), "b0": (0.5, 0.0), "b1": (0.52, 0.01)}.items():
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "eval_qa.json").write_text(json.dumps({"scores": {"compressed": {"f1": score}}}))
+        (tmp_path / run / "eval_gap.json").write_text(json.dumps({"ce_minus_none": gap}))
+    common = ["--out", str(tmp_path), "--arm", "A", "a0", "a1", "--arm", "B", "b0", "b1", "--expect", "A", "B",
+              "--metric", "F1=qa:scores.compressed.f1:higher", "--carry", "gap:ce_minus_none", "--carry-min", "0.1",
+              "--carry-name", "answer found, CEs minus no context"]
+    V.main(common + ["--claim", "carry"])
+    V.main(common + ["--claim", "mech", "--kind", "mechanical"])
+    V.main(["--out", str(tmp_path), "--arm", "A", "a0", "--arm", "B", "b0", "--expect", "A", "B", "--claim", "one",
+            "--metric", "F1=qa:scores.compressed.f1:higher", "--kind", "mechanical"])
+    tables = json.loads((tmp_path / "results.json").read_text())["tables"]
+    assert tables[0]["verdicts"]["F1"].startswith("undecided (a memory carries nothing)")
+    assert tables[1]["verdicts"]["F1"] == "reproduced (mechanical)" and tables[1]["kind"] == "mechanical"
+    assert tables[2]["verdicts"]["F1"].startswith("undecided (1 seed(s)")
+    assert all("own_other" not in t for t in tables)
+    assert tables[0]["carry"] == {"metric": "gap:ce_minus_none", "name": "answer found, CEs minus no context",
+                                  "rule": ">= 0.1", "values": {"A": [0.01, 0.02], "B": [0.0, 0.01]}}
+    md = (tmp_path / "results.md").read_text()
+    assert "| answer found, CEs minus no context (each run; >= 0.1 carries its text) |" in md
+    assert "(**1 here: not decided**)" in md
+
+
 def test_curve_scores_texts_cut_as_the_arm_was_trained(tmp_path):
     """recipes/curve.py's own/other at a checkpoint is the recipe's evaluation of it (`evaluate.py --max-len` the
     arm's length): a window-cropped arm trained on 8-token texts is scored on 8-token texts, not on whole ones."""
@@ -293,12 +337,12 @@ def test_curve_reads_the_checks_the_arm_logged_while_it_trained(tmp_path, monkey
     train.main(["--method", "aoc", "--model", "tiny", "--mem", "4", "--max-len", "8", "--batch-size", "2",
                 "--steps", "4", "--eval-every", "2", "--eval-n", "6", "--out", str(out)])
     monkeypatch.setattr(curve, "score", lambda *a: pytest.fail("a logged arm was scored again"))
-    c = curve.arm_curve(str(out), [{"text": "x"}] * 6, threshold=0.5)
+    c = curve.arm_curve(str(out), [{"text": "x"}] * 6, 6, threshold=0.5)
     logged = train.read_log(str(out))[1]
     assert [p["step"] for p in c["points"]] == [0, 2, 4]
     assert [p["ratio"] for p in c["points"]] == [r["eval"]["own_other"] for r in logged]
     with pytest.raises(SystemExit, match="checked 6 held-out texts while it trained, not --n 5"):
-        curve.arm_curve(str(out), [{"text": "x"}] * 5, threshold=0.5)
+        curve.arm_curve(str(out), [{"text": "x"}] * 6, 5, threshold=0.5)
 
 
 def test_capacity_optimizes_each_texts_own_memory(tmp_path):
@@ -369,3 +413,22 @@ def test_records_name_a_local_model_folder_without_its_path(tmp_path):
     scripts = [p for p in (REPO / "recipes").glob("*.sh") if "--note" in p.read_text()]
     assert scripts and not any('--note "model $MODEL"' in p.read_text() or '--note "model $MODEL;' in p.read_text()
                                for p in scripts)
+
+
+MACHINE_PATH = re.compile(r"(^|[\s'\"(=:])/(root|work|tmp|home|Users|mnt|scratch)/")
+
+
+def test_no_rendered_record_names_a_machine_local_path(tmp_path):
+    """Every rendered record (results.md, eval_*.md, every .md under recipes/results and the READMEs) and every
+    results.json note is free of machine-local paths: evaluate.py prints the file it wrote relative to where it
+    ran. The check itself must catch one."""
+    rendered = [*(REPO / "recipes" / "results").rglob("*.md"), REPO / "README.md", REPO / "recipes" / "README.md"]
+    notes = [(p, str(t.get("note", ""))) for p in (REPO / "recipes" / "results").rglob("results.json")
+             for t in json.loads(p.read_text()).get("tables", [])]
+    found = [f"{p}: {m.group(0)!r}" for p in rendered for m in [MACHINE_PATH.search(p.read_text())] if m]
+    found += [f"{p}: note {n!r}" for p, n in notes if MACHINE_PATH.search(n)]
+    assert not found, found
+    assert MACHINE_PATH.search("wrote /work/main/recipes/results/x/eval_ae.json")   # the pattern does catch one
+    import evaluate as E
+    out = tmp_path / "eval_ae.json"
+    assert E.shown_path(str(out.resolve()), cwd=str(tmp_path)) == "eval_ae.json"
