@@ -6,7 +6,8 @@
 
 A metric is NAME=TASK:PATH, read from OUT/ARM/eval_TASK.json (evaluate.py's output) by a dotted path; the
 special task `log` reads the last line of the arm's training log and `params` its trained-parameter count;
-ae:tokens_per_slot.mean (min, max) is measured from the scored examples where a record predates the key.
+ae:tokens_per_slot (or .mean, .min, .max) is measured from the scored examples where a record predates the key,
+and the whole of it is shown as the mean and, where the texts differ, the range: "3.79 (2.94-4.00)" (ratio_text).
 The figure is recipes/curve.py's loss_curves over the arms' training logs (one per --curves key). --append adds a
 table to the results already written (a recipe with a pretraining and a fine-tuning comparison).
 """
@@ -51,6 +52,13 @@ def read_metric(out, arm, spec):
     return lookup(result, path)
 
 
+def ratio_text(tps):
+    """Tokens per memory slot as the tables show it (ours, issue 37): the mean over the scored texts, and the range
+    where they differ: "3.79 (2.94-4.00)", "1.00"."""
+    lo, mean, hi = (f"{tps[k]:.2f}" for k in ("min", "mean", "max"))
+    return mean if lo == hi else f"{mean} ({lo}-{hi})"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -70,6 +78,8 @@ def main(argv=None):
     def fmt(v, name):   # None is a metric not read, except a step to a threshold: there it is "not reached"
         if v is None:
             return "not reached" if name.startswith("first step at") else "-"
+        if isinstance(v, dict) and {"mean", "min", "max"} <= v.keys():   # ae:tokens_per_slot
+            return ratio_text(v)
         return f"{v:.4g}" if isinstance(v, float) else str(v)
     lines = [f"### {a.title}", "", "| arm | " + " | ".join(n for n, _ in metrics) + " |",
              "|---|" + "---|" * len(metrics)]

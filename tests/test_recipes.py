@@ -47,6 +47,8 @@ def test_recipe_runs_end_to_end_without_matplotlib(paper, tmp_path):
         assert table["arms"] and all(v is not None or name.startswith("first step at")
                                      for arm in table["arms"].values() for name, v in arm.items()), table
         assert all(curve["png"] is None for curve in table["curves"].values())
+        for arm in table["arms"].values():   # own/other stands beside the tokens per slot it was scored at
+            assert "own/other" not in arm or arm["tokens/slot, mean (min-max)"]["mean"] > 0, arm
     # each skipped figure is named on stderr with the fix; a table that had a figure says it was skipped
     assert "matplotlib is not installed (pip install matplotlib" in p.stderr
     if any(table.get("curves") for table in results["tables"]):
@@ -363,38 +365,50 @@ def test_capacity_optimizes_each_texts_own_memory(tmp_path):
         assert r["curve"][-1]["loss"] < 0.8 * r["curve"][0]["loss"] and r["own_other"] < 0.9, (method, r)
 
 
-def test_lever_table_names_the_lever_that_carries_at_4x(tmp_path):
-    """recipes/levers.py: an arm's cell is its final own/other and the first check at or below 0.5; the last column
-    lists exactly the levers whose 4x arm ends at or below 0.5 (the lora baseline's folder counts as 500x + lora)."""
+def test_lever_table_names_the_lever_that_carries_at_a_measured_4x(tmp_path):
+    """recipes/levers.py: an arm's cell is its final own/other, the first check at or below 0.5 and the tokens per
+    slot it was scored at (from its eval_ae.json's examples); the last column lists exactly the levers whose 4x arm
+    ends at or below 0.5 at a measured 4x (mean >= 3.9 tokens per slot, no text under 3.5: issue 37), and says what
+    the others that carry on the 4x rung were scored at (the lora baseline's folder counts as 500x + lora)."""
     import sys
     sys.path.insert(0, str(REPO / "recipes"))
     import levers
 
-    def arm(name, ratios, final):
+    def arm(name, ratios, final, lengths=None, slots=16):
         d = tmp_path / name
         d.mkdir()
         (d / "args.json").write_text("{}")
         points = [dict(step=50 * (i + 1), own=1.0, other=1.0, none=1.0, ratio=r) for i, r in enumerate(ratios)]
         (d / "eval_curve.json").write_text(json.dumps({"points": points}))
-        (d / "eval_ae.json").write_text(json.dumps({"loss": {"own_other_ratio": final}}))
+        ae = {"loss": {"own_other_ratio": final}}
+        if lengths:   # a record kept before eval_ae.json had "tokens_per_slot": measured from its examples
+            ae["examples"] = [dict(reference_ids=[7] * n, memory_slots=slots) for n in lengths]
+        (d / "eval_ae.json").write_text(json.dumps(ae))
 
-    arm("500x_4x", [0.9, 0.8], 0.78)
-    arm("lora_4x", [0.7, 0.45, 0.3], 0.26)
-    arm("icae_1x", [1.0, 0.99], 0.99)
-    arm("icae_epl_1x", [0.9, 0.6, 0.52], 0.51)   # 0.51 > 0.5: does not carry
-    arm("icae_epl_4x", [0.9, 0.5], 0.5)          # at the threshold: carries, first at step 100
-    arm("pcc_long+batch16_4x", [0.8, 0.4], 0.4)  # two levers at once: one lever "long+batch16"
+    arm("500x_4x", [0.9, 0.8], 0.78)                         # no examples: no ratio in its cell
+    arm("lora_4x", [0.7, 0.45, 0.3], 0.26, [64, 64, 47])    # carries at 3.65 (2.94-4.00): the ladder's "4x"
+    arm("icae_1x", [1.0, 0.99], 0.99, [16, 16])
+    arm("icae_epl_1x", [0.9, 0.6, 0.52], 0.51, [16, 16])    # 0.51 > 0.5: does not carry
+    arm("icae_epl_4x", [0.9, 0.5], 0.5, [64, 64])           # at the threshold, at 4.00: carries, first at step 100
+    arm("pcc_long+batch16_4x", [0.8, 0.4], 0.4, [64] * 9 + [55])   # mean 3.94 but one text at 3.44 (< 3.5)
+    arm("pcc_epl_4x", [0.8, 0.3], 0.3, [62, 62])            # none under 3.5 but a mean of 3.88 (< 3.9)
     levers.main(["--out", str(tmp_path)])
     rows = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in line.split("|")[3:-1]]
             for line in (tmp_path / "levers.md").read_text().splitlines() if line.startswith("| ") and "---" not in line}
-    assert rows[("500x", "lora")][1] == "**0.260 (step 100, 150 steps)**"
-    assert rows[("500x", "none")] == ["-", "0.780 (never <= 0.5, 100 steps)", "lora"]
-    assert rows[("icae", "epl")][0] == "0.510 (never <= 0.5, 150 steps)"
-    assert rows[("icae", "none")][2] == "epl" and rows[("icae", "epl")][1].startswith("**0.500 (step 100")
-    assert rows[("pcc", "long+batch16")] == ["-", "**0.400 (step 100, 100 steps)**", "long+batch16"]
+    assert rows[("500x", "lora")][1] == "**0.260 (step 100, 150 steps)** at 3.65 (2.94-4.00)"
+    assert rows[("500x", "none")] == ["-", "0.780 (never <= 0.5, 100 steps)",
+                                      "none; lora carries at 3.65 (2.94-4.00), not a measured 4x"]
+    assert rows[("icae", "epl")][0] == "0.510 (never <= 0.5, 150 steps) at 1.00"
+    assert rows[("icae", "none")] == ["0.990 (never <= 0.5, 100 steps) at 1.00", "-", "epl"]
+    assert rows[("icae", "epl")][1] == "**0.500 (step 100, 100 steps)** at 4.00"
+    assert rows[("pcc", "epl")] == ["-", "**0.300 (step 100, 100 steps)** at 3.88",
+                                    "none; epl carries at 3.88, not a measured 4x; "
+                                    "long+batch16 carries at 3.94 (3.44-4.00), not a measured 4x"]
+    assert rows[("pcc", "long+batch16")][1] == "**0.400 (step 100, 100 steps)** at 3.94 (3.44-4.00)"
     assert ("pcc", "none") not in rows   # no arm, no row
     kept = json.loads((tmp_path / "levers.json").read_text())
-    assert list(k for k in kept if k.startswith("pcc:")) == ["pcc:long+batch16@4x"] and kept["500x:lora@4x"]["first"] == 100
+    assert list(k for k in kept if k.startswith("pcc:")) == ["pcc:epl@4x", "pcc:long+batch16@4x"]
+    assert kept["500x:lora@4x"]["first"] == 100 and kept["500x:lora@4x"]["tokens_per_slot"]["min"] == 47 / 16
 
 
 def test_records_name_a_local_model_folder_without_its_path(tmp_path):
