@@ -446,3 +446,37 @@ def test_no_rendered_record_names_a_machine_local_path(tmp_path):
     import evaluate as E
     out = tmp_path / "eval_ae.json"
     assert E.shown_path(str(out.resolve()), cwd=str(tmp_path)) == "eval_ae.json"
+
+
+def markdown_table(text, header_start):
+    """The rows (lists of cells) of the markdown table in text whose header line starts with header_start."""
+    lines = text.splitlines()
+    i = next(k for k, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[i:]:
+        if not line.startswith("|"):
+            break
+        if not line.startswith("|---"):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+RATIO = re.compile(r"\b\d+\.\d\d(?!\d)(?: \(\d+\.\d\d-\d+\.\d\d)?")   # tokens per slot: "3.79 (2.94-4.00)", "1.00"
+
+
+def test_the_readmes_tables_show_the_measured_tokens_per_slot():
+    """Issue 37: every own/other the verdict tables state stands beside the tokens per memory slot it was scored at.
+    recipes/README.md's verdict table has a column of them in every row, its lever table is recipes/levers.py's (each
+    cell with its tokens per slot, and the rule of a measured 4x), and README.md's verdict table names them."""
+    text = (REPO / "recipes" / "README.md").read_text()
+    header, *rows = markdown_table(text, "| claim | the paper's number |")
+    col = next(i for i, c in enumerate(header) if c.startswith("tokens per memory slot"))
+    assert rows and all(RATIO.search(row[col]) for row in rows), [row[col] for row in rows]
+    kept = (REPO / "recipes" / "results" / "ladder" / "levers.md").read_text().split("\n\n")[0]
+    header, *rows = markdown_table(text, "| preset | lever |")
+    assert markdown_table(kept, "| preset | lever |") == [header, *rows]   # the table as the record renders it
+    assert "tokens per slot" in header[2] and "measured 4x" in header[4]
+    cells = [c for row in rows for c in row[2:4] if c != "-"]
+    assert cells and all(re.search(r"\d\.\d{3} \(.*\)\**( at " + RATIO.pattern + ")", c) for c in cells), cells
+    header = markdown_table((REPO / "README.md").read_text(), "| claim (paper) |")[0]
+    assert any("measured tokens per slot" in c for c in header), header
