@@ -30,7 +30,8 @@ import train  # noqa: E402
 PRESETS = C.METHODS
 RUNGS = ("1x", "4x")
 BASELINE = {"lora": ("500x", "lora")}   # ladder arms that are a preset under a lever: AOC's LoRA baseline is 500x + lora
-MEASURED_4X = dict(mean=3.9, min=3.5)   # issue 37's rule (ours): a measured 4x is a mean of >= 3.9 tokens per slot, none < 3.5
+# issue 37's rule (ours): a measured 4x is a mean of at least 3.9 tokens per slot over the scored texts, none under 3.5
+MEASURED_4X = dict(mean=3.9, min=3.5)
 
 
 def read_arm(path, threshold):
