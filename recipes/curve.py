@@ -99,9 +99,11 @@ def arm_curve(run, examples, n, threshold, loss_at=None):
     steps, checks = train.read_log(run)
     points = [dict(step=r["step"], own=r["eval"]["own"], other=r["eval"]["other"], none=r["eval"]["none"],
                    ratio=r["eval"]["own_other"]) for r in checks]
-    if points and checks[-1]["eval"]["n"] != n:
-        raise SystemExit(f"curve.py: {run} checked {checks[-1]['eval']['n']} held-out texts while it trained, not "
-                         f"--n {n}: pass the --n (and --data) it was trained with")
+    # the arm's --eval-n is what --n must be (it checked fewer texts where fewer have its trained length)
+    asked = (C.read_checkpoint_config(run).get("train_args") or {}).get("eval_n") if points else None
+    if points and (asked if asked is not None else checks[-1]["eval"]["n"]) != n:
+        raise SystemExit(f"curve.py: {run} checked {checks[-1]['eval']['n']} held-out texts while it trained "
+                         f"(--eval-n {asked}), not --n {n}: pass the --n (and --data) it was trained with")
     if not points:   # trained before train.py checked itself: score the kept checkpoints
         for ckpt in sorted(glob.glob(os.path.join(run, "ckpt-*"))):
             points.append(dict(step=int(ckpt.rpartition("-")[2]), **score(ckpt, examples, n)))

@@ -343,7 +343,7 @@ def test_curve_reads_the_checks_the_arm_logged_while_it_trained(tmp_path, monkey
     logged = train.read_log(str(out))[1]
     assert [p["step"] for p in c["points"]] == [0, 2, 4]
     assert [p["ratio"] for p in c["points"]] == [r["eval"]["own_other"] for r in logged]
-    with pytest.raises(SystemExit, match="checked 6 held-out texts while it trained, not --n 5"):
+    with pytest.raises(SystemExit, match="checked 6 held-out texts while it trained \\(--eval-n 6\\), not --n 5"):
         curve.arm_curve(str(out), [{"text": "x"}] * 6, 5, threshold=0.5)
 
 
