@@ -1012,7 +1012,7 @@ class HeldOut:
         return self.rows[-1]["eval"]["own_other"] if self.rows else None
 
 
-def held_out(args, run: Run) -> HeldOut | None:
+def held_out(args, run: Run, comp) -> HeldOut | None:
     """The held-out examples of the check, or None (with one line saying why and how to turn it on)."""
     import evaluate as E   # here, not at the top: evaluate imports train (the built-in texts, the record reader)
     every = args.eval_every if args.eval_every is not None else args.save_every
@@ -1026,8 +1026,10 @@ def held_out(args, run: Run) -> HeldOut | None:
             print(f"no held-out check runs: pass --eval-data FILE (held-out {'QA triples' if task == 'qa' else 'texts'}) "
                   f"to see every {every} steps whether the memory carries its own text")
         return None
-    try:
-        examples = E.load_examples(args.eval_data, task, args.eval_n)
+    try:   # the texts at the run's trained length (evaluate.at_trained_length), as evaluate.py scores them
+        examples = E.load_examples(args.eval_data, task, None if task == "ae" else args.eval_n)
+        if task == "ae":
+            examples = E.at_trained_length(comp, examples, E.protocol(comp, train_args=vars(args)), args.eval_n)
     except (OSError, ValueError) as e:
         fail(f"--eval-data: {e}")
     # a resumed run's log (trimmed to its checkpoint) holds its earlier evaluations
@@ -1047,16 +1049,19 @@ def held_out_losses(args, run: Run, comp, ho: HeldOut) -> dict:
             L = E.run_qa(comp, ho.examples, max_len=args.max_len, generate=False)["loss"]
         else:
             proto = E.protocol(comp, max_len=args.max_len, train_args=vars(args))
-            L = E.run_ae(comp, ho.examples, proto=proto, generate=False)["loss"]
+            ae = E.run_ae(comp, ho.examples, proto=proto, generate=False)
+            L = {**ae["loss"], "tokens_per_slot": ae["tokens_per_slot"]}
         lm = E.run_lm(comp, ho.examples, max_len=args.max_len)["loss"] if args.objective == "pretrain" else None
     for m, training in modes.items():
         m.train(training)
     point = lambda L: dict(own=L["own"], other=L["other"], none=L["none"], own_other=L["own_other_ratio"])
-    return {**point(L), "n": len(ho.examples), **({"lm": point(lm)} if lm else {})}
+    ratio = {"tokens_per_slot": L["tokens_per_slot"]} if "tokens_per_slot" in L else {}
+    return {**point(L), "n": len(ho.examples), **ratio, **({"lm": point(lm)} if lm else {})}
 
 
 def check_held_out(args, run: Run, comp, ho: HeldOut, log, bar, step: int):
     """Score the held-out examples at `step`, log the row, and warn once when the memory acts as a constant prompt."""
+    import evaluate as E
     t0 = time.time()
     try:   # e.g. an empty held-out text, or no memory left for it: one line, not a traceback
         row = {"step": step, "eval": held_out_losses(args, run, comp, ho)}
@@ -1068,6 +1073,7 @@ def check_held_out(args, run: Run, comp, ho: HeldOut, log, bar, step: int):
         fail(f"out of memory in the held-out check at step {step} on {run.device}: use a smaller --eval-n, or "
              f"--eval-every 0 (no check); the last good checkpoint in {args.out} is kept")
     row["eval"]["seconds"] = time.time() - t0   # what the check cost (the training steps' dt leaves it out)
+    row["eval"]["accelerator"] = E.accelerator(run.device)   # where it ran (a resumed run may move machines)
     ho.rows.append(row)
     ratio = row["eval"]["own_other"]
     recent = [r["eval"]["own_other"] for r in ho.rows if r["step"] > args.warmup][-PROMPT_EVALS:]
@@ -1078,8 +1084,10 @@ def check_held_out(args, run: Run, comp, ho: HeldOut, log, bar, step: int):
     log.flush()
     if ratio is None:   # a single held-out example has no other
         return
+    per_slot = row["eval"].get("tokens_per_slot")
     tqdm.write(f"step {step} | held-out own/other {ratio:.3f} (own {row['eval']['own']:.4f}, other "
-               f"{row['eval']['other']:.4f}, no memory {row['eval']['none']:.4f})")
+               f"{row['eval']['other']:.4f}, no memory {row['eval']['none']:.4f})"
+               + (f" at {per_slot['mean']:.2f} tokens per memory slot" if per_slot else ""))
     if warn:
         tqdm.write(f"warning: held-out own/other {ratio:.3f} at step {step} ({PROMPT_EVALS} evaluations in a row >= "
                    f"{PROMPT_LIKE}): the memory acts as a constant prompt, the same for every text; see "
@@ -1142,7 +1150,7 @@ def main(argv=None):
               f"{sum(p.numel() for p in params):,} trained parameters, batch {args.batch_size} "
               f"({run.accum} x {run.micro} x {run.world}), |X| in [{args.min_len}, {args.max_len}], lr {args.lr:g}, "
               f"{args.schedule} after {args.warmup} warmup steps, steps {run.start}->{args.steps} on {run.device}")
-    ho = held_out(args, run)
+    ho = held_out(args, run, comp)
     stop = {"signal": None}
     old_handlers = catch_signals(stop)
     end = min(args.steps, args.stop_after or args.steps)      # --stop-after K: this job ends after step K
