@@ -13,10 +13,10 @@ import argparse
 import json
 import math
 import os
+import platform
 import random
 import re
 import statistics
-import sys
 import weakref
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -30,6 +30,7 @@ from tqdm import tqdm
 import compressors as C
 import data as D   # the built-in corpus and its held-out set; the one reader of .jsonl / .parquet records
 import masks
+from figures import heat_png, needle_png, render_text
 import presets as P
 from metrics import ae_scores, mean_scores, passkey_score, perplexity, qa_scores
 from model import load_pretrained
@@ -95,9 +96,22 @@ def protocol(comp, ckpt=None, max_len=None, train_args=None):
     tokens."""
     if train_args is None:
         train_args = (C.read_checkpoint_config(ckpt).get("train_args") or {}) if ckpt else {}
-    crop = train_args.get("crop", "window")
-    return dict(crop=crop, n=max_len or (train_args.get("max_len") if crop == "head" else None),
+    n = max_len or train_args.get("max_len")   # the run's own check cuts at its --max-len (any crop): so does this
+    shortest = train_args.get("min_len") if n else None   # texts shorter than the run's --min-len are not scored
+    return dict(crop=train_args.get("crop", "window"), n=n, min=shortest and min(shortest, n),
                 half=train_args.get("objective") == "pretrain")
+
+
+def at_trained_length(comp, examples, proto, n=None):
+    """The texts an ae or lm score reads (ours, issue 37): those of at least the run's --min-len tokens, then the first
+    n. A run trained on texts of 64 tokens into 16 slots is then scored at 4 tokens per slot, not on the shorter
+    held-out texts its memory was never asked to hold (cut to the trained length by texts_as_trained)."""
+    if proto.get("min"):
+        examples = [ex for ex in examples if len(comp.tok.encode(ex["text"])) >= proto["min"]]
+        if not examples:
+            raise ValueError(f"no text of at least {proto['min']} tokens (the run's --min-len) to score: pass --data "
+                             "with longer texts, or --min-len N")
+    return examples[:n] if n else examples
 
 
 def texts_as_trained(comp, texts, proto):
@@ -114,6 +128,15 @@ def texts_as_trained(comp, texts, proto):
             x, ids = x[:p], ids[:p]
         out.append((x, ids))
     return out
+
+
+def accelerator(device) -> str:
+    """The machine a number was measured on, for the record: the GPU's name (torch.cuda.get_device_name), else "cpu"
+    with the processor's name where the platform gives one (ours, issue 37: "H100" in a README names a record)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type} ({platform.processor() or platform.machine()})"
 
 
 def batches(items, size):
@@ -262,8 +285,15 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
                 row[mode] = {"text": tok.decode(ids), "ids": ids,
                              "scores": ae_scores(ids, refs[j], tok, epl=(stopped, comp.ae_target(refs[j])))}
             rows.append(row)
-    losses = {"protocol": proto, **memory_losses(rows)}
+    losses = {"protocol": proto, **memory_losses(rows), "tokens_per_slot": tokens_per_slot(rows)}
     return summarize(rows, losses) if generate else losses
+
+
+def tokens_per_slot(rows):
+    """The compression each memory was scored at: the text's tokens over its memory's slots, mean, min and max over
+    the scored texts (ours, issue 37: a "4x" label is checked against this, not against the flags)."""
+    r = [len(row["reference_ids"]) / row["memory_slots"] for row in rows]
+    return {"mean": sum(r) / len(r), "min": min(r), "max": max(r)}
 
 
 @torch.no_grad()
@@ -397,6 +427,10 @@ def report_text(result):
     full = f", the full context {L['full']:.4f}" if "full" in L else ""
     table += (f"\n\nteacher-forced loss per token ({L['tokens']} {'answer ' if full else ''}tokens): own memory "
               f"{L['own']:.4f}, no memory {L['none']:.4f}{full}{other}")
+    if "tokens_per_slot" in result:   # the compression the texts were scored at
+        r = result["tokens_per_slot"]
+        table += (f"\n\ncompression: {r['mean']:.2f} tokens per memory slot over the {len(result['examples'])} "
+                  f"texts (min {r['min']:.2f}, max {r['max']:.2f})")
     if result["task"] == "ae":   # a few texts next to what the decoder regenerated from their memory
         shown = [[repr(ex["reference"][:160]), repr(ex["compressed"]["text"][:160])] for ex in result["examples"][:3]]
         table += "\n\n" + markdown_table(["held-out text", "regenerated from its memory"], shown)
@@ -493,54 +527,6 @@ def encoder_attention(comp, enc_ids):
         out[row0:row0 + m, col0:col0 + n] = probs[r, n:n + m, :n].cpu()
         row0, col0 = row0 + m, col0 + n
     return memory, out[:, 1:] if comp.cfg.bos else out   # the columns of the text itself, not a leading [BOS]
-
-
-def pyplot(path):
-    """matplotlib.pyplot on its file-only Agg backend, or None when matplotlib is not installed: figures are optional
-    (the numbers they draw are in the results either way), so a missing matplotlib skips the figure at `path` with one
-    line that says how to get it."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"figure {path} skipped: matplotlib is not installed (pip install matplotlib, then run again)",
-              file=sys.stderr)
-        return None
-    return plt
-
-
-def heat_png(path, values, title, xlabel, ylabel):
-    """A [rows, cols] matrix as a PNG heatmap ("hot" colour map, one cell per entry, a colour bar); returns the path,
-    or None when the figure was skipped (no matplotlib)."""
-    plt = pyplot(path)
-    if plt is None:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    im = ax.imshow(np.asarray(values, dtype=np.float64), aspect="auto", cmap="hot", interpolation="nearest")
-    fig.colorbar(im, ax=ax)
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-RAMP = " .:-=+*#%@"   # text heatmap: low to high
-
-
-def render_text(values, max_cols=96, max_rows=48):
-    """A text heatmap, one character per cell by min-max scaled intensity; rows and columns beyond max_rows / max_cols
-    are averaged into bins so it fits a terminal."""
-    v = np.asarray(values, dtype=np.float64)
-    for axis, limit in ((0, max_rows), (1, max_cols)):
-        if v.shape[axis] > limit:
-            bins = np.array_split(np.arange(v.shape[axis]), limit)
-            v = np.stack([v.take(b, axis=axis).mean(axis=axis) for b in bins], axis=axis)
-    lo, hi = v.min(), v.max()
-    x = (v - lo) / (hi - lo) if hi > lo else np.zeros_like(v)
-    idx = np.minimum((x * len(RAMP)).astype(int), len(RAMP) - 1)
-    return "\n".join(f"{i:4d} |" + "".join(RAMP[j] for j in row) + "|" for i, row in enumerate(idx))
 
 
 @torch.no_grad()
@@ -682,26 +668,6 @@ def run_needle(comp, examples, lengths=None, n=None, seed=0, max_new_tokens=None
     return result
 
 
-def needle_png(path, result, name):
-    """The three grids side by side, depth on y and length on x, red (0) to green (1) as the long-context papers draw
-    them; returns the path, or None when matplotlib is missing."""
-    plt = pyplot(path)
-    if plt is None:
-        return None
-    fig, axes = plt.subplots(1, len(MODES), figsize=(4 * len(MODES), 3.6), sharey=True, layout="constrained")
-    for ax, mode in zip(axes, MODES):
-        im = ax.imshow(np.asarray(result["grid"][mode]), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        ax.set(title=mode, xlabel="context length (tokens)", xticks=range(len(result["lengths"])),
-               xticklabels=result["lengths"], yticks=range(len(result["depths"])),
-               yticklabels=[f"{d:.0%}" for d in result["depths"]])
-    axes[0].set_ylabel("needle depth")
-    fig.colorbar(im, ax=axes, label="passkey retrieved (fraction)")
-    fig.suptitle(f"{name}: passkey retrieval, {result['n']} samples per cell")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 def report_needle(result):
     header = ["depth \\ length"] + [str(L) for L in result["lengths"]]
     tables = [f"{mode}: fraction of the {result['n']} samples per cell that gave the passkey\n\n" + markdown_table(
@@ -751,8 +717,10 @@ def parse_args(argv=None):
                    "checkpoint, else reference + 8; qa the paper's: PCC 30, CompLLM 512, EPL 1024, else 64; "
                    f"needle {NEEDLE_BUDGET})")
     p.add_argument("--max-len", type=int, help="ae, lm, interpolate: cut texts to their first N tokens (default: "
-                   "the checkpoint's n when it was trained with --crop head, else whole texts); qa: cut each context "
-                   "to its first N tokens (default: whole contexts)")
+                   "the checkpoint's --max-len, as its held-out check cuts them); qa: cut each context to its first N "
+                   "tokens (default: whole contexts)")
+    p.add_argument("--min-len", type=int, help="ae, lm: score only texts of at least N tokens (default: the "
+                   "checkpoint's --min-len, so a run is scored at the compression it trained at)")
     p.add_argument("--ratio", type=int, help="group merging (GMSA): the compression ratio r (group size) to evaluate "
                    "at, one of train.py's --ratios (default: the preset's first, 4)")
     p.add_argument("--concat", type=int, default=1, help="qa: join the contexts of K examples into one long "
@@ -774,7 +742,7 @@ def parse_args(argv=None):
     if args.ckpt is None:   # an untrained preset is timed by tests/bench_speed.py, never scored
         raise SystemExit(f"error: --task {args.task} needs --ckpt DIR (an untrained preset's speed: "
                          "tests/bench_speed.py --method M)")
-    for name in ("n", "max_new_tokens", "batch_size", "max_len", "ratio", "concat"):
+    for name in ("n", "max_new_tokens", "batch_size", "max_len", "min_len", "ratio", "concat"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
@@ -839,6 +807,13 @@ def numbers(text, kind, name):
         raise ValueError(f"--{name} takes comma-separated numbers, got {text!r}") from None
 
 
+def shown_path(path, cwd=None):
+    """A path as a record prints it: relative to where the command ran when it lies below it (a results.md or
+    eval_*.md is read on other machines, where /home/... of this one means nothing), else as given."""
+    rel = os.path.relpath(os.path.abspath(path), cwd or os.getcwd())
+    return path if rel.startswith("..") else rel
+
+
 def main(argv=None):
     """Run one task; returns the result dict (also written as JSON). Bad input -> SystemExit('error: ...')."""
     args = parse_args(argv)
@@ -851,20 +826,25 @@ def main(argv=None):
             raise ValueError(f"--lengths must be positive, got {args.lengths}")
         task = TASKS[args.task]
         n = None if args.task == "needle" else args.n   # needle: --n counts samples per cell, not texts
-        examples = load_examples(args.data, args.task, n) if task.examples and (
+        text_task = args.task in ("ae", "lm")   # scored at the trained length (at_trained_length)
+        examples = load_examples(args.data, args.task, None if text_task else n) if task.examples and (
             args.task != "heatmap" or args.text0 is None) else None
         comp = load_compressor(args)
         proto = protocol(comp, args.ckpt, args.max_len)
+        if args.min_len:
+            proto["min"] = args.min_len
+        if text_task:
+            examples = at_trained_length(comp, examples, proto, n)
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)   # before the task: figures go next to it
         result = task.run(args, comp, examples, proto, os.path.splitext(out)[0])
     except (FileNotFoundError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
-    result = {"task": args.task, "checkpoint": args.ckpt, "config": asdict(comp.cfg),
-              "ratio": args.ratio, "device": args.device, "dtype": args.dtype, **result}
+    result = {"task": args.task, "checkpoint": args.ckpt, "config": asdict(comp.cfg), "ratio": args.ratio,
+              "device": args.device, "accelerator": accelerator(args.device), "dtype": args.dtype, **result}
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(task.report(result))
-    print(f"\nwrote {out}")
+    print(f"\nwrote {shown_path(out)}")
     return result
 
 

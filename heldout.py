@@ -40,17 +40,21 @@ class HeldOut:
         return self.rows[-1]["eval"]["own_other"] if self.rows else None
 
 
-def held_out(train_args: dict, every: int, tiny: bool, resumed: bool, master: bool) -> HeldOut | None:
+def held_out(comp, train_args: dict, every: int, tiny: bool, resumed: bool, master: bool) -> HeldOut | None:
     """The held-out examples of the check (train_args: the run's eval_data, eval_n, objective, out), or None, with
     one line saying why and how to turn it on. tiny: the built-in tiny model, whose held-out texts are built in."""
     task = "qa" if train_args["objective"] in ("qa", "distill") else "ae"
     if every <= 0 or (train_args["eval_data"] is None and not tiny):
         if master and every > 0:
-            print(f"no held-out check runs: pass --eval-data FILE (held-out {'QA triples' if task == 'qa' else 'texts'}) "
-                  f"to see every {every} steps whether the memory carries its own text")
+            what = "QA triples" if task == "qa" else "texts"
+            print(f"no held-out check runs: pass --eval-data FILE (held-out {what}) to see every {every} steps "
+                  "whether the memory carries its own text")
         return None
-    try:
-        examples = E.load_examples(train_args["eval_data"], task, train_args["eval_n"])
+    try:   # the texts at the run's trained length (evaluate.at_trained_length), as evaluate.py scores them
+        examples = E.load_examples(train_args["eval_data"], task, None if task == "ae" else train_args["eval_n"])
+        if task == "ae":
+            proto = E.protocol(comp, train_args=train_args)
+            examples = E.at_trained_length(comp, examples, proto, train_args["eval_n"])
     except (OSError, ValueError) as e:
         fail(f"--eval-data: {e}")
     # a resumed run's log (trimmed to its checkpoint) holds its earlier evaluations
@@ -71,12 +75,14 @@ def held_out_losses(comp, ho: HeldOut, device, autocast) -> dict:
             L = E.run_qa(comp, ho.examples, max_len=max_len, generate=False)["loss"]
         else:
             proto = E.protocol(comp, max_len=max_len, train_args=ho.train_args)
-            L = E.run_ae(comp, ho.examples, proto=proto, generate=False)["loss"]
+            ae = E.run_ae(comp, ho.examples, proto=proto, generate=False)
+            L = {**ae["loss"], "tokens_per_slot": ae["tokens_per_slot"]}
         lm = E.run_lm(comp, ho.examples, max_len=max_len)["loss"] if ho.train_args["objective"] == "pretrain" else None
     for m, training in modes.items():
         m.train(training)
     point = lambda L: dict(own=L["own"], other=L["other"], none=L["none"], own_other=L["own_other_ratio"])
-    return {**point(L), "n": len(ho.examples), **({"lm": point(lm)} if lm else {})}
+    ratio = {"tokens_per_slot": L["tokens_per_slot"]} if "tokens_per_slot" in L else {}
+    return {**point(L), "n": len(ho.examples), **ratio, **({"lm": point(lm)} if lm else {})}
 
 
 def check_held_out(comp, ho: HeldOut, log, step: int, device, autocast):
@@ -92,6 +98,7 @@ def check_held_out(comp, ho: HeldOut, log, step: int, device, autocast):
         fail(f"out of memory in the held-out check at step {step} on {device}: use a smaller --eval-n, or "
              f"--eval-every 0 (no check); the last good checkpoint in {ho.train_args['out']} is kept")
     row["eval"]["seconds"] = time.time() - t0   # what the check cost (the training steps' dt leaves it out)
+    row["eval"]["accelerator"] = E.accelerator(device)   # where it ran (a resumed run may move machines)
     ho.rows.append(row)
     ratio = row["eval"]["own_other"]
     recent = [r["eval"]["own_other"] for r in ho.rows if r["step"] > ho.train_args["warmup"]][-PROMPT_EVALS:]
@@ -102,8 +109,10 @@ def check_held_out(comp, ho: HeldOut, log, step: int, device, autocast):
     log.flush()
     if ratio is None:   # a single held-out example has no other
         return
+    per_slot = row["eval"].get("tokens_per_slot")
     tqdm.write(f"step {step} | held-out own/other {ratio:.3f} (own {row['eval']['own']:.4f}, other "
-               f"{row['eval']['other']:.4f}, no memory {row['eval']['none']:.4f})")
+               f"{row['eval']['other']:.4f}, no memory {row['eval']['none']:.4f})"
+               + (f" at {per_slot['mean']:.2f} tokens per memory slot" if per_slot else ""))
     if warn:
         tqdm.write(f"warning: held-out own/other {ratio:.3f} at step {step} ({PROMPT_EVALS} evaluations in a row >= "
                    f"{PROMPT_LIKE}): the memory acts as a constant prompt, the same for every text; see "
@@ -116,7 +125,9 @@ def first_carrying_step(ho: HeldOut, threshold=0.5) -> str:
                 and r["eval"]["own_other"] <= threshold), None)
     last = ho.rows[-1]
     if hit is not None:
-        return f"held-out own/other first <= {threshold} at step {hit} ({last['eval']['own_other']:.3f} at step {last['step']})"
+        return (f"held-out own/other first <= {threshold} at step {hit} ({last['eval']['own_other']:.3f} at step "
+                f"{last['step']})")
     ratio = last["eval"]["own_other"]
     return (f"held-out own/other never <= {threshold} within {last['step']} steps "
-            f"({'n/a' if ratio is None else f'{ratio:.3f}'} at step {last['step']}): the memory does not carry its text yet")
+            f"({'n/a' if ratio is None else f'{ratio:.3f}'} at step {last['step']}): the memory does not carry its "
+            "text yet")

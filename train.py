@@ -412,7 +412,7 @@ def main(argv=None):
         every = 0
         if run.master:
             print("no held-out check runs under --fsdp: score a checkpoint with evaluate.py --ckpt")
-    ho = held_out(vars(args), every, P.on_tiny(args.model, args.decoder), run.start > 0, run.master)
+    ho = held_out(comp, vars(args), every, P.on_tiny(args.model, args.decoder), run.start > 0, run.master)
     end = loop(args, run, comp, step_fn, opt, params, data, ho, log)
     if run.master and ho and ho.rows:
         print(first_carrying_step(ho))

@@ -27,7 +27,7 @@ if [ "$SCALE" = paper ]; then
     --title "AOC vs its LoRA baseline (regeneration of held-out texts, each cut to its first n tokens)" \
     --metric "BLEU (words, method1)=ae:scores.compressed.bleu4_words" --metric "AOC EM=ae:scores.compressed.aoc_em" \
     --metric "ROUGE-L (rouge 1.0.1)=ae:scores.compressed.aoc_rougeL" --metric "own/other=ae:loss.own_other_ratio" \
-    --metric "trained encoder parameters=params:" --note "model $MODEL_NAME"
+    "${TOKENS_PER_SLOT[@]}" --metric "trained encoder parameters=params:" --note "model $MODEL_NAME"
 else
   # ours: decided where the baseline carries its text, at m = n = 16 (1:1, the sanity check) and at 2x (n = 32,
   # m = 16), each text the first n tokens of a paragraph (AOC's head crop); batch 4, the paper's lr 2e-4 for both
@@ -67,7 +67,7 @@ else
     --title "AOC vs its LoRA baseline: every run (held-out texts, each cut to its first n tokens)" \
     --metric "BLEU (words, method1)=ae:scores.compressed.bleu4_words" --metric "AOC EM=ae:scores.compressed.aoc_em" \
     --metric "ROUGE-L (rouge 1.0.1)=ae:scores.compressed.aoc_rougeL" --metric "own/other=ae:loss.own_other_ratio" \
-    --metric "first step at own/other 0.5=curve:first_at_threshold" \
+    "${TOKENS_PER_SLOT[@]}" --metric "first step at own/other 0.5=curve:first_at_threshold" \
     --metric "trained encoder parameters=params:" --note "model $MODEL_NAME; own/other along the runs: curve.md, curve.png"
   for n in 16 32; do
     runs() { for seed in $SEEDS; do echo "$1_n${n}_s$seed"; done; }

@@ -110,7 +110,7 @@ PY
     # CompLLM Fig. 5: the CEs answer "comparable or slightly lower" than the full context at short contexts
     $PY recipes/verdict.py --out "$OUT" --claim "CompLLM: the CEs answer $([ $B = none ] && echo "better than no context" || echo "as well as the full context")" \
       --arm CEs $ARMS --arm $B $ARMS --expect CEs $B --context CEs compressed --context $B $B \
-      --carry gap:ce_minus_none --carry-min $GAP \
+      --carry gap:ce_minus_none --carry-min $GAP --carry-name "answer found, CEs minus no context" \
       --metric "F1=qa:scores.{context}.squad_f1:higher" --metric "Acc=qa:scores.{context}.substring_acc:higher"
   done
 fi

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import compressors as C  # noqa: E402
 import evaluate as E  # noqa: E402
 import checkpoint  # noqa: E402
+import figures  # noqa: E402
 
 
 def kept(result, run):
@@ -36,16 +37,19 @@ def kept(result, run):
     return os.path.isfile(result) and (not os.path.isfile(weights) or os.path.getmtime(result) >= os.path.getmtime(weights))
 
 
-def score(ckpt, examples):
+def score(ckpt, examples, n=None):
     """own, other, none and own/other of one checkpoint on the held-out examples (cached in ckpt/eval_curve.json)."""
     path = os.path.join(ckpt, "eval_curve.json")
     if kept(path, ckpt):
         return json.load(open(path))
     comp = C.load(ckpt).eval()
-    # the texts cut as the arm was trained: its first --max-len tokens (what `evaluate.py --max-len` does)
-    max_len = C.read_checkpoint_config(ckpt).get("train_args", {}).get("max_len")
-    L = E.run_ae(comp, examples, proto=E.protocol(comp, ckpt, max_len), generate=False)["loss"]
-    point = dict(own=L["own"], other=L["other"], none=L["none"], ratio=L["own_other_ratio"])
+    # the texts as the arm was trained on them, as evaluate.py scores them: those of at least its --min-len tokens,
+    # the first n of them, cut to its --max-len
+    proto = E.protocol(comp, ckpt)
+    ae = E.run_ae(comp, E.at_trained_length(comp, examples, proto, n), proto=proto, generate=False)
+    L = ae["loss"]
+    point = dict(own=L["own"], other=L["other"], none=L["none"], ratio=L["own_other_ratio"],
+                 tokens_per_slot=ae["tokens_per_slot"])
     json.dump(point, open(path, "w"))
     return point
 
@@ -75,7 +79,7 @@ def loss_curves(runs, key="loss", target=None, png=None):
     target = target if target is not None else max(min(v for _, v in c) for c in curves.values())
     out = [dict(run=run, last_step=c[-1][0], final=c[-1][1], best=min(v for _, v in c), reached=first_step_at(c, target))
            for run, c in curves.items()]
-    plt = E.pyplot(png) if png else None   # None without matplotlib: the table is the result, the figure a view of it
+    plt = figures.pyplot(png) if png else None   # None without matplotlib: the table is the result, the figure a view of it
     if plt:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for run, c in curves.items():
@@ -89,19 +93,21 @@ def loss_curves(runs, key="loss", target=None, png=None):
     return {"key": key, "target": target, "png": png if plt else None, "runs": out}
 
 
-def arm_curve(run, examples, threshold, loss_at=None):
+def arm_curve(run, examples, n, threshold, loss_at=None):
     """Every kept checkpoint of a run, scored: {points, first step <= threshold (None: never), s/step}; with loss_at,
     also the first step where the training loss (smoothed over 20 steps) is at or below it (EPL §4's "converges
     9.7 times faster": the steps each layout needs to reach the same training loss)."""
     steps, checks = checkpoint.read_log(run)
     points = [dict(step=r["step"], own=r["eval"]["own"], other=r["eval"]["other"], none=r["eval"]["none"],
                    ratio=r["eval"]["own_other"]) for r in checks]
-    if points and checks[-1]["eval"]["n"] != len(examples):
-        raise SystemExit(f"curve.py: {run} checked {checks[-1]['eval']['n']} held-out texts while it trained, not "
-                         f"--n {len(examples)}: pass the --n (and --data) it was trained with")
+    # the arm's --eval-n is what --n must be (it checked fewer texts where fewer have its trained length)
+    asked = (C.read_checkpoint_config(run).get("train_args") or {}).get("eval_n") if points else None
+    if points and (asked if asked is not None else checks[-1]["eval"]["n"]) != n:
+        raise SystemExit(f"curve.py: {run} checked {checks[-1]['eval']['n']} held-out texts while it trained "
+                         f"(--eval-n {asked}), not --n {n}: pass the --n (and --data) it was trained with")
     if not points:   # trained before train.py checked itself: score the kept checkpoints
         for ckpt in sorted(glob.glob(os.path.join(run, "ckpt-*"))):
-            points.append(dict(step=int(ckpt.rpartition("-")[2]), **score(ckpt, examples)))
+            points.append(dict(step=int(ckpt.rpartition("-")[2]), **score(ckpt, examples, n)))
     dts = [r["dt"] for r in steps]
     first = next((p["step"] for p in points if p["ratio"] is not None and p["ratio"] <= threshold), None)
     first_loss = None
@@ -115,7 +121,7 @@ def arm_curve(run, examples, threshold, loss_at=None):
 
 def figure(path, groups, curves, threshold, title):
     """One panel per group, own/other against steps, every arm of the group on it; None without matplotlib."""
-    plt = E.pyplot(path)   # None without matplotlib: the table is the result, the figure a view of it
+    plt = figures.pyplot(path)   # None without matplotlib: the table is the result, the figure a view of it
     if plt is None:
         return None
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False, sharey=True)
@@ -148,7 +154,7 @@ def main(argv=None):
     p.add_argument("--score-only", action="store_true", help="score the arms' checkpoints and write each "
                    "OUT/ARM/eval_curve.json, nothing else (a recipe does so as soon as an arm is trained)")
     a = p.parse_args(argv)
-    examples = E.load_examples(a.data, "ae")[:a.n]
+    examples = E.load_examples(a.data, "ae")   # each arm scores the first --n of those at its trained length
     groups = [(g[0], g[1:]) for g in a.group]
     stray = set(a.loss_ref or []) - {arm for _, arms in groups for arm in arms}
     if stray:
@@ -161,7 +167,7 @@ def main(argv=None):
         refs = [arm for arm in a.loss_ref or [] if arm in arms]
         loss_at = max(smoothed_losses(os.path.join(a.out, arm))[-1][1] for arm in refs) if refs else None
         for arm in arms:
-            curves[arm] = arm_curve(os.path.join(a.out, arm), examples, a.threshold, loss_at)
+            curves[arm] = arm_curve(os.path.join(a.out, arm), examples, a.n, a.threshold, loss_at)
             json.dump(curves[arm], open(os.path.join(a.out, arm, "eval_curve.json"), "w"), indent=1)
     if a.score_only:
         return

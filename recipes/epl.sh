@@ -26,7 +26,7 @@ if [ "$SCALE" = paper ]; then
   $PY recipes/summarize.py --out "$OUT" --arms icae_dpl icae_upl icae_epl 500x_dpl 500x_upl 500x_epl --curves loss ae lm \
     --title "EPL: ICAE and 500xCompressor under DPL, +UPL and EPL (EPL App. C)" \
     --metric "AE BLEU-4 (ids)=ae:scores.compressed.bleu4_ids" --metric "AE loss own=ae:loss.own" \
-    --metric "own/other=ae:loss.own_other_ratio" --note "model $MODEL_NAME"
+    --metric "own/other=ae:loss.own_other_ratio" "${TOKENS_PER_SLOT[@]}" --note "model $MODEL_NAME"
 else
   # ours: 500xCompressor as its own code trains it (--objective ae: regenerate from [BOS]; EPL §4 pretrains AE + LM),
   # texts of 3-4 chunks, batch 4, 500x's lr 1e-4, STEPS steps; every kept checkpoint scored on held-out texts. Two
@@ -80,7 +80,7 @@ else
   $PY recipes/summarize.py --out "$OUT" --arms $ARMS --curves loss \
     --title "EPL: 500xCompressor under DPL, +UPL and EPL (AE, 3-4 chunks): every run" \
     --metric "AE BLEU-4 (ids)=ae:scores.compressed.bleu4_ids" --metric "ROUGE-L=ae:scores.compressed.rougeL" \
-    --metric "AE loss own=ae:loss.own" --metric "own/other=ae:loss.own_other_ratio" \
+    --metric "AE loss own=ae:loss.own" --metric "own/other=ae:loss.own_other_ratio" "${TOKENS_PER_SLOT[@]}" \
     --metric "first step at own/other 0.5=curve:first_at_threshold" \
     --metric "first step at DPL's final training loss (worse seed)=curve:first_at_loss" \
     --note "model $MODEL_NAME; own/other along the runs: curve.md, curve.png"

@@ -21,7 +21,8 @@ if [ "$SCALE" = paper ]; then
   $PY recipes/summarize.py --out "$OUT" --arms gmsa tcp --curves loss \
     --title "GMSA: group merging + LSA against learned memory tokens (same first-k encoder, LSA, 4x)" \
     --metric "BLEU-4 (words)=ae:scores.compressed.bleu4_words" --metric "prefix EM=ae:scores.compressed.prefix_em" \
-    --metric "ROUGE-L=ae:scores.compressed.rougeL" --metric "own/other=ae:loss.own_other_ratio" --note "model $MODEL_NAME"
+    --metric "ROUGE-L=ae:scores.compressed.rougeL" --metric "own/other=ae:loss.own_other_ratio" \
+    "${TOKENS_PER_SLOT[@]}" --note "model $MODEL_NAME"
 else
   # ours: at GMSA's 4x (texts of 64-128 tokens) and at 1:1 (16-token texts, one memory slot per token: the sanity
   # rung, where the ladder's GMSA carried its text, own/other 0.55 at 300 steps), the first 7 of SmolLM2's 30
@@ -70,7 +71,7 @@ else
     --title "GMSA: group merging + LSA against learned memory tokens (same first-k encoder, LSA): every run" \
     --metric "BLEU-4 (words)=ae:scores.compressed.bleu4_words" --metric "prefix EM=ae:scores.compressed.prefix_em" \
     --metric "ROUGE-L=ae:scores.compressed.rougeL" --metric "AE loss own=ae:loss.own" \
-    --metric "own/other=ae:loss.own_other_ratio" --metric "no memory=ae:loss.none" \
+    --metric "own/other=ae:loss.own_other_ratio" "${TOKENS_PER_SLOT[@]}" --metric "no memory=ae:loss.none" \
     --metric "first step at own/other 0.5=curve:first_at_threshold" \
     --note "model $MODEL_NAME; own/other along the runs: curve.md, curve.png; the 1:1 memories: diagnosis.md"
   for r in $RUNGS; do

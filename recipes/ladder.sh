@@ -20,7 +20,8 @@
 # positions), lora (the LoRA baseline's r 64 on q,k,v,o at lr 2e-4), long (LONG_STEPS, default 1500), batch16,
 # curriculum (texts from 4 tokens up over the first third of the run), memlr (the memory tokens at MEM_LR, 1e-3),
 # pretrain (AE + LM on texts of twice the rung's length: the rung's length is what is compressed), warm=ARM (start
-# from ARM's trained tensors, e.g. the 4x arm from the 1:1 arm that carries). Levers joined by + stack, in order
+# from ARM's trained tensors, e.g. the 4x arm from the 1:1 arm that carries), kv (the memory written into every layer's
+# K/V, 500x's carrier, no bridge or delimiters: a labelled combination, not the paper's method). Levers joined by + stack, in order
 # (long+batch16: the paper batch for LONG_STEPS). JOBS=N (ours) trains up to N lever arms at once, each one's output in
 # OUT/NAME.out: on one GPU a small model leaves the device mostly idle, so arms side by side cost little more than one.
 PAPER=ladder
@@ -62,7 +63,8 @@ lever_flag() {
     pretrain)   echo --objective pretrain --min-len $((2 * n)) --max-len $((2 * n)) ;;
     warm)       echo --warm-start "$OUT/$value" ;;
     nobos)      echo --no-bos ;;   # GMSA as the ladder first ran it, before its preset started the encoder with [BOS]
-    *)          echo "unknown lever $1 (epl lora long batch16 curriculum memlr pretrain warm=ARM nobos)" >&2; exit 2 ;;
+    kv)         echo --carrier kv --bridge none --no-delimiters ;;   # ours: the memory written into the decoder's K/V
+    *)          echo "unknown lever $1 (epl lora long batch16 curriculum memlr pretrain warm=ARM nobos kv)" >&2; exit 2 ;;
   esac
 }
 lever_flags() {   # one lever, or several joined by +: each one's flags in turn (curriculum spans long's steps)
@@ -128,7 +130,7 @@ fi
 ALL="$(for rung in ${RUNGS:-1x 4x}; do for arm in $ARMS $([ $rung = 1x ] && echo $DIAG_ARMS); do echo ${arm}_$rung; done; done) ${LEVER_ARMS:-}"
 $PY recipes/summarize.py --out "$OUT" --arms $ALL --curves \
   --title "The ladder: every preset, one protocol (AE on held-out texts, batch 4, $STEPS steps)" \
-  --metric "first step at own/other 0.5=curve:first_at_threshold" --metric "own/other=ae:loss.own_other_ratio" \
+  --metric "first step at own/other 0.5=curve:first_at_threshold" --metric "own/other=ae:loss.own_other_ratio" "${TOKENS_PER_SLOT[@]}" \
   --metric "BLEU-4 (words)=ae:scores.compressed.bleu4_words" --metric "ROUGE-L=ae:scores.compressed.rougeL" \
   --metric "AE loss own=ae:loss.own" --metric "no memory=ae:loss.none" --metric "trained parameters=params:" \
   --metric "s/step=curve:s_per_step" --note "model $MODEL_NAME; the figure: curve.png; the diagnosis: diagnosis.md"

@@ -84,7 +84,7 @@ else
     --group "${RATIO}x" $(runs pcc) $(runs pic)
   $PY recipes/summarize.py --out "$OUT" --arms $(echo $PROBES $(runs pcc) $(runs pic) | tr ' ' '\n' | awk '!seen[$0]++') \
     --curves ae lm --title "PIC vs PCC: pretraining (TR = ae, TC = lm), the probes of PCC and the rung ${RATIO}x" \
-    --metric "TR loss own=ae:loss.own" --metric "own/other=ae:loss.own_other_ratio" \
+    --metric "TR loss own=ae:loss.own" --metric "own/other=ae:loss.own_other_ratio" "${TOKENS_PER_SLOT[@]}" \
     --metric "AE BLEU-4 (words)=ae:scores.compressed.bleu4_words" --note "model $MODEL_NAME"
   $PY recipes/summarize.py --out "$OUT" --append --arms $(runs pcc _qa) $(runs pic _qa) --curves qa \
     --title "PIC vs PCC at ${RATIO}x: QA after the same fine-tune (held-out questions)" \

@@ -5,7 +5,9 @@
         --curves loss
 
 A metric is NAME=TASK:PATH, read from OUT/ARM/eval_TASK.json (evaluate.py's output) by a dotted path; the
-special task `log` reads the last line of the arm's training log and `params` its trained-parameter count.
+special task `log` reads the last line of the arm's training log and `params` its trained-parameter count;
+ae:tokens_per_slot (or .mean, .min, .max) is measured from the scored examples where a record predates the key,
+and the whole of it is shown as the mean and, where the texts differ, the range: "3.79 (2.94-4.00)" (ratio_text).
 The figure is recipes/curve.py's loss_curves over the arms' training logs (one per --curves key). --append adds a
 table to the results already written (a recipe with a pretraining and a fine-tuning comparison).
 """
@@ -18,6 +20,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import curve  # noqa: E402
 import checkpoint  # noqa: E402
+import evaluate as E  # noqa: E402
 
 
 def lookup(obj, path):
@@ -41,7 +44,19 @@ def read_metric(out, arm, spec):
     if task == "params":   # written by Compressor.save
         return json.load(open(os.path.join(run, "compressor.json"))).get("trained_parameters")
     path_json = os.path.join(run, f"eval_{task}.json")
-    return lookup(json.load(open(path_json)), path) if os.path.isfile(path_json) else None
+    if not os.path.isfile(path_json):
+        return None
+    result = json.load(open(path_json))
+    if task == "ae" and path.startswith("tokens_per_slot") and "tokens_per_slot" not in result and "examples" in result:
+        result["tokens_per_slot"] = E.tokens_per_slot(result["examples"])   # a record scored before it was kept
+    return lookup(result, path)
+
+
+def ratio_text(tps):
+    """Tokens per memory slot as the tables show it (ours, issue 37): the mean over the scored texts, and the range
+    where they differ: "3.79 (2.94-4.00)", "1.00"."""
+    lo, mean, hi = (f"{tps[k]:.2f}" for k in ("min", "mean", "max"))
+    return mean if lo == hi else f"{mean} ({lo}-{hi})"
 
 
 def main(argv=None):
@@ -63,6 +78,8 @@ def main(argv=None):
     def fmt(v, name):   # None is a metric not read, except a step to a threshold: there it is "not reached"
         if v is None:
             return "not reached" if name.startswith("first step at") else "-"
+        if isinstance(v, dict) and {"mean", "min", "max"} <= v.keys():   # ae:tokens_per_slot
+            return ratio_text(v)
         return f"{v:.4g}" if isinstance(v, float) else str(v)
     lines = [f"### {a.title}", "", "| arm | " + " | ".join(n for n, _ in metrics) + " |",
              "|---|" + "---|" * len(metrics)]

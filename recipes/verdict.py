@@ -7,6 +7,9 @@
 --expect A B: the paper says arm A beats arm B. For each metric (NAME=TASK:PATH:higher|lower, read as
 recipes/summarize.py reads it), each arm's mean over its seeds and its spread (the range, max - min), then:
 
+    undecided       first, whatever the values: an arm with fewer than 2 seeds (--min-seeds): one run cannot tell a
+                    gap from the spread between seeds
+
     reproduced      every run of both arms carries its text, and A beats B in the mean by more than the larger of
                     the two spreads; or every run of A carries its text, no run of B does, and A beats B by more
                     than that (said as "only A carries its text": B cannot within the run's budget)
@@ -20,8 +23,13 @@ gets there and no run of the other does, whatever the other metrics say.
 
 A run "carries its text" when its held-out own/other (the AE loss with each text's own memory over the loss with
 another text's; --carry, default ae:loss.own_other_ratio) is at or below --carry-max (0.5). A QA arm fine-tuned from
-a pretrained run is checked on that run: --carry-runs LABEL RUN [RUN ...]. The table is appended to OUT/results.md
-and OUT/results.json.
+a pretrained run is checked on that run: --carry-runs LABEL RUN [RUN ...]. --carry-name names another carry metric
+(CompLLM's: how much more often the CEs' answer holds the reference than no context's).
+
+Two kinds of claim (--kind): "carry" (the default) compares what memories do, so it is decided only as above, where
+they carry their text; "mechanical" is about a mechanism that works whatever a memory holds (a cache is reused, the
+KV cache is smaller, the first token comes sooner): no carry condition, the 2-seed (2-repeat) rule and the spread
+rule still hold, and the verdict says "(mechanical)". The table is appended to OUT/results.md and OUT/results.json.
 """
 
 import argparse
@@ -34,11 +42,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from summarize import read_metric  # noqa: E402
 
 
-def decide(a, b, better, carries):
+MIN_SEEDS = 2   # the rule: no verdict from fewer seeds per arm
+
+
+def decide(a, b, better, carries, min_seeds=MIN_SEEDS):
     """The verdict on one metric: a and b are the two arms' per-seed values (A is the paper's winner), carries
-    whether each arm's memories carry their text: (A, B), each True (every run), False (no run) or None (some).
+    whether each arm's memories carry their text: (A, B), each True (every run), False (no run) or None (some);
+    a mechanical claim passes (True, True). Fewer than min_seeds values in an arm: undecided, whatever they are.
     For a lower-is-better metric (steps to a threshold) None means never within the run: one arm that always gets
     there against one that never does is a verdict, anything else with a None is undecided."""
+    if min(len(a), len(b)) < min_seeds:
+        return f"undecided ({min(len(a), len(b))} seed(s) in an arm: the rule needs {min_seeds})"
     if better == "lower" and (None in a or None in b) and a and b:
         if None not in a and all(v is None for v in b):
             return "reproduced"
@@ -85,16 +99,23 @@ def main(argv=None):
     p.add_argument("--context", nargs=2, action="append", default=[], metavar=("LABEL", "CONTEXT"),
                    help="fill {context} in the metric paths of arm LABEL (two rows of one evaluation: CEs and full)")
     p.add_argument("--carry-runs", nargs="+", action="append", default=[], metavar=("LABEL", "RUN"))
+    p.add_argument("--carry-name", default="held-out own/other", help="what --carry measures, for the table and "
+                   "results.json (default: held-out own/other)")
+    p.add_argument("--kind", choices=("carry", "mechanical"), default="carry", help="carry: decided only where the "
+                   "memories carry their text (default); mechanical: a claim about a mechanism (reuse, KV size, "
+                   "time to first token), decided whatever the memories hold")
+    p.add_argument("--min-seeds", type=int, default=MIN_SEEDS, help=f"seeds per arm below which nothing is decided "
+                   f"(default {MIN_SEEDS}, the rule; lower it only to see a table, never for a verdict)")
     p.add_argument("--note", default="")
     a = p.parse_args(argv)
     arms = {g[0]: g[1:] for g in a.arm}
     carry_runs = {**arms, **{g[0]: g[1:] for g in a.carry_runs}}
-    own_other = {label: [read_metric(a.out, run, a.carry) for run in carry_runs[label]] for label in arms}
+    carry_values = {label: [read_metric(a.out, run, a.carry) for run in carry_runs[label]] for label in arms}
     ok = (lambda v: v >= a.carry_min) if a.carry_min is not None else (lambda v: v <= a.carry_max)
     def carry(values):   # True: every run carries its text, False: none does, None: some do
         hits = [v is not None and ok(v) for v in values]
         return True if hits and all(hits) else False if not any(hits) else None
-    carries = {label: carry(vs) for label, vs in own_other.items()}
+    carries = {label: True if a.kind == "mechanical" else carry(vs) for label, vs in carry_values.items()}
     contexts = dict(a.context)
     A, B = a.expect
     lines = [f"### {a.claim}", "", f"| metric | {A} | {B} | verdict |", "|---|---|---|---|"]
@@ -104,18 +125,30 @@ def main(argv=None):
         path, _, better = rest.rpartition(":")
         values = {label: [read_metric(a.out, run, path.replace("{context}", contexts.get(label, "")))
                           for run in arms[label]] for label in (A, B)}
-        verdicts[name] = decide(values[A], values[B], better, (carries[A], carries[B]))
+        verdicts[name] = decide(values[A], values[B], better, (carries[A], carries[B]), a.min_seeds)
+        if a.kind == "mechanical" and not verdicts[name].startswith("undecided"):
+            verdicts[name] += " (mechanical)"
         lines.append(f"| {name} ({better} is better) | {fmt(values[A])} | {fmt(values[B])} | **{verdicts[name]}** |")
     rule = f">= {a.carry_min}" if a.carry_min is not None else f"<= {a.carry_max}"
-    what = "held-out own/other" if a.carry == "ae:loss.own_other_ratio" else a.carry
-    lines.append(f"| {what} (each run; {rule} carries its text) | "
-                 + " | ".join(", ".join("-" if v is None else f"{v:.3f}" for v in own_other[label]) for label in (A, B))
-                 + " | " + ("every run carries its text" if carries[A] and carries[B] else
-                            "**not every run carries its text**") + " |")
-    lines += ["", f"mean over {len(arms[A])} seed(s) per arm, (min-max) across seeds. " + a.note]
+    if a.kind == "mechanical":
+        lines.append(f"| {a.carry_name} (each run; not a condition: a mechanical claim) | "
+                     + " | ".join(", ".join("-" if v is None else f"{v:.3f}" for v in carry_values[label])
+                                  for label in (A, B)) + " | - |")
+    else:
+        lines.append(f"| {a.carry_name} (each run; {rule} carries its text) | "
+                     + " | ".join(", ".join("-" if v is None else f"{v:.3f}" for v in carry_values[label])
+                                  for label in (A, B))
+                     + " | " + ("every run carries its text" if carries[A] and carries[B] else
+                                "**not every run carries its text**") + " |")
+    seeds = min(len(arms[A]), len(arms[B]))
+    lines += ["", f"mean over {len(arms[A])} / {len(arms[B])} seed(s) per arm, (min-max) across seeds; the rule: "
+              f"{a.kind} claim, at least {a.min_seeds} seeds per arm"
+              + ("" if a.kind == "mechanical" else f", every run's {a.carry_name} {rule}")
+              + (f" (**{seeds} here: not decided**)" if seeds < a.min_seeds else "") + ". " + a.note]
     results = os.path.join(a.out, "results.json")
     tables = json.load(open(results))["tables"] if os.path.isfile(results) else []
-    tables.append(dict(title=a.claim, verdicts=verdicts, own_other=own_other, arms=arms, expect=[A, B]))
+    tables.append(dict(title=a.claim, kind=a.kind, verdicts=verdicts, arms=arms, expect=[A, B],
+                       carry={"metric": a.carry, "name": a.carry_name, "rule": rule, "values": carry_values}))
     json.dump({"tables": tables}, open(results, "w"), indent=1)
     md = os.path.join(a.out, "results.md")
     text = open(md).read() + "\n" if os.path.isfile(md) else ""

@@ -89,7 +89,7 @@ EVALS = [(f"{m}_pretrain", t, []) for m in P.METHODS for t in ("ae", "lm")]
 EVALS += [(f"{m}_qa", "qa", []) for m in P.METHODS]
 EVALS += [("500x_ae", "needle", ["--lengths", "160", "--n", "1"]), ("aoc_ae", "interpolate", []),
           ("icae_ae", "heatmap", []), ("icae_ae", "ae", ["--ratio", "2"]), ("compllm_qa", "qa", ["--concat", "2", "--no-reuse"])]
-DROP = {"seconds", "checkpoint", "device", "s_per_step", "wall_s", "model", "out", "png", "figure"}
+DROP = {"seconds", "checkpoint", "device", "accelerator", "s_per_step", "wall_s", "model", "out", "png", "figure"}
 
 
 def clean(x):

@@ -24,6 +24,8 @@ import compressors as C
 import presets as P
 import evaluate as E
 import metrics as M
+import train
+import checkpoint
 import data as D
 from conftest import SMOLLM2, needs_smollm2, randomize_
 from model import TINY_CONFIG, ModelConfig, Transformer, build_tiny
@@ -676,3 +678,40 @@ def test_gmsa_ratio_and_baselines_from_the_original_llm_after_keft(tmp_path, dev
     want = E.PlainLLM(C.build("gmsa", base.to(device), tok, lora_r=4, lora_alpha=8)).nll([[tok.bos_id]], [ids])
     assert result["examples"][0]["none"]["nll"] != pytest.approx(want[0][0])   # a different text: sanity
     assert plain.nll([[tok.bos_id]], [ids])[0][0] == pytest.approx(want[0][0], rel=1e-6)
+
+
+# ---- the compression a score was measured at (issue 37) ----
+
+
+def test_a_bare_evaluation_scores_what_the_runs_own_check_scored(tmp_path, device):
+    """`evaluate.py --ckpt RUN --task ae` with no other flag gives the own/other the run logged at its last check: the
+    same texts (those of at least the run's --min-len tokens), cut to its --max-len (window crop too: compressing
+    whole texts in several chunks is a protocol the run never trained on). Every scored text is then at exactly the
+    trained 4 tokens per slot (16 tokens, 4 slots), and the score says so."""
+    out = tmp_path / "run"
+    data = tmp_path / "held.jsonl"   # two texts shorter than the trained length among longer ones
+    texts = ["ab", "short text", *D.held_out_texts(6)]
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    train.main(["--method", "500x", "--objective", "ae", "--model", "tiny", "--mem", "4", "--chunk-len", "16",
+                "--crop", "window", "--min-len", "16", "--max-len", "16", "--batch-size", "2", "--steps", "2",
+                "--eval-every", "2", "--eval-data", str(data), "--eval-n", "5", "--out", str(out), "--device", str(device)])
+    logged = checkpoint.read_log(str(out))[1][-1]["eval"]
+    assert logged["n"] == 5 and logged["tokens_per_slot"] == {"mean": 4.0, "min": 4.0, "max": 4.0}
+    result, _ = run(["--ckpt", out, "--task", "ae", "--data", data, "--n", "5", "--max-new-tokens", "1"], device)
+    assert len(result["examples"]) == 5 and "short text" not in [ex["text"] for ex in result["examples"]]
+    assert result["tokens_per_slot"] == {"mean": 4.0, "min": 4.0, "max": 4.0}
+    assert result["loss"]["own_other_ratio"] == pytest.approx(logged["own_other"], rel=1e-5)
+
+
+def test_tokens_per_slot_is_measured_on_the_scored_texts(monkeypatch, device):
+    """tokens per slot is each scored text's length over its memory's slots (mean, min, max), not the flags: texts
+    shorter than the trained length, scored with --min-len 1, lower it."""
+    comp = random_comp("aoc", device, mem=4, chunk_len=64)
+    texts = [{"text": "x" * 16}, {"text": "y" * 8}]
+    proto = dict(crop="window", n=16, min=None, half=False)
+    r = E.run_ae(comp, texts, proto=proto, generate=False)["tokens_per_slot"]
+    slots = comp.cfg.mem
+    assert r == pytest.approx({"mean": (16 + 8) / 2 / slots, "min": 8 / slots, "max": 16 / slots})
+    assert E.at_trained_length(comp, texts, {**proto, "min": 12}) == texts[:1]
+    with pytest.raises(ValueError, match="no text of at least 20 tokens"):
+        E.at_trained_length(comp, texts, {**proto, "min": 20})

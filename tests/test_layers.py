@@ -2,8 +2,8 @@
 layers before its own, at the top of the file or inside a function alike, so there is no import circle and a reader
 can learn the code bottom up. recipes/ and tests/ come after every layer (they may import anything).
 
-    masks, positions, metrics, lora, hf    the parts with no project imports: masks, position IDs, scores, LoRA,
-                                           reading Hugging Face files
+    masks, positions, metrics, lora, hf,   the parts with no project imports: masks, position IDs, scores, LoRA,
+    figures                                reading Hugging Face files, the optional figures
     model                                  the transformer (Llama, with Gemma 3 beside it) and load_pretrained
     presets                                what each method is: CompressorConfig, PRESETS, recipes, the tiny demo
     compressors                            the machinery the presets drive
@@ -23,7 +23,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = [("masks", "positions", "metrics", "lora", "hf"), ("model",), ("presets",), ("compressors",), ("data",),
+LAYERS = [("masks", "positions", "metrics", "lora", "hf", "figures"), ("model",), ("presets",), ("compressors",), ("data",),
           ("checkpoint",), ("cli",), ("evaluate",), ("heldout", "plan", "sharding"), ("train",)]
 RANK = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 

@@ -59,6 +59,8 @@ def test_recipe_runs_end_to_end(paper, tmp_path):
         assert table["arms"] and all(v is not None or name.startswith("first step at")
                                      for arm in table["arms"].values() for name, v in arm.items()), table
         assert all((curve["png"] is None) == hidden for curve in table["curves"].values())
+        for arm in table["arms"].values():   # own/other stands beside the tokens per slot it was scored at
+            assert "own/other" not in arm or arm["tokens/slot, mean (min-max)"]["mean"] > 0, arm
     if hidden:   # each skipped figure is named on stderr with the fix; a table that had a figure says it was skipped
         assert "matplotlib is not installed (pip install matplotlib" in p.stderr
         if any(table.get("curves") for table in results["tables"]):
@@ -175,6 +177,50 @@ def test_verdict_rules(a, b, better, carries, verdict):
     sys.path.insert(0, str(REPO / "recipes"))
     import verdict as V
     assert V.decide(a, b, better, carries).startswith(verdict)
+
+
+@pytest.mark.parametrize("a, b", [([0.9], [0.1]), ([0.9, 0.91], [0.1]), ([0.1], [0.9, 0.91]), ([], [])])
+def test_verdict_refuses_to_decide_on_fewer_than_two_seeds(a, b):
+    """The rule says 2 seeds per arm: one seed is undecided whatever the gap and whatever carries (EPL at r = 4 was
+    "reproduced" on one seed per arm before the rule was enforced)."""
+    import sys
+    sys.path.insert(0, str(REPO / "recipes"))
+    import verdict as V
+    for carries in ((True, True), (True, False), (False, True)):
+        assert V.decide(a, b, "higher", carries) .startswith("undecided (")
+        assert "the rule needs 2" in V.decide(a, b, "higher", carries)
+    if len(a) >= 1 and len(b) >= 1:   # the same values, once the rule allows one seed, are decided
+        assert not V.decide(a, b, "higher", (True, True), min_seeds=1).startswith("undecided")
+
+
+def test_verdict_kinds_and_the_carry_metric_in_the_record(tmp_path):
+    """verdict.py's CLI: a carry claim over arms that carry nothing is undecided, a mechanical claim over the same runs
+    is decided and says so; results.json names the carry metric (not "own_other" for a QA gap), and a 1-seed table
+    says in its footnote that it decides nothing."""
+    import sys
+    sys.path.insert(0, str(REPO / "recipes"))
+    import verdict as V
+    for run, (score, gap) in {"a0": (0.9, 0.01), "a1": (0.92, 0.02), "b0": (0.5, 0.0), "b1": (0.52, 0.01)}.items():
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "eval_qa.json").write_text(json.dumps({"scores": {"compressed": {"f1": score}}}))
+        (tmp_path / run / "eval_gap.json").write_text(json.dumps({"ce_minus_none": gap}))
+    common = ["--out", str(tmp_path), "--arm", "A", "a0", "a1", "--arm", "B", "b0", "b1", "--expect", "A", "B",
+              "--metric", "F1=qa:scores.compressed.f1:higher", "--carry", "gap:ce_minus_none", "--carry-min", "0.1",
+              "--carry-name", "answer found, CEs minus no context"]
+    V.main(common + ["--claim", "carry"])
+    V.main(common + ["--claim", "mech", "--kind", "mechanical"])
+    V.main(["--out", str(tmp_path), "--arm", "A", "a0", "--arm", "B", "b0", "--expect", "A", "B", "--claim", "one",
+            "--metric", "F1=qa:scores.compressed.f1:higher", "--kind", "mechanical"])
+    tables = json.loads((tmp_path / "results.json").read_text())["tables"]
+    assert tables[0]["verdicts"]["F1"].startswith("undecided (a memory carries nothing)")
+    assert tables[1]["verdicts"]["F1"] == "reproduced (mechanical)" and tables[1]["kind"] == "mechanical"
+    assert tables[2]["verdicts"]["F1"].startswith("undecided (1 seed(s)")
+    assert all("own_other" not in t for t in tables)
+    assert tables[0]["carry"] == {"metric": "gap:ce_minus_none", "name": "answer found, CEs minus no context",
+                                  "rule": ">= 0.1", "values": {"A": [0.01, 0.02], "B": [0.0, 0.01]}}
+    md = (tmp_path / "results.md").read_text()
+    assert "| answer found, CEs minus no context (each run; >= 0.1 carries its text) |" in md
+    assert "(**1 here: not decided**)" in md
 
 
 def test_curve_scores_texts_cut_as_the_arm_was_trained(tmp_path):
@@ -303,12 +349,12 @@ def test_curve_reads_the_checks_the_arm_logged_while_it_trained(tmp_path, monkey
     train.main(["--method", "aoc", "--model", "tiny", "--mem", "4", "--max-len", "8", "--batch-size", "2",
                 "--steps", "4", "--eval-every", "2", "--eval-n", "6", "--out", str(out)])
     monkeypatch.setattr(curve, "score", lambda *a: pytest.fail("a logged arm was scored again"))
-    c = curve.arm_curve(str(out), [{"text": "x"}] * 6, threshold=0.5)
+    c = curve.arm_curve(str(out), [{"text": "x"}] * 6, 6, threshold=0.5)
     logged = checkpoint.read_log(str(out))[1]
     assert [p["step"] for p in c["points"]] == [0, 2, 4]
     assert [p["ratio"] for p in c["points"]] == [r["eval"]["own_other"] for r in logged]
-    with pytest.raises(SystemExit, match="checked 6 held-out texts while it trained, not --n 5"):
-        curve.arm_curve(str(out), [{"text": "x"}] * 5, threshold=0.5)
+    with pytest.raises(SystemExit, match="checked 6 held-out texts while it trained \\(--eval-n 6\\), not --n 5"):
+        curve.arm_curve(str(out), [{"text": "x"}] * 6, 5, threshold=0.5)
 
 
 def test_capacity_optimizes_each_texts_own_memory(tmp_path):
@@ -329,38 +375,50 @@ def test_capacity_optimizes_each_texts_own_memory(tmp_path):
         assert r["curve"][-1]["loss"] < 0.8 * r["curve"][0]["loss"] and r["own_other"] < 0.9, (method, r)
 
 
-def test_lever_table_names_the_lever_that_carries_at_4x(tmp_path):
-    """recipes/levers.py: an arm's cell is its final own/other and the first check at or below 0.5; the last column
-    lists exactly the levers whose 4x arm ends at or below 0.5 (the lora baseline's folder counts as 500x + lora)."""
+def test_lever_table_names_the_lever_that_carries_at_a_measured_4x(tmp_path):
+    """recipes/levers.py: an arm's cell is its final own/other, the first check at or below 0.5 and the tokens per
+    slot it was scored at (from its eval_ae.json's examples); the last column lists exactly the levers whose 4x arm
+    ends at or below 0.5 at a measured 4x (mean >= 3.9 tokens per slot, no text under 3.5: issue 37), and says what
+    the others that carry on the 4x rung were scored at (the lora baseline's folder counts as 500x + lora)."""
     import sys
     sys.path.insert(0, str(REPO / "recipes"))
     import levers
 
-    def arm(name, ratios, final):
+    def arm(name, ratios, final, lengths=None, slots=16):
         d = tmp_path / name
         d.mkdir()
         (d / "args.json").write_text("{}")
         points = [dict(step=50 * (i + 1), own=1.0, other=1.0, none=1.0, ratio=r) for i, r in enumerate(ratios)]
         (d / "eval_curve.json").write_text(json.dumps({"points": points}))
-        (d / "eval_ae.json").write_text(json.dumps({"loss": {"own_other_ratio": final}}))
+        ae = {"loss": {"own_other_ratio": final}}
+        if lengths:   # a record kept before eval_ae.json had "tokens_per_slot": measured from its examples
+            ae["examples"] = [dict(reference_ids=[7] * n, memory_slots=slots) for n in lengths]
+        (d / "eval_ae.json").write_text(json.dumps(ae))
 
-    arm("500x_4x", [0.9, 0.8], 0.78)
-    arm("lora_4x", [0.7, 0.45, 0.3], 0.26)
-    arm("icae_1x", [1.0, 0.99], 0.99)
-    arm("icae_epl_1x", [0.9, 0.6, 0.52], 0.51)   # 0.51 > 0.5: does not carry
-    arm("icae_epl_4x", [0.9, 0.5], 0.5)          # at the threshold: carries, first at step 100
-    arm("pcc_long+batch16_4x", [0.8, 0.4], 0.4)  # two levers at once: one lever "long+batch16"
+    arm("500x_4x", [0.9, 0.8], 0.78)                         # no examples: no ratio in its cell
+    arm("lora_4x", [0.7, 0.45, 0.3], 0.26, [64, 64, 47])    # carries at 3.65 (2.94-4.00): the ladder's "4x"
+    arm("icae_1x", [1.0, 0.99], 0.99, [16, 16])
+    arm("icae_epl_1x", [0.9, 0.6, 0.52], 0.51, [16, 16])    # 0.51 > 0.5: does not carry
+    arm("icae_epl_4x", [0.9, 0.5], 0.5, [64, 64])           # at the threshold, at 4.00: carries, first at step 100
+    arm("pcc_long+batch16_4x", [0.8, 0.4], 0.4, [64] * 9 + [55])   # mean 3.94 but one text at 3.44 (< 3.5)
+    arm("pcc_epl_4x", [0.8, 0.3], 0.3, [62, 62])            # none under 3.5 but a mean of 3.88 (< 3.9)
     levers.main(["--out", str(tmp_path)])
     rows = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in line.split("|")[3:-1]]
             for line in (tmp_path / "levers.md").read_text().splitlines() if line.startswith("| ") and "---" not in line}
-    assert rows[("500x", "lora")][1] == "**0.260 (step 100, 150 steps)**"
-    assert rows[("500x", "none")] == ["-", "0.780 (never <= 0.5, 100 steps)", "lora"]
-    assert rows[("icae", "epl")][0] == "0.510 (never <= 0.5, 150 steps)"
-    assert rows[("icae", "none")][2] == "epl" and rows[("icae", "epl")][1].startswith("**0.500 (step 100")
-    assert rows[("pcc", "long+batch16")] == ["-", "**0.400 (step 100, 100 steps)**", "long+batch16"]
+    assert rows[("500x", "lora")][1] == "**0.260 (step 100, 150 steps)** at 3.65 (2.94-4.00)"
+    assert rows[("500x", "none")] == ["-", "0.780 (never <= 0.5, 100 steps)",
+                                      "none; lora carries at 3.65 (2.94-4.00), not a measured 4x"]
+    assert rows[("icae", "epl")][0] == "0.510 (never <= 0.5, 150 steps) at 1.00"
+    assert rows[("icae", "none")] == ["0.990 (never <= 0.5, 100 steps) at 1.00", "-", "epl"]
+    assert rows[("icae", "epl")][1] == "**0.500 (step 100, 100 steps)** at 4.00"
+    assert rows[("pcc", "epl")] == ["-", "**0.300 (step 100, 100 steps)** at 3.88",
+                                    "none; epl carries at 3.88, not a measured 4x; "
+                                    "long+batch16 carries at 3.94 (3.44-4.00), not a measured 4x"]
+    assert rows[("pcc", "long+batch16")][1] == "**0.400 (step 100, 100 steps)** at 3.94 (3.44-4.00)"
     assert ("pcc", "none") not in rows   # no arm, no row
     kept = json.loads((tmp_path / "levers.json").read_text())
-    assert list(k for k in kept if k.startswith("pcc:")) == ["pcc:long+batch16@4x"] and kept["500x:lora@4x"]["first"] == 100
+    assert list(k for k in kept if k.startswith("pcc:")) == ["pcc:epl@4x", "pcc:long+batch16@4x"]
+    assert kept["500x:lora@4x"]["first"] == 100 and kept["500x:lora@4x"]["tokens_per_slot"]["min"] == 47 / 16
 
 
 def test_records_name_a_local_model_folder_without_its_path(tmp_path):
@@ -379,3 +437,56 @@ def test_records_name_a_local_model_folder_without_its_path(tmp_path):
     scripts = [p for p in (REPO / "recipes").glob("*.sh") if "--note" in p.read_text()]
     assert scripts and not any('--note "model $MODEL"' in p.read_text() or '--note "model $MODEL;' in p.read_text()
                                for p in scripts)
+
+
+MACHINE_PATH = re.compile(r"(^|[\s'\"(=:])/(root|work|tmp|home|Users|mnt|scratch)/")
+
+
+def test_no_rendered_record_names_a_machine_local_path(tmp_path):
+    """Every rendered record (results.md, eval_*.md, every .md under recipes/results and the READMEs) and every
+    results.json note is free of machine-local paths: evaluate.py prints the file it wrote relative to where it
+    ran. The check itself must catch one."""
+    rendered = [*(REPO / "recipes" / "results").rglob("*.md"), REPO / "README.md", REPO / "recipes" / "README.md"]
+    notes = [(p, str(t.get("note", ""))) for p in (REPO / "recipes" / "results").rglob("results.json")
+             for t in json.loads(p.read_text()).get("tables", [])]
+    found = [f"{p}: {m.group(0)!r}" for p in rendered for m in [MACHINE_PATH.search(p.read_text())] if m]
+    found += [f"{p}: note {n!r}" for p, n in notes if MACHINE_PATH.search(n)]
+    assert not found, found
+    assert MACHINE_PATH.search("wrote /work/main/recipes/results/x/eval_ae.json")   # the pattern does catch one
+    import evaluate as E
+    out = tmp_path / "eval_ae.json"
+    assert E.shown_path(str(out.resolve()), cwd=str(tmp_path)) == "eval_ae.json"
+
+
+def markdown_table(text, header_start):
+    """The rows (lists of cells) of the markdown table in text whose header line starts with header_start."""
+    lines = text.splitlines()
+    i = next(k for k, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[i:]:
+        if not line.startswith("|"):
+            break
+        if not line.startswith("|---"):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+RATIO = re.compile(r"\b\d+\.\d\d(?!\d)(?: \(\d+\.\d\d-\d+\.\d\d)?")   # tokens per slot: "3.79 (2.94-4.00)", "1.00"
+
+
+def test_the_readmes_tables_show_the_measured_tokens_per_slot():
+    """Issue 37: every own/other the verdict tables state stands beside the tokens per memory slot it was scored at.
+    recipes/README.md's verdict table has a column of them in every row, its lever table is recipes/levers.py's (each
+    cell with its tokens per slot, and the rule of a measured 4x), and README.md's verdict table names them."""
+    text = (REPO / "recipes" / "README.md").read_text()
+    header, *rows = markdown_table(text, "| claim | the paper's number |")
+    col = next(i for i, c in enumerate(header) if c.startswith("tokens per memory slot"))
+    assert rows and all(RATIO.search(row[col]) for row in rows), [row[col] for row in rows]
+    kept = (REPO / "recipes" / "results" / "ladder" / "levers.md").read_text().split("\n\n")[0]
+    header, *rows = markdown_table(text, "| preset | lever |")
+    assert markdown_table(kept, "| preset | lever |") == [header, *rows]   # the table as the record renders it
+    assert "tokens per slot" in header[2] and "measured 4x" in header[4]
+    cells = [c for row in rows for c in row[2:4] if c != "-"]
+    assert cells and all(re.search(r"\d\.\d{3} \(.*\)\**( at " + RATIO.pattern + ")", c) for c in cells), cells
+    header = markdown_table((REPO / "README.md").read_text(), "| claim (paper) |")[0]
+    assert any("measured tokens per slot" in c for c in header), header

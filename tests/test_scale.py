@@ -268,3 +268,21 @@ def test_grad_ckpt_gives_the_same_losses_where_the_encoder_is_the_decoder(method
     plain, ckpt = run(flags, tmp_path / "plain", device), run(flags + ["--grad-ckpt"], tmp_path / "ckpt", device)
     for a, b in zip(plain, ckpt, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"] and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"]
+
+
+def test_plan_of_a_model_folder_reads_only_its_config(tmp_path, capsys):
+    """--plan --model DIR needs DIR/config.json and nothing else (no weights): the same plan as the SHAPES entry it
+    copies; a folder without config.json, or --shape without --plan, is one line."""
+    import json
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(SHAPES["llama-3.2-1b"]))
+    by_folder = plan.make_plan(cli.parse_args(["--method", "gmsa", "--model", str(tmp_path / "m"), "--plan"])[0],
+                               train.TrainStep)
+    by_shape = plan.make_plan(cli.parse_args(["--method", "gmsa", "--shape", "llama-3.2-1b", "--plan"])[0],
+                              train.TrainStep)
+    assert by_folder.params == by_shape.params and by_folder.total == by_shape.total
+    for argv, message in ((["--model", str(tmp_path), "--plan"], "config.json"),
+                          (["--shape", "llama-3-8b"], "--plan")):
+        with pytest.raises(SystemExit) as e:
+            train.main(["--method", "aoc", *argv])
+        assert message in str(e.value) and "\n" not in str(e.value)

@@ -140,8 +140,9 @@ def test_distillation_learns_on_one_question(files, tmp_path, run_train):
 
 
 def test_bf16_autocast_training_on_cuda(tmp_path, run_train, device, monkeypatch):
-    """On CUDA train.py keeps fp32 weights (AdamW's master copy) and runs every step under bf16 autocast: the loss
-    stays finite and falls, held-out memories still carry their own text, and the saved tensors are fp32."""
+    """On CUDA train.py keeps fp32 trained weights (AdamW's master copy), bf16 frozen ones (--frozen-dtype auto), and
+    runs every step under bf16 autocast: the loss stays finite and falls, held-out memories still carry their own
+    text, and the saved tensors are fp32."""
     if device.type != "cuda":
         pytest.skip("train.py autocasts to bf16 on CUDA only; run the suite with --device cuda")
     seen, loss_ae = set(), train.loss_ae
