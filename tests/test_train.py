@@ -502,16 +502,17 @@ def test_the_prompt_warning_is_saved_and_not_repeated_after_resume(tmp_path, run
 
 def test_pretrain_held_out_check_takes_the_short_texts_training_takes(tmp_path, run_train, capsys):
     """--max-len 3 trains pretrain on 2-3 token texts (p = max(1, n // 2)); its held-out LM check cuts them the same
-    way instead of stopping at step 0 ('text too short for the LM task'). An empty held-out text is one line."""
+    way instead of stopping at step 0 ('text too short for the LM task'). Held-out texts shorter than the run's
+    --min-len are not scored (evaluate.at_trained_length); when none is long enough, one line says so."""
     out = str(tmp_path / "short")
     run_train(["--method", "icae", "--objective", "pretrain", "--mem", "2", "--batch-size", "2", "--steps", "1",
                "--max-len", "3", "--eval-every", "1", "--eval-n", "4", "--out", out])
     assert [r["step"] for r in eval_rows(out)] == [0, 1] and all("lm" in r["eval"] for r in eval_rows(out))
-    (tmp_path / "held.jsonl").write_text(json.dumps({"text": "some text"}) + "\n" + json.dumps({"text": ""}) + "\n")
+    (tmp_path / "held.jsonl").write_text(json.dumps({"text": "ab"}) + "\n" + json.dumps({"text": ""}) + "\n")
     with pytest.raises(SystemExit) as e:
         run_train(["--method", "icae", "--objective", "pretrain", "--mem", "2", "--batch-size", "2", "--steps", "1",
                    "--eval-data", str(tmp_path / "held.jsonl"), "--out", str(tmp_path / "empty")])
-    assert "held-out check at step 0" in str(e.value) and "\n" not in str(e.value)
+    assert "no text of at least 8 tokens" in str(e.value) and "\n" not in str(e.value)   # tiny's icae: n = 8
 
 
 def test_a_real_model_without_eval_data_says_no_check_runs(files, tmp_path, run_train, capsys):
