@@ -342,6 +342,7 @@ def test_curve_reads_the_checks_the_arm_logged_while_it_trained(tmp_path, monkey
     """recipes/curve.py draws the held-out checks of the arm's log.jsonl (train.py --eval-every) and reloads nothing;
     an --n other than the one the arm was checked on stops with one line."""
     import sys
+    import checkpoint
     import train
     sys.path.insert(0, str(REPO / "recipes"))
     import curve
@@ -366,7 +367,7 @@ def test_capacity_optimizes_each_texts_own_memory(tmp_path):
     sys.path.insert(0, str(REPO / "recipes"))
     import diagnosis
     from model import build_tiny
-    texts = [t for t in __import__("train").held_out_texts(6)]
+    texts = [t for t in __import__("data").held_out_texts(6)]
     for method in ("500x", "icae"):
         run = tmp_path / method
         C.build(method, *build_tiny(), mem=16, chunk_len=17, lora_r=2, lora_alpha=4).save(str(run))
