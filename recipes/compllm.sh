@@ -41,7 +41,7 @@ if [ "$SCALE" = paper ]; then
   $PY recipes/summarize.py --out "$OUT" --arms compllm --curves distill \
     --title "CompLLM: C = 2 concept embeddings vs full and no context (held-out questions)" \
     --metric "F1 CEs=qa:scores.compressed.squad_f1" --metric "F1 full=qa:scores.full.squad_f1" \
-    --metric "F1 none=qa:scores.none.squad_f1" --metric "own/other=qa:loss.own_other_ratio" \
+    --metric "F1 none=qa:scores.none.squad_f1" --metric "answer own/other=qa:loss.own_other_ratio" \
     --metric "cached CEs: same answers=reuse_check:identical_answers" \
     --metric "TTFT speedup (longest)=speed:rows.-1.speedup_offline" --note "model $MODEL_NAME"
 else
@@ -102,7 +102,7 @@ PY
     --metric "steps=log:step" --metric "F1 CEs=qa:scores.compressed.squad_f1" --metric "F1 full=qa:scores.full.squad_f1" \
     --metric "F1 none=qa:scores.none.squad_f1" --metric "Acc CEs=qa:scores.compressed.substring_acc" \
     --metric "Acc full=qa:scores.full.substring_acc" --metric "Acc none=qa:scores.none.substring_acc" \
-    --metric "own/other=qa:loss.own_other_ratio" --metric "answer loss CEs=qa:loss.own" \
+    --metric "answer own/other=qa:loss.own_other_ratio" --metric "answer loss CEs=qa:loss.own" \
     --metric "other CEs=qa:loss.other" --metric "none=qa:loss.none" --metric "full=qa:loss.full" \
     --metric "cached CEs: same answers=reuse_check:identical_answers" \
     --metric "TTFT speedup (longest)=speed:rows.-1.speedup_offline" --note "model $MODEL_NAME"
