@@ -7,7 +7,7 @@
 --expect A B: the paper says arm A beats arm B. For each metric (NAME=TASK:PATH:higher|lower, read as
 recipes/summarize.py reads it), each arm's mean over its seeds and its spread (the range, max - min), then:
 
-    undecided       first, whatever the values: an arm with fewer than 2 seeds (--min-seeds): one run cannot tell a
+    undecided       first, whatever the values: an arm with fewer than 2 seeds: one run cannot tell a
                     gap from the spread between seeds
 
     reproduced      every run of both arms carries its text, and A beats B in the mean by more than the larger of
@@ -104,8 +104,6 @@ def main(argv=None):
     p.add_argument("--kind", choices=("carry", "mechanical"), default="carry", help="carry: decided only where the "
                    "memories carry their text (default); mechanical: a claim about a mechanism (reuse, KV size, "
                    "time to first token), decided whatever the memories hold")
-    p.add_argument("--min-seeds", type=int, default=MIN_SEEDS, help=f"seeds per arm below which nothing is decided "
-                   f"(default {MIN_SEEDS}, the rule; lower it only to see a table, never for a verdict)")
     p.add_argument("--note", default="")
     a = p.parse_args(argv)
     arms = {g[0]: g[1:] for g in a.arm}
@@ -125,7 +123,7 @@ def main(argv=None):
         path, _, better = rest.rpartition(":")
         values = {label: [read_metric(a.out, run, path.replace("{context}", contexts.get(label, "")))
                           for run in arms[label]] for label in (A, B)}
-        verdicts[name] = decide(values[A], values[B], better, (carries[A], carries[B]), a.min_seeds)
+        verdicts[name] = decide(values[A], values[B], better, (carries[A], carries[B]))
         if a.kind == "mechanical" and not verdicts[name].startswith("undecided"):
             verdicts[name] += " (mechanical)"
         lines.append(f"| {name} ({better} is better) | {fmt(values[A])} | {fmt(values[B])} | **{verdicts[name]}** |")
@@ -142,9 +140,9 @@ def main(argv=None):
                                 "**not every run carries its text**") + " |")
     seeds = min(len(arms[A]), len(arms[B]))
     lines += ["", f"mean over {len(arms[A])} / {len(arms[B])} seed(s) per arm, (min-max) across seeds; the rule: "
-              f"{a.kind} claim, at least {a.min_seeds} seeds per arm"
+              f"{a.kind} claim, at least {MIN_SEEDS} seeds per arm"
               + ("" if a.kind == "mechanical" else f", every run's {a.carry_name} {rule}")
-              + (f" (**{seeds} here: not decided**)" if seeds < a.min_seeds else "") + ". " + a.note]
+              + (f" (**{seeds} here: not decided**)" if seeds < MIN_SEEDS else "") + ". " + a.note]
     results = os.path.join(a.out, "results.json")
     tables = json.load(open(results))["tables"] if os.path.isfile(results) else []
     tables.append(dict(title=a.claim, kind=a.kind, verdicts=verdicts, arms=arms, expect=[A, B],
