@@ -88,17 +88,17 @@ def load_examples(path, task, n=None):
     return rows[:n] if n else rows
 
 
-def protocol(comp, ckpt=None, max_len=None, train_args=None):
+def protocol(comp, ckpt=None, max_len=None, train_args=None, min_len=None):
     """How the checkpoint was trained, so the evaluation cuts texts the same way (train.py's args, saved with it, or
     given as train_args by a run that scores itself): head crop -> every text is its first n tokens, padded with EOS
     to n, and regenerated up to n tokens (AOC code); pretrain -> AE reconstructs the first ⌊|X|/2⌋ tokens (of those n
     under a head crop), what pretraining compressed (EPL code). max_len: cut every text to its first max_len
-    tokens."""
+    tokens; min_len: score only texts of at least min_len tokens (default: the run's --min-len, at_trained_length)."""
     if train_args is None:
         train_args = (C.read_checkpoint_config(ckpt).get("train_args") or {}) if ckpt else {}
     n = max_len or train_args.get("max_len")   # the run's own check cuts at its --max-len (any crop): so does this
     shortest = train_args.get("min_len") if n else None   # texts shorter than the run's --min-len are not scored
-    return dict(crop=train_args.get("crop", "window"), n=n, min=shortest and min(shortest, n),
+    return dict(crop=train_args.get("crop", "window"), n=n, min=min_len or (shortest and min(shortest, n)),
                 half=train_args.get("objective") == "pretrain")
 
 
@@ -830,9 +830,7 @@ def main(argv=None):
         examples = load_examples(args.data, args.task, None if text_task else n) if task.examples and (
             args.task != "heatmap" or args.text0 is None) else None
         comp = load_compressor(args)
-        proto = protocol(comp, args.ckpt, args.max_len)
-        if args.min_len:
-            proto["min"] = args.min_len
+        proto = protocol(comp, args.ckpt, args.max_len, min_len=args.min_len)
         if text_task:
             examples = at_trained_length(comp, examples, proto, n)
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)   # before the task: figures go next to it

@@ -71,17 +71,17 @@ def held_out_losses(comp, ho: HeldOut, device, autocast) -> dict:
     comp.eval()
     # no RNG is drawn in eval mode; forked anyway, so that nothing the check does can move the training's streams
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast:
+        ratio = {}   # ae: the compression the texts were scored at
         if ho.task == "qa":
             L = E.run_qa(comp, ho.examples, max_len=max_len, generate=False)["loss"]
         else:
             proto = E.protocol(comp, max_len=max_len, train_args=ho.train_args)
             ae = E.run_ae(comp, ho.examples, proto=proto, generate=False)
-            L = {**ae["loss"], "tokens_per_slot": ae["tokens_per_slot"]}
+            L, ratio = ae["loss"], {"tokens_per_slot": ae["tokens_per_slot"]}
         lm = E.run_lm(comp, ho.examples, max_len=max_len)["loss"] if ho.train_args["objective"] == "pretrain" else None
     for m, training in modes.items():
         m.train(training)
     point = lambda L: dict(own=L["own"], other=L["other"], none=L["none"], own_other=L["own_other_ratio"])
-    ratio = {"tokens_per_slot": L["tokens_per_slot"]} if "tokens_per_slot" in L else {}
     return {**point(L), "n": len(ho.examples), **ratio, **({"lm": point(lm)} if lm else {})}
 
 
