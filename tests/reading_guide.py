@@ -70,22 +70,28 @@ def statements(path):
     return spans, conds
 
 
+def line_tracer(files, runs, also=None):
+    """A sys.settrace tracer that adds each line run in `files` (path -> name) to runs[(name, function)], and calls
+    also(name, line) for it."""
+    def tracer(frame, event, arg):
+        f = frame.f_code.co_filename
+        if f not in files:
+            return None
+        if event == "line":
+            # a comprehension or lambda is read as part of the function that holds it
+            runs[(files[f], frame.f_code.co_qualname.split(".<locals>")[0])].add(frame.f_lineno)
+            if also:
+                also(files[f], frame.f_lineno)
+        return tracer
+    return tracer
+
+
 def trace(method):
     """(function -> set of lines run, in first-run order), the config-condition lines run in the forward pass."""
     import compressors as C
     from model import build_tiny
     runs, forward, phase = defaultdict(set), set(), {"forward": False}
-
-    def tracer(frame, event, arg):
-        f = frame.f_code.co_filename
-        if f not in FILES:
-            return None
-        if event == "line":
-            # a comprehension or lambda is read as part of the function that holds it
-            runs[(FILES[f], frame.f_code.co_qualname.split(".<locals>")[0])].add(frame.f_lineno)
-            if phase["forward"]:
-                forward.add((FILES[f], frame.f_lineno))
-        return tracer
+    tracer = line_tracer(FILES, runs, lambda name, line: phase["forward"] and forward.add((name, line)))
     torch.manual_seed(0)
     decoder, tok = build_tiny()
     texts = [tok.encode("A first short text to compress."), tok.encode("And a second one.")]
@@ -106,14 +112,7 @@ def training_lines(method) -> int:
     after it (the tiny demo's settings: its objective, one step, no held-out check), counted as the compressor's."""
     import train
     runs = defaultdict(set)
-
-    def tracer(frame, event, arg):
-        f = frame.f_code.co_filename
-        if f not in TRAINING:
-            return None
-        if event == "line":
-            runs[(TRAINING[f], frame.f_code.co_qualname.split(".<locals>")[0])].add(frame.f_lineno)
-        return tracer
+    tracer = line_tracer(TRAINING, runs)
     with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()):   # the run's own log lines are not the guide
         sys.settrace(tracer)
