@@ -27,7 +27,7 @@ RUN_FLAGS = {"resume", "out", "steps", "stop_after", "save_every", "keep_every",
 # flags that name a local file or folder (or a hub id): saved absolute, so a run resumes from any directory
 PATH_FLAGS = ("model", "decoder", "data", "eval_data", "init", "warm_start")
 EXAMPLES = """examples:
-  python train.py --method aoc --mem 16                # quickstart: --model tiny, its demo settings (above)
+  python train.py --method aoc --mem 4                 # quickstart: --model tiny, its demo settings (above), 4x
   python train.py --method aoc --mem 16 --model meta-llama/Llama-3.2-1B-Instruct --data corpus/ --steps 20000
   python train.py --method icae --layout epl --mem 102 --model meta-llama/Llama-3.2-1B --data pile.jsonl
   python train.py --method pic --model Qwen/Qwen2.5-0.5B-Instruct --decoder meta-llama/Meta-Llama-3-8B-Instruct

@@ -1,7 +1,7 @@
 """
 Train a soft context compressor: one script for every method in compressors.py.
 
-    python train.py --method aoc --mem 16          # CPU, about a minute: --model tiny's demo (presets.TINY)
+    python train.py --method aoc --mem 4           # CPU, under two minutes: --model tiny's demo (presets.TINY), 4x
 
 It reads top to bottom: arguments (cli.py: every flag, and each default from presets.recipe_for, which the first
 log line prints with its source), set-up (device, processes), the compressor, the data (data.py), optimizer and
