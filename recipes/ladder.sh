@@ -22,7 +22,9 @@
 # pretrain (AE + LM on texts of twice the rung's length: the rung's length is what is compressed), warm=ARM (start
 # from ARM's trained tensors, e.g. the 4x arm from the 1:1 arm that carries), kv (the memory written into every layer's
 # K/V, 500x's carrier, no bridge or delimiters: a labelled combination, not the paper's method), ratio=C (CompLLM's
-# ratio: ceil(n/C) slots per sentence segment make C = 4 a measured 3.5x, C = 5 a measured 4.3x). Levers joined by + stack, in order
+# ratio: ceil(n/C) slots per sentence segment make C = 4 a measured 3.5x, C = 5 a measured 4.3x), ae=TOKEN (the token
+# after the memory that predicts the text's first token: CompLLM has none, which the K/V carrier cannot take, so
+# compllm:kv+ae=bos+ratio=5). Levers joined by + stack, in order
 # (long+batch16: the paper batch for LONG_STEPS). JOBS=N (ours) trains up to N lever arms at once, each one's output in
 # OUT/NAME.out: on one GPU a small model leaves the device mostly idle, so arms side by side cost little more than one.
 PAPER=ladder
@@ -66,7 +68,8 @@ lever_flag() {
     nobos)      echo --no-bos ;;   # GMSA as the ladder first ran it, before its preset started the encoder with [BOS]
     kv)         echo --carrier kv --bridge none --no-delimiters ;;   # ours: the memory written into the decoder's K/V
     ratio)      echo --ratio "$value" ;;   # CompLLM's C: on its sentence segments (S = 20) C = 4 is a measured 3.5x
-    *)          echo "unknown lever $1 (epl lora long batch16 curriculum memlr pretrain warm=ARM nobos kv ratio=C)" >&2; exit 2 ;;
+    ae)         echo --ae-token "$value" ;;   # ae=bos: CompLLM on the K/V carrier needs a token after its memory
+    *)          echo "unknown lever $1 (epl lora long batch16 curriculum memlr pretrain warm=ARM nobos kv ratio=C ae=TOKEN)" >&2; exit 2 ;;
   esac
 }
 lever_flags() {   # one lever, or several joined by +: each one's flags in turn (curriculum spans long's steps)
