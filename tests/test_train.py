@@ -246,11 +246,11 @@ def test_recipe_for_names_each_settings_value_and_source():
 def test_the_first_log_line_names_each_setting_and_its_source(tmp_path, run_train, capsys):
     run_train(["--method", "aoc", "--steps", "1", "--eval-every", "0", "--out", str(tmp_path / "aoc")])
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.startswith("settings: objective ae (demo), lr 0.003 (demo), betas 0.9,0.999 (code), ")
-    for part in ("steps 1 (flag)", "batch_size 4 (demo)", "max_len 16 (demo)", "schedule linear (demo)"):
+    assert first.startswith("settings: objective ae (demo), lr 0.01 (demo), betas 0.9,0.999 (code), ")
+    for part in ("steps 1 (flag)", "batch_size 16 (demo)", "max_len 16 (demo)", "schedule linear (demo)"):
         assert part in first
     args = json.load(open(tmp_path / "aoc" / "args.json"))
-    assert all(f"{k} " in first for k in cli.SETTINGS) and args["lr"] == 3e-3
+    assert all(f"{k} " in first for k in cli.SETTINGS) and args["lr"] == 1e-2
 
 
 def test_mem_on_tiny_compllm_is_a_fixed_budget_as_documented(device):
@@ -887,7 +887,7 @@ def assert_one_line_error(argv, message, capsys, device):
     (["--method", "icae", "--init", "RUN"], "is a aoc compressor, not icae"),
     (["--method", "aoc", "--batch-size", "3", "--micro-batch", "2"], "must be a multiple"),
     (["--method", "icae", "--model", "no/such-model-here"], "cannot fetch"),
-    (["--method", "aoc", "--mem", "4", "--crop", "head", "--data", "DOC"], "holds 1 document(s) for a batch of 4"),
+    (["--method", "aoc", "--mem", "4", "--crop", "head", "--data", "DOC"], "holds 1 document(s) for a batch of 16"),
 ])
 def test_bad_input_is_one_line_and_leaves_out_untouched(argv, message, files, tmp_path, capsys, finished_run, device):
     out = tmp_path / "out"
