@@ -77,6 +77,11 @@ lever_flags() {   # one lever, or several joined by +: each one's flags in turn 
   [[ +$1+ == *+long+* ]] && RUN_STEPS=${LONG_STEPS:-1500}
   for one in ${1//+/ }; do lever_flag "$one" "$2" || return 2; done
 }
+lever_name() {   # an arm's lever part: each lever's name without its value (kv+ae=bos+ratio=5 -> kv+ae+ratio)
+  local one out=""
+  for one in ${1//+/ }; do out+=${out:++}${one%%=*}; done
+  echo "$out"
+}
 # lever_arm NAME LEN TRAIN.PY-FLAGS...: train the lever arm, then score it on held-out texts of LEN tokens
 lever_arm() {
   local name=$1 len=$2; shift 2
@@ -105,7 +110,7 @@ for rung in ${RUNGS:-1x 4x}; do
     [[ $pair == *@* && ${pair##*@} != "$rung" ]] && continue
     pair=${pair%@*}
     preset=${pair%%:*} lever=${pair#*:}
-    name=${preset}_${lever%%=*}_$rung
+    name=${preset}_$(lever_name $lever)_$rung
     flags=$(lever_flags $lever $n) || exit 2
     len=$n; [[ +$lever+ == *+pretrain+* ]] && len=$((2 * n))   # the text whose first half is compressed
     # shellcheck disable=SC2046,SC2086
