@@ -24,7 +24,7 @@
 # K/V, 500x's carrier, no bridge or delimiters: a labelled combination, not the paper's method), ratio=C (CompLLM's
 # ratio: ceil(n/C) slots per sentence segment make C = 4 a measured 3.5x, C = 5 a measured 4.3x), ae=TOKEN (the token
 # after the memory that predicts the text's first token: CompLLM has none, which the K/V carrier cannot take, so
-# compllm:kv+ae=bos+ratio=5). Levers joined by + stack, in order
+# compllm:kv+ae=bos+ratio=5), lr=X (the preset's learning rate replaced by X). Levers joined by + stack, in order
 # (long+batch16: the paper batch for LONG_STEPS). JOBS=N (ours) trains up to N lever arms at once, each one's output in
 # OUT/NAME.out: on one GPU a small model leaves the device mostly idle, so arms side by side cost little more than one.
 PAPER=ladder
@@ -69,7 +69,8 @@ lever_flag() {
     kv)         echo --carrier kv --bridge none --no-delimiters ;;   # ours: the memory written into the decoder's K/V
     ratio)      echo --ratio "$value" ;;   # CompLLM's C: on its sentence segments (S = 20) C = 4 is a measured 3.5x
     ae)         echo --ae-token "$value" ;;   # ae=bos: CompLLM on the K/V carrier needs a token after its memory
-    *)          echo "unknown lever $1 (epl lora long batch16 curriculum memlr pretrain warm=ARM nobos kv ratio=C ae=TOKEN)" >&2; exit 2 ;;
+    lr)         echo --lr "$value" ;;         # lr=5e-4: the preset's learning rate, replaced
+    *)          echo "unknown lever $1 (epl lora long batch16 curriculum memlr pretrain warm=ARM nobos kv ratio=C ae=TOKEN lr=X)" >&2; exit 2 ;;
   esac
 }
 lever_flags() {   # one lever, or several joined by +: each one's flags in turn (curriculum spans long's steps)
