@@ -11,6 +11,7 @@
 #   bash recipes/ladder.sh              # SmolLM2-135M on 2 CPU cores, 17 arms x STEPS=300: 1:1 about 2 h, 4x about 2.2 h; resumes
 #   SMOKE=1 bash recipes/ladder.sh      # tiny model, 2 steps per arm (CI)
 #   RUNGS=1x bash recipes/ladder.sh     # one rung only; ARMS="icae aoc" for some presets only
+#   OUT=runs/recipes/ladder_8x RUNGS=8x ARMS="lora 500x" bash recipes/ladder.sh   # 8x (ours): 128-token texts, 16 slots
 #   SEED=1 OUT=runs/recipes/ladder_s1 bash recipes/ladder.sh   # another seed (data order and init)
 #   LEVERS="icae:epl aoc:long@1x 500x:warm=500x_1x@4x" bash recipes/ladder.sh   # the lever phase (ours, below)
 #   JOBS=14 ARMS=" " LONG_STEPS=2000 LEVERS="icae:long+batch16 ..." bash recipes/ladder.sh   # lever arms side by side (a GPU)
@@ -93,7 +94,7 @@ lever_arm() {
 
 GROUPS_ARGS=() PIDS=()
 for rung in ${RUNGS:-1x 4x}; do
-  case $rung in 1x) n=16 r=1 ;; 4x) n=64 r=4 ;; *) echo "unknown rung $rung (1x or 4x)"; exit 2 ;; esac
+  case $rung in 1x) n=16 r=1 ;; 4x) n=64 r=4 ;; 8x) n=128 r=8 ;; *) echo "unknown rung $rung (1x, 4x or 8x)"; exit 2 ;; esac
   names=()
   for arm in $ARMS $([ $rung = 1x ] && echo $DIAG_ARMS); do
     # shellcheck disable=SC2046
