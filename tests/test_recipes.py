@@ -491,3 +491,26 @@ def test_the_readmes_tables_show_the_measured_tokens_per_slot():
     assert cells and all(re.search(r"\d\.\d{3} \(.*\)\**( at " + RATIO.pattern + ")", c) for c in cells), cells
     header = markdown_table((REPO / "README.md").read_text(), "| claim (paper) |")[0]
     assert any("measured tokens per slot" in c for c in header), header
+
+
+def ladder_shell(snippet):
+    """Run snippet after the ladder's own lever functions and rung table (cut out of recipes/ladder.sh, so the test
+    reads the script as it is, not a copy); returns the finished process."""
+    text = (REPO / "recipes" / "ladder.sh").read_text()
+    funcs = re.findall(r"^(lever_flag\(\) \{.*?^\}|lever_flags\(\) \{.*?^\}|lever_name\(\) \{.*?^\})", text, re.S | re.M)
+    rungs = re.search(r"^  (case \$rung in .*? esac)$", text, re.M).group(1)
+    script = "\n".join(funcs) + f"\nrung_of() {{ local rung=$1; {rungs}; echo $n $r; }}\nSTEPS=300\n{snippet}\n"
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+
+
+def test_ladder_levers_stack_and_the_8x_rung():
+    """Issue 37's levers and rung: lr=X replaces the preset's learning rate, a stacked arm keeps every lever's name
+    (without its value), and the 8x rung compresses 128 tokens into the rung's 16 slots."""
+    flags, name, r8, r4 = ladder_shell("echo $(lever_flags kv+ae=bos+ratio=5+lr=5e-4+long 64); "
+                                       "lever_name kv+ae=bos+ratio=5+lr=5e-4+long; rung_of 8x; rung_of 4x"
+                                       ).stdout.split("\n")[:4]
+    assert flags == ("--carrier kv --bridge none --no-delimiters --ae-token bos --ratio 5 --lr 5e-4 --steps 1500")
+    assert name == "kv+ae+ratio+lr+long"
+    assert (r8, r4) == ("128 8", "64 4")
+    bad = ladder_shell("rung_of 2x")
+    assert bad.returncode == 2 and "unknown rung 2x (1x, 4x or 8x)" in bad.stdout
