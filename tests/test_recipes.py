@@ -497,7 +497,8 @@ def ladder_shell(snippet):
     """Run snippet after the ladder's own lever functions and rung table (cut out of recipes/ladder.sh, so the test
     reads the script as it is, not a copy); returns the finished process."""
     text = (REPO / "recipes" / "ladder.sh").read_text()
-    funcs = re.findall(r"^(lever_flag\(\) \{.*?^\}|lever_flags\(\) \{.*?^\}|lever_name\(\) \{.*?^\})", text, re.S | re.M)
+    funcs = [re.search(rf"^{f}\(\) \{{.*?^\}}", text, re.S | re.M).group(0)
+             for f in ("lever_flag", "lever_flags", "lever_name")]
     rungs = re.search(r"^  (case \$rung in .*? esac)$", text, re.M).group(1)
     script = "\n".join(funcs) + f"\nrung_of() {{ local rung=$1; {rungs}; echo $n $r; }}\nSTEPS=300\n{snippet}\n"
     return subprocess.run(["bash", "-c", script], capture_output=True, text=True)
