@@ -420,6 +420,16 @@ def main(argv=None):
         print(f"done: {args.steps} steps; the compressor is in {args.out} (compressors.load, evaluate.py --ckpt)")
     elif run.master and end == args.stop_after:
         print(f"stopped after step {end} (--stop-after); continue with --resume {args.out}")
+    if under_torchrun():
+        # torchrun: after a clean end (the group destroyed, every file written and closed) the process leaves here,
+        # with this frame's model, optimizer and data still alive: freeing them, or Python's finalization, can
+        # block or abort the rank. gloo's worker threads outlive destroy_process_group and drop their last work's
+        # tensors under the GIL ("terminate called without an active exception", found in our two-process test's
+        # core dump; PyTorch PR 179291 describes it), and a rank once hung in the teardown of main's frame after
+        # its last checkpoint (py-spy: the main thread idle at the call of main(), the other rank gone)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def open_log(args, run: Run, comp, data: D.Data, settings: dict, n_params: int):
@@ -480,11 +490,3 @@ def loop(args, run: Run, comp, step_fn, opt, params, data: D.Data, ho, log) -> i
 
 if __name__ == "__main__":
     main()
-    if under_torchrun():
-        # torchrun: after a clean end (the group destroyed, every file written and closed) the process leaves
-        # without Python's finalization. gloo's worker threads outlive destroy_process_group and drop their last
-        # work's tensors under the GIL; one caught by finalization aborts the rank ("terminate called without an
-        # active exception", found in our two-process test's core dump; PyTorch PR 179291 describes it)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
