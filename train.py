@@ -420,13 +420,17 @@ def main(argv=None):
         print(f"done: {args.steps} steps; the compressor is in {args.out} (compressors.load, evaluate.py --ckpt)")
     elif run.master and end == args.stop_after:
         print(f"stopped after step {end} (--stop-after); continue with --resume {args.out}")
+    leave_rank()   # here, while this frame's model, optimizer and data are still alive
+
+
+def leave_rank():
+    """torchrun: after a clean end (the group destroyed, every file written and closed) the rank leaves at once,
+    without freeing the trained objects or Python's finalization, either of which can block or abort it. gloo's
+    worker threads outlive destroy_process_group and drop their last work's tensors under the GIL ("terminate called
+    without an active exception", found in our two-process test's core dump; PyTorch PR 179291 describes it), and a
+    rank once hung in the teardown of main()'s frame after its last checkpoint (py-spy: the main thread idle at the
+    call of main(), the other rank gone). Outside torchrun: nothing."""
     if under_torchrun():
-        # torchrun: after a clean end (the group destroyed, every file written and closed) the process leaves here,
-        # with this frame's model, optimizer and data still alive: freeing them, or Python's finalization, can
-        # block or abort the rank. gloo's worker threads outlive destroy_process_group and drop their last work's
-        # tensors under the GIL ("terminate called without an active exception", found in our two-process test's
-        # core dump; PyTorch PR 179291 describes it), and a rank once hung in the teardown of main's frame after
-        # its last checkpoint (py-spy: the main thread idle at the call of main(), the other rank gone)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -490,3 +494,4 @@ def loop(args, run: Run, comp, step_fn, opt, params, data: D.Data, ho, log) -> i
 
 if __name__ == "__main__":
     main()
+    leave_rank()   # the runs that end before training (nothing to do, --plan) leave the same way
