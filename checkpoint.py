@@ -81,25 +81,26 @@ def read_train_state(run_dir):
     return state
 
 
-def gather_rng_states(world):
+def gather_rng_states(world, device):
     """One RNG state per rank (rank r resumes with entry r), gathered so that rank 0 can save them all."""
     if world == 1:
-        return [rng_state()]
+        return [rng_state(device)]
     states = [None] * world
-    dist.all_gather_object(states, rng_state())
+    dist.all_gather_object(states, rng_state(device))
     return states
 
 
-def rng_state():
-    """Every global RNG a run draws from: torch's (the init and dropout), on the host and on CUDA."""
-    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
+def rng_state(device):
+    """Every global RNG a run draws from: torch's (the init and dropout), on the host, and on CUDA when the run is
+    there (never asked of a CPU run: a machine's GPU is not the run's)."""
+    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if device.type == "cuda" else [])
 
 
-def set_rng_state(state):
+def set_rng_state(state, device):
     """rng_state's generators back (a checkpoint saved before also holds numpy's and random's: nothing draws from
     them, so they are left alone)."""
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
+    if state["cuda"] and device.type == "cuda":
         torch.cuda.set_rng_state_all(state["cuda"])
 
 

@@ -24,6 +24,9 @@ from presets import fail
 # flags that may change when a run is continued with --resume; every other flag must match the checkpoint
 RUN_FLAGS = {"resume", "out", "steps", "stop_after", "save_every", "keep_every", "micro_batch", "compile",
              "grad_ckpt", "device", "frozen_dtype", "fsdp", "cache_dir", "eval_data", "eval_every", "eval_n"}
+# how this command runs, never taken from the checkpoint: a run saved under FSDP or on a GPU continues in one process
+# or on the CPU, and the other way round
+PROCESS_FLAGS = ("device", "fsdp")
 # flags that name a local file or folder (or a hub id): saved absolute, so a run resumes from any directory
 PATH_FLAGS = ("model", "decoder", "data", "eval_data", "init", "warm_start")
 EXAMPLES = """examples:
@@ -135,10 +138,11 @@ def add_data_and_run_flags(p: argparse.ArgumentParser):
     g.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per transformer block "
                    "(encoder and decoder): less memory, about a third more compute")
     g.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
-    g.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    g.add_argument("--device", help="cuda or cpu (default: cuda when available); under torchrun it sets the "
+                   "backend too (cpu: gloo, cuda: nccl, one GPU per process)")
     g.add_argument("--fsdp", action="store_true", help="shard every weight over the torchrun processes with "
-                   "PyTorch's FSDP2 (sharding.py) instead of replicating it (DDP): for a model that does not fit on "
-                   "one GPU. Checkpoints are the one-process format")
+                   "PyTorch's FSDP2 (parallel.py) instead of replicating it (DDP): for a model that does not fit on "
+                   "one GPU. Checkpoints are the one-process format; --resume takes it or leaves it")
     g.add_argument("--plan", action="store_true", help="print the run's memory per GPU (parameters by dtype, "
                    "weights, gradients, AdamW, activations; plan.py), built on the meta device, and exit")
     g.add_argument("--shape", choices=tuple(SHAPES), help="with --plan: a paper model's shape (model.SHAPES) in place "
@@ -178,7 +182,8 @@ def parse_args(argv=None):
         # flags added after the checkpoint was written take their defaults (an old run resumes)
         merged = {**{k: parser.get_default(k) for k in vars(args)}, **saved,
                   **{k: getattr(args, k) for k in RUN_FLAGS & given}}
-        merged.update(resume=args.resume, stop_after=args.stop_after, out=args.out or args.resume)
+        merged.update(resume=args.resume, stop_after=args.stop_after, out=args.out or args.resume,
+                      **{k: getattr(args, k) for k in PROCESS_FLAGS})
         args = argparse.Namespace(**merged)
         return args, state, {k: P.Setting(merged[k], f"--resume {args.resume}") for k in SETTINGS if k in merged}
     if args.method is None:

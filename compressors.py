@@ -775,7 +775,7 @@ class Compressor(nn.Module):
     def save(self, out_dir: str, extra: dict | None = None, state: dict | None = None):
         """Write compressor.safetensors (exactly the trained tensors) and compressor.json (the config),
         each atomically (temp file + rename), so an interrupted save never leaves a broken checkpoint.
-        state: the trained tensors, when they were gathered already (train.py --fsdp: sharding.full_state)."""
+        state: the trained tensors, when they were gathered already (train.py --fsdp: parallel.gathered_state)."""
         os.makedirs(out_dir, exist_ok=True)
         tmp = os.path.join(out_dir, "compressor.safetensors.tmp")
         state = state or self.trained_state()

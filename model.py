@@ -413,6 +413,20 @@ class KVCache:
         return self.k[:, :, :self.len], self.v[:, :, :self.len]  # views: the buffers are never copied
 
 
+def sdpa(q, k, v, mask, is_causal: bool, scale):
+    """softmax(q kᵀ · scale, under mask) v for q (B, H, T, D) and k, v (B, Hkv, S, D), on a fused kernel where one
+    exists. CUDA's kernels split the two features: flash attention takes grouped-query heads (enable_gqa) but no mask,
+    the memory-efficient and cuDNN kernels take a mask but not enable_gqa. SDPA given both falls back to its math path,
+    which materializes the (B, H, T, S) probabilities. So with a mask, each K/V head is repeated to its H/Hkv query
+    heads first (as transformers' repeat_kv does whenever a mask is given); without one, enable_gqa reads them in
+    place. The two give the same numbers (tests/test_model.py)."""
+    group = q.shape[1] // k.shape[1]
+    if mask is not None and group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)   # (B, H, S, D): head h reads h // group
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=group > 1 and mask is None)
+
+
 class Attention(nn.Module):
     """Grouped-query attention.  Notation: B batch, T new tokens, P cached prefix, S = P + T keys,
     H query heads, Hkv key/value heads, D head_dim.  Each group of H/Hkv query heads reads one K/V head:
@@ -463,11 +477,9 @@ class Attention(nn.Module):
             k, v = cache.write(k, v)            # (B, Hkv, S, D) each
         # mask: a boolean (.., T, S) mask, True = may attend; or None = plain causal (the fast kernel), which
         # forward() only passes with no prefix, or for a single new token (it may see every key: no mask at all).
-        # enable_gqa lets each K/V head serve its H/Hkv query heads without copying it.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-                                           scale=self.scale, enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, D)
+        y = sdpa(q, k, v, mask, is_causal=mask is None and T > 1, scale=self.scale)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, H*D)
-        return self.o_proj(y), (k, v)
+        return self.o_proj(y), (k, v)   # the cache keeps Hkv heads: sdpa's repeat is never stored
 
     def weights(self, x, cos, sin, mask):
         """The attention probabilities (B, H, T, T), fp32, that forward's SDPA applies to x with no prefix: softmax

@@ -31,7 +31,6 @@ recipe. On a GPU with a paper model (bf16 autocast, same flags):
 import math
 import os
 import signal
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -47,36 +46,14 @@ import compressors as C
 import data as D
 import plan
 import presets as P
-import sharding
+import parallel
 from checkpoint import gather_rng_states, is_out_of_memory, latest_checkpoint, save_checkpoint, set_rng_state, \
     trim_log, write_log
 from heldout import check_held_out, first_carrying_step, held_out
 from model import load_pretrained
 from presets import fail
 
-# ---- set-up: processes and device ----
-
-
-def under_torchrun() -> bool:
-    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK: one process per GPU (DDP)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def setup_device(device=None, fsdp=False):
-    """Returns (device, rank, world): this process's share of a torchrun job, or the one device."""
-    if under_torchrun():
-        local = int(os.environ["LOCAL_RANK"])
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-        device = torch.device(f"cuda:{local}") if backend == "nccl" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        return device, dist.get_rank(), dist.get_world_size()
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if fsdp:   # FSDP needs a process group, even of one process (the test at world size 1)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
-    return device, 0, 1
+# ---- set-up ----
 
 
 @dataclass
@@ -101,9 +78,8 @@ class Run:
         return self.rank == 0
 
 
-def set_up(args, resume_state) -> Run:
-    """Processes, the batch split, the seeds; refuses a run that would overwrite another."""
-    device, rank, world = setup_device(args.device, args.fsdp)
+def set_up(args, resume_state, device, rank, world) -> Run:
+    """The batch split over the processes (parallel.processes), the seeds; refuses a run that would overwrite another."""
     micro = args.micro_batch or args.batch_size // world
     if micro < 1 or args.batch_size % (micro * world):
         fail(f"--batch-size {args.batch_size} must be a multiple of --micro-batch {micro} x {world} GPU(s)")
@@ -192,14 +168,10 @@ def build_step(args, run: Run, ckpt_dir):
         model.grad_ckpt = args.grad_ckpt
     if args.compile:
         compile_blocks(comp)
-    step_fn = TrainStep(comp, args.objective, args.lm_weight)
-    if args.fsdp:
-        if args.objective == "distill":   # the teacher generates outside the step, where the root's weights are shards
-            fail("--fsdp does not run distill (its frozen teacher generates outside the training step): use DDP")
-        step_fn = sharding.shard(comp, step_fn)
-    elif run.world > 1:   # unused parameters: e.g. the [LM] embedding when the objective is ae
-        step_fn = nn.parallel.DistributedDataParallel(step_fn, find_unused_parameters=True, device_ids=[
-            run.device.index] if run.device.type == "cuda" else None)
+    if args.fsdp and args.objective == "distill":   # the teacher generates outside the step, where weights are shards
+        fail("--fsdp does not run distill (its frozen teacher generates outside the training step): use DDP")
+    step_fn = parallel.wrap(comp, TrainStep(comp, args.objective, args.lm_weight), args.fsdp, run.device, run.world,
+                            bf16=not isinstance(run.autocast, nullcontext))
     return comp, step_fn
 
 
@@ -362,8 +334,8 @@ def train_step(run: Run, comp, step_fn, opt, params, data: D.Data, lr: float, st
 
 def save(args, run: Run, comp, opt, data: D.Data, done: int):
     """A checkpoint of step `done` (every rank hands rank 0 its RNG state; rank 0 writes)."""
-    rng = gather_rng_states(run.world)
-    whole = sharding.full_state(comp, opt) if args.fsdp else None   # every rank gathers; rank 0 writes them whole
+    rng = gather_rng_states(run.world, run.device)
+    whole = parallel.gathered_state(comp, opt, run.master) if args.fsdp else None   # rank 0 writes them whole
     if run.master:
         save_checkpoint(args.out, done, comp, opt, args, rng, data.key, args.keep_every, whole)
         D.save_answers(data)
@@ -385,7 +357,12 @@ def main(argv=None):
     args, resume_state, settings = cli.parse_args(argv)
     if args.plan:   # what the run would need, built on the meta device: nothing is allocated or written
         return plan.show(args, TrainStep)
-    run = set_up(args, resume_state)
+    with parallel.processes(args.device, args.fsdp) as (device, rank, world):   # torchrun's, or this one
+        train(args, resume_state, settings, set_up(args, resume_state, device, rank, world))
+    parallel.leave_rank()   # the runs that end before training (nothing to do) leave the same way
+
+
+def train(args, resume_state, settings, run: Run):
     if run.start >= args.steps:
         print(f"{args.resume} is already at step {run.start} of {args.steps}: nothing to do (raise --steps)")
         return
@@ -401,11 +378,11 @@ def main(argv=None):
     if resume_state:
         try:   # a resumed run's optimizer moments and step counts, and every RNG where it stood
             if args.fsdp:   # the one-process moments, cut into this rank's shards
-                resume_state["optimizer"] = sharding.shard_optimizer_state(opt, resume_state["optimizer"])
+                resume_state["optimizer"] = parallel.shard_optimizer_state(opt, resume_state["optimizer"])
             opt.load_state_dict(resume_state["optimizer"])
         except (ValueError, KeyError) as e:
             fail(f"mismatched checkpoint: its optimizer state does not fit this compressor ({e})")
-        set_rng_state(resume_state["rng"][run.rank if run.rank < len(resume_state["rng"]) else 0])
+        set_rng_state(resume_state["rng"][run.rank if run.rank < len(resume_state["rng"]) else 0], run.device)
     log = open_log(args, run, comp, data, settings, sum(p.numel() for p in params)) if run.master else None
     every = args.eval_every if args.eval_every is not None else args.save_every
     if args.fsdp and every > 0:   # rank 0 alone would score a model whose weights are spread over every rank
@@ -420,20 +397,7 @@ def main(argv=None):
         print(f"done: {args.steps} steps; the compressor is in {args.out} (compressors.load, evaluate.py --ckpt)")
     elif run.master and end == args.stop_after:
         print(f"stopped after step {end} (--stop-after); continue with --resume {args.out}")
-    leave_rank()   # here, while this frame's model, optimizer and data are still alive
-
-
-def leave_rank():
-    """torchrun: after a clean end (the group destroyed, every file written and closed) the rank leaves at once,
-    without freeing the trained objects or Python's finalization, either of which can block or abort it. gloo's
-    worker threads outlive destroy_process_group and drop their last work's tensors under the GIL ("terminate called
-    without an active exception", found in our two-process test's core dump; PyTorch PR 179291 describes it), and a
-    rank once hung in the teardown of main()'s frame after its last checkpoint (py-spy: the main thread idle at the
-    call of main(), the other rank gone). Outside torchrun: nothing."""
-    if under_torchrun():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    parallel.leave_rank()   # here, while this frame's model, optimizer and data are still alive
 
 
 def open_log(args, run: Run, comp, data: D.Data, settings: dict, n_params: int):
@@ -487,11 +451,8 @@ def loop(args, run: Run, comp, step_fn, opt, params, data: D.Data, ho, log) -> i
             signal.signal(s, h)
         if log:
             log.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return end
 
 
 if __name__ == "__main__":
     main()
-    leave_rank()   # the runs that end before training (nothing to do, --plan) leave the same way

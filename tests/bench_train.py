@@ -38,7 +38,21 @@ import compressors as C  # noqa: E402
 import presets as P  # noqa: E402
 import checkpoint  # noqa: E402
 import train  # noqa: E402
+import model as M  # noqa: E402
 from model import SHAPES, build_shape  # noqa: E402
+
+def sdpa_before_issue_45(q, k, v, mask, is_causal, scale):
+    """The attention call before issue 45: a mask together with enable_gqa, which CUDA's fused kernels do not take
+    (flash takes no mask, memory-efficient and cuDNN no GQA), so SDPA ran its math path. --attention before times it."""
+    return M.F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                            enable_gqa=q.shape[1] != k.shape[1])
+
+
+def fused_only():
+    """A context in which SDPA may use flash, memory-efficient or cuDNN attention but not the math path: a call
+    that needs the math path raises instead of running slowly."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
 
 
 def bench(method, device, steps, model):
@@ -124,10 +138,11 @@ def profile(argv, steps=6, skip=2, top=12):
         print(f"| {k} | {v} |")
 
 
-def bench_shape(shape, method, device, steps, batch=4, frozen=torch.float32, compile=False):
+def bench_shape(shape, method, device, steps, batch=4, frozen=torch.float32, compile=False, fused=False):
     """AdamW steps of one preset around a random decoder of a paper model's shape in bf16 autocast:
     (seconds per step, tokens per step, model FLOPs per step). frozen: the frozen base weights' dtype, as train.py
-    --frozen-dtype (trained tensors fp32); compile: train.py --compile (torch.compile every block)."""
+    --frozen-dtype (trained tensors fp32); compile: train.py --compile (torch.compile every block); fused: every
+    step, and then a generation from one memory (evaluate.py's), inside fused_only(), so a math-path call raises."""
     torch.manual_seed(0)
     decoder, tok = build_shape(shape, device, dtype=frozen)   # ids below the tiny vocabulary: any tokenizer will do
     comp = C.build(method, decoder, tok).set_dtypes(frozen)
@@ -148,17 +163,21 @@ def bench_shape(shape, method, device, steps, batch=4, frozen=torch.float32, com
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with autocast:
-            memory = comp.compress(ids, ratios=ratios)
-            loss, _ = comp.lm_loss(memory, "ae", [comp.ae_target(x) for x in ids])
-        loss.backward()
+        with fused_only() if fused else contextlib.nullcontext():   # (backward too: it runs the kernels' backward)
+            with autocast:
+                memory = comp.compress(ids, ratios=ratios)
+                loss, _ = comp.lm_loss(memory, "ae", [comp.ae_target(x) for x in ids])
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    M = sum(memory.mem_counts[0])
-    enc_tokens, dec_tokens = batch * (n + M), batch * (n + 2 + (M if comp.cfg.carrier == "embeds" else 0))
+    if fused:   # the evaluation side: a memory and a few generated tokens, the math path still shut
+        with torch.no_grad(), autocast, fused_only():
+            comp.generate(comp.compress(ids[:2], ratios=ratios and ratios[:2]), "ae", max_new_tokens=4)
+    m = sum(memory.mem_counts[0])
+    enc_tokens, dec_tokens = batch * (n + m), batch * (n + 2 + (m if comp.cfg.carrier == "embeds" else 0))
     flops = 6 * enc_params * enc_tokens + 6 * dec_params * dec_tokens
     return statistics.median(times[2:] or times), enc_tokens + dec_tokens, flops
 
@@ -174,6 +193,11 @@ def main():
                    "frozen weights' dtype(s) to time (train.py --frozen-dtype; trained ones stay fp32)")
     p.add_argument("--batch", type=int, default=4, help="--shape: examples per step (default 4)")
     p.add_argument("--compile", action="store_true", help="--shape: torch.compile every block (train.py --compile)")
+    p.add_argument("--attention", nargs="+", default=["now"], choices=("now", "before"), help="--shape: the "
+                   "attention call(s) to time: now (model.sdpa: K/V repeated where a mask is given) and/or before "
+                   "(a mask with enable_gqa: CUDA's math path, issue 45)")
+    p.add_argument("--fused-only", action="store_true", help="--shape: run every step and a generation with SDPA's "
+                   "math path shut (flash, memory-efficient, cuDNN only): a call that needs it raises")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the accelerator's dense bf16 peak (H100: 989)")
     p.add_argument("--profile", nargs=argparse.REMAINDER, metavar="TRAIN.PY-FLAGS", help="instead: where one "
                    "training step's time goes, train.py with these flags under torch.profiler (give it last)")
@@ -186,18 +210,28 @@ def main():
     if a.shape:
         print(f"\n{a.shape} shape, bf16 autocast on {a.device}, batch {a.batch}, the paper's lengths"
               f"{', --compile' if a.compile else ''}\n")
-        print("| method | frozen | ms/step | tokens/step | tok/s | TFLOP/s | MFU | peak GB |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| method | frozen | attention | ms/step | tokens/step | tok/s | TFLOP/s | MFU | peak GiB |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        now = M.sdpa
         for method in a.methods:
             for name in a.frozen_dtype:
-                if a.device == "cuda":
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
-                dt, tokens, flops = bench_shape(a.shape, method, a.device, a.steps, a.batch,
-                                                torch.bfloat16 if name == "bf16" else torch.float32, a.compile)
-                peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else float("nan")
-                print(f"| {method} | {name} | {dt * 1000:.0f} | {tokens} | {tokens / dt:,.0f} | {flops / dt / 1e12:.1f} | "
-                      f"{100 * flops / dt / 1e12 / a.peak_tflops:.1f}% | {peak:.1f} |", flush=True)
+                for attention in a.attention:
+                    if a.device == "cuda":
+                        torch.cuda.empty_cache()
+                        torch.cuda.reset_peak_memory_stats()
+                    M.sdpa = now if attention == "now" else sdpa_before_issue_45
+                    try:
+                        dt, tokens, flops = bench_shape(a.shape, method, a.device, a.steps, a.batch,
+                                                        torch.bfloat16 if name == "bf16" else torch.float32,
+                                                        a.compile, a.fused_only)
+                    finally:
+                        M.sdpa = now
+                    peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else float("nan")
+                    print(f"| {method} | {name} | {attention} | {dt * 1000:.0f} | {tokens} | {tokens / dt:,.0f} | "
+                          f"{flops / dt / 1e12:.1f} | {100 * flops / dt / 1e12 / a.peak_tflops:.1f}% | {peak:.1f} |",
+                          flush=True)
+        if a.fused_only:
+            print(f"\nevery step and generation above ran with SDPA's math path shut ({', '.join(a.methods)})")
         return
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     print("\n| method | objective | device | batch | \\|X\\| | ms/step | tokens/step | tok/s |")

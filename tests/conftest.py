@@ -189,3 +189,28 @@ def assert_attention_weights_are_sdpas(model, ids, **forward_kwargs):
         torch.testing.assert_close((w @ v.float()).transpose(1, 2).reshape(B, T, -1), y.float(), atol=1e-5, rtol=0)
         out.append(w)
     return out
+
+
+# ---- train.py under torchrun ----
+
+REPO = Path(__file__).resolve().parents[1]
+# sitecustomize for torchrun's processes on the CPU: torch.cuda.is_available() says True, as on a machine with a GPU.
+# A CPU run (--device cpu) must then still never touch CUDA (issue 45: its backend and FSDP's mesh once followed
+# is_available(), and on a machine with one GPU rank 1 asked for cuda:1); any CUDA call fails here, as there is none
+FAKE_GPU = "import torch\ntorch.cuda.is_available = lambda: True\n"
+
+
+def torchrun(flags, n, tmp_path, fake_gpu=True, timeout=300):
+    """train.py under `torchrun --standalone --nproc_per_node n` from the repository root: on the CPU (gloo) with
+    is_available() patched to True (fake_gpu), or one process on one GPU (nccl). Returns the completed process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    if fake_gpu:
+        site = Path(tmp_path) / "fake_gpu"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(FAKE_GPU)
+        env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
+    import subprocess
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
+                        "train.py", *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p

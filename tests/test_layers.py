@@ -11,8 +11,8 @@ can learn the code bottom up. recipes/ and tests/ come after every layer (they m
     checkpoint                             save, resume state, the log
     cli                                    train.py's flags and how their defaults resolve
     evaluate                               the tasks and their scores
-    heldout, plan, sharding                the held-out check a run does while training (calls evaluate); the
-                                           memory plan (--plan); FSDP2 (--fsdp)
+    heldout, plan, parallel                the held-out check a run does while training (calls evaluate); the
+                                           memory plan (--plan); torchrun, DDP and FSDP2 (--fsdp)
     train                                  the training script
 
 A script's entry, `if __name__ == "__main__":`, is no import of the module (nothing that imports it runs it): it
@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [("masks", "positions", "metrics", "lora", "hf", "figures"), ("model",), ("presets",), ("compressors",), ("data",),
-          ("checkpoint",), ("cli",), ("evaluate",), ("heldout", "plan", "sharding"), ("train",)]
+          ("checkpoint",), ("cli",), ("evaluate",), ("heldout", "plan", "parallel"), ("train",)]
 RANK = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 
 

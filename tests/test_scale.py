@@ -7,6 +7,9 @@ rounding, a stopped run continues exactly, micro-batches give the full batch's s
 mode continues in the other.
 """
 
+import json
+import re
+import subprocess
 import os
 import sys
 from pathlib import Path
@@ -186,61 +189,66 @@ def test_plan_counts_the_activations_a_real_step_saves(tmp_path):
 
 # ---- FSDP ----
 
-import subprocess  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+from conftest import torchrun as torchrun_  # noqa: E402
 
 
-def torchrun(flags, n=2):
-    """train.py under `torchrun --standalone --nproc_per_node n`: on the CPU (gloo) as test_train's DDP test, or one
+def torchrun(flags, tmp_path, device):
+    """On the CPU two processes (gloo) on a machine that claims a GPU (conftest.torchrun); with --device cuda one
     process on one GPU (nccl, a group of one)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
-                        "train.py", *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    cpu = device.type == "cpu"
+    return torchrun_([*flags, "--device", str(device)], 2 if cpu else 1, tmp_path, fake_gpu=cpu)
 
 
-FSDP_RUNS = {   # LoRA on the decoder itself, pretrain's two losses; a separate trained LLM with bf16 frozen weights
+FSDP_RUNS = {   # a trained encoder copy; LoRA on the decoder itself, pretrain's two losses; a separate trained LLM
+    "aoc": ["--method", "aoc", *KINDS["aoc"]],
     "icae": ["--method", "icae", *KINDS["icae"]],
-    "pcc-bf16": ["--method", "pcc", *KINDS["pcc"], "--frozen-dtype", "bf16"],
+    "pcc": ["--method", "pcc", *KINDS["pcc"]],
+    "pcc-bf16": ["--method", "pcc", *KINDS["pcc"], "--frozen-dtype", "bf16"],   # FSDP's MixedPrecisionPolicy
 }
 
 
 @pytest.mark.parametrize("case", FSDP_RUNS)
-def test_fsdp_over_two_processes_trains_exactly_as_one(case, tmp_path, device):
-    """torchrun --nproc_per_node 2 ... --fsdp (FSDP2 on gloo: every weight sharded over the two processes) logs the
-    single-process run's loss, parts and gradient norm at every step within 1e-4 relative, with two micro-batches
-    per process; its checkpoint continues in one process, and a one-process checkpoint continues under FSDP, each
-    exactly where the uninterrupted run went. With --device cuda: world size 1 on one GPU (nccl)."""
-    n = 2 if device.type == "cpu" else 1
+def test_fsdp_saves_mid_run_and_trains_and_resumes_as_one_process(case, tmp_path, device):
+    """torchrun --nproc_per_node 2 ... --fsdp (FSDP2 on gloo: every weight sharded over the two processes), saving
+    every 2 of 6 steps, logs the single-process run's loss, parts and gradient norm at every step within 1e-4
+    relative, with two micro-batches per process. (A mid-run save once wrote the gathered moments into AdamW's live
+    state, and the next step died: issue 45.) Its checkpoint continues in one process (--fsdp left off), and a
+    one-process checkpoint continues under FSDP, each where the uninterrupted run went. With --device cuda: world
+    size 1 on one GPU (nccl)."""
     flags = ["--model", "tiny", *FSDP_RUNS[case], "--batch-size", "8", "--micro-batch", "2", "--lr", "3e-3",
-             "--warmup", "0", "--steps", "4", "--seed", "1", "--device", str(device), "--eval-every", "0"]
-    torchrun(flags + ["--fsdp", "--out", str(tmp_path / "fsdp")], n)
+             "--warmup", "0", "--steps", "6", "--save-every", "2", "--seed", "1", "--eval-every", "0"]
+    torchrun(flags + ["--fsdp", "--out", str(tmp_path / "fsdp")], tmp_path, device)
     one = run(flags, tmp_path / "one", device)
     fsdp = rows(tmp_path / "fsdp")
-    assert [r["step"] for r in fsdp] == [1, 2, 3, 4]
+    assert [r["step"] for r in fsdp] == [1, 2, 3, 4, 5, 6]
     # bf16: later steps round differently once fp32 summation order (2 x 2 micro-batches reduced, against 4
-    # accumulated) has moved a weight by 1e-7 (measured: grad norm 6e-4 relative at step 3): test_train's CUDA bounds
-    bf16 = "bf16" in case
+    # accumulated) has moved a weight by 1e-7 (measured: grad norm 6e-4 relative at step 3), and FSDP's
+    # MixedPrecisionPolicy rounds each block's weights to bf16 where autocast rounds each matmul's inputs
+    bf16 = "bf16" in case or device.type == "cuda"   # CUDA: --frozen-dtype auto is bf16 there
     for a, b in zip(one, fsdp, strict=True):
         for key in ("loss", "grad_norm", *(k for k in ("ae", "lm") if k in a)):
-            bound = (3e-2 if key == "grad_norm" else 5e-3) if bf16 and a["step"] > 1 else 1e-4
+            bound = (5e-2 if key == "grad_norm" else 1e-2) if bf16 else 1e-4
             assert abs(a[key] - b[key]) <= bound * abs(a[key]), (a["step"], key, a[key], b[key])
-    # FSDP -> one process, and one process -> FSDP
-    torchrun(flags + ["--fsdp", "--stop-after", "2", "--out", str(tmp_path / "a")], n)
+    # FSDP -> one process (--fsdp left off), and one process -> FSDP
+    torchrun(flags + ["--fsdp", "--stop-after", "4", "--out", str(tmp_path / "a")], tmp_path, device)
     train.main(["--resume", str(tmp_path / "a"), "--device", str(device)])
     run(flags + ["--stop-after", "2"], tmp_path / "b", device)
-    torchrun(["--resume", str(tmp_path / "b"), "--fsdp"], n)
-    for out in ("a", "b"):
+    torchrun(["--resume", str(tmp_path / "b"), "--fsdp"], tmp_path, device)
+    for out, fsdp_at_end in (("a", False), ("b", True)):
+        assert json.load(open(tmp_path / out / "args.json"))["fsdp"] is fsdp_at_end
         for a, b in zip(one, rows(tmp_path / out), strict=True):
-            assert abs(a["loss"] - b["loss"]) <= (5e-3 if bf16 else 1e-4) * a["loss"], (out, a["step"], a["loss"], b["loss"])
+            assert abs(a["loss"] - b["loss"]) <= (1e-2 if bf16 else 1e-4) * a["loss"], (out, a["step"], a["loss"], b["loss"])
 
 
 def test_fsdp_in_one_process_trains_as_without_it(tmp_path, device):
     """--fsdp without torchrun (a process group of one: what a single GPU runs) changes nothing but the wrapping."""
     flags = ["--method", "aoc", "--model", "tiny", "--mem", "4", "--batch-size", "2", "--steps", "3"]
     plain, sharded = run(flags, tmp_path / "plain", device), run(flags + ["--fsdp"], tmp_path / "fsdp", device)
-    assert [r["loss"] for r in plain] == [r["loss"] for r in sharded]
+    if device.type == "cpu":   # fp32: the same arithmetic
+        assert [r["loss"] for r in plain] == [r["loss"] for r in sharded]
+    else:   # bf16: autocast rounds each matmul's inputs, FSDP's MixedPrecisionPolicy each block's weights
+        for a, b in zip(plain, sharded, strict=True):
+            assert abs(a["loss"] - b["loss"]) <= 1e-2 * a["loss"], (a["step"], a["loss"], b["loss"])
     assert not torch.distributed.is_initialized()   # the group of one is gone again
 
 
@@ -286,3 +294,30 @@ def test_plan_of_a_model_folder_reads_only_its_config(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             train.main(["--method", "aoc", *argv])
         assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- tests/gpu_check.sh: ready for a lease ----
+
+
+def test_gpu_check_parses_names_python3_and_each_call_fits_600_s():
+    """The CUDA check is written without a GPU and runs once per lease, so its failures must be found here: bash
+    parses it, it calls python3 (the CUDA image has no `python`), and each call's timeouts (a loop's counted per
+    pass) add up to under 600 s, a call's limit, with a minute to spare for start-up."""
+    script = Path(__file__).parent / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    code = [line.split("#")[0] for line in text.splitlines()]
+    assert not [line for line in code if re.search(r"(^|[\s;(=])python(\s|$)", line)], "call python3, not python"
+    calls = dict(re.findall(r'^\s*(\d)\) SECTIONS="([a-z ]+)"', text, re.M))
+    assert set(calls) == {"1", "2"} and sorted(" ".join(calls.values()).split()) == list("abcdef")
+    blocks = dict(re.findall(r"^if want ([a-z]); then\n(.*?)^fi$", text, re.M | re.S))
+    assert set(blocks) == set("abcdef")
+
+    def seconds(block):
+        loop = re.search(r"for \w+ in ([^;]+); do(.*?)done", block, re.S)
+        inner = sum(map(int, re.findall(r"timeout (\d+)", loop.group(2)))) * len(loop.group(1).split()) if loop else 0
+        rest = block.replace(loop.group(0), "") if loop else block
+        return inner + sum(map(int, re.findall(r"timeout (\d+)", rest)))
+    for call, sections in calls.items():
+        total = sum(seconds(blocks[s]) for s in sections.split())
+        assert 0 < total <= 540, f"call {call}: its timeouts add up to {total} s"

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -34,6 +33,7 @@ import checkpoint  # noqa: E402
 import cli  # noqa: E402
 import data as D  # noqa: E402
 import train  # noqa: E402
+from conftest import torchrun  # noqa: E402
 from hf import byte_tokenizer  # noqa: E402
 from model import TINY_CONFIG, build_tiny  # noqa: E402
 
@@ -627,12 +627,7 @@ def test_two_processes_train_exactly_as_one(tmp_path, device):
         pytest.skip("two processes on one GPU is not a setup: this runs the gloo path on the CPU")
     flags = ["--method", "icae", "--model", "tiny", *ACCUMULATION["pretrain"][2:], "--batch-size", "4", "--lr",
              "3e-3", "--warmup", "0", "--steps", "3", "--seed", "1", "--device", "cpu", "--eval-every", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    repo = Path(__file__).resolve().parents[1]
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "train.py", *flags, "--out", str(tmp_path / "ddp")], cwd=repo, env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    torchrun([*flags, "--out", str(tmp_path / "ddp")], 2, tmp_path)   # on a machine that claims a GPU: gloo all the same
     train.main(flags + ["--out", str(tmp_path / "one")])
     one, ddp = log_rows(tmp_path / "one"), log_rows(tmp_path / "ddp")
     assert [r["step"] for r in ddp] == [1, 2, 3]
@@ -1035,7 +1030,7 @@ def test_checkpoints_save_only_the_generators_a_run_draws_from(finished_run):
     assert set(state["rng"][0]) == {"torch", "cuda"}
     before = torch.get_rng_state()
     old = {**state["rng"][0], "python": (3, (0,) * 625, None), "numpy": ["MT19937", [0] * 624, 0, 0, 0.0]}
-    checkpoint.set_rng_state(old)
+    checkpoint.set_rng_state(old, torch.device("cpu"))
     assert torch.equal(torch.get_rng_state(), state["rng"][0]["torch"])
     torch.set_rng_state(before)
 
@@ -1051,3 +1046,31 @@ def test_help_explains_every_flag_and_shows_the_gpu_command(capsys):
     assert "meta-llama/Llama-3.2-1B-Instruct" in text and "--steps 20000" in text
     for method in P.METHODS:
         assert f"\n  {method} " in text                              # the per-method defaults table
+
+
+# ---- attention stays on CUDA's fused kernels ----
+
+
+@pytest.mark.parametrize("method", P.METHODS)
+def test_no_sdpa_call_gets_a_mask_together_with_enable_gqa(method, tmp_path, run_train, device, monkeypatch):
+    """CUDA's flash kernel takes grouped-query heads but no mask, its memory-efficient and cuDNN kernels a mask but
+    not enable_gqa: SDPA given both runs the math path, (B, H, T, S) probabilities in memory (issue 45). The CPU's
+    flash kernel takes both, so only a spy sees it: one training step and one evaluation (losses and a generated
+    token) of every preset on `tiny` (4 query heads over 2 K/V heads) must make masked calls, and none with GQA."""
+    import model as M
+    assert TINY_CONFIG["num_key_value_heads"] < TINY_CONFIG["num_attention_heads"]   # the model has GQA
+    calls, sdpa = [], M.F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        calls.append((attn_mask is not None, kw.get("enable_gqa", False), q.shape[1], k.shape[1]))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(M.F, "scaled_dot_product_attention", spy)
+    out = str(tmp_path / method)
+    run_train(["--method", method, "--model", "tiny", "--out", out, "--steps", "1", "--eval-every", "0"])
+    comp = C.load(out, device=device).eval()
+    E.run_ae(comp, [{"text": t} for t in D.EVAL_TEXTS[:2]], max_new_tokens=2)
+    masked = [c for c in calls if c[0]]
+    assert masked, f"{method}: no masked attention call was seen"
+    assert not [c for c in masked if c[1]], f"{method}: {sum(c[1] for c in masked)} masked calls with enable_gqa"
+    assert all(h == hkv for _, _, h, hkv in masked)   # with a mask, each query head gets its K/V head repeated

@@ -1,0 +1,153 @@
+"""Training on more than one process: torchrun's process group, DDP or FSDP2 around the training step, and the
+checkpoint of a sharded run. train.py calls it in three places (processes, wrap, gathered_state / shard_optimizer_state);
+a run of one process on one device passes through each untouched.
+
+    torchrun --nproc_per_node N train.py ...           DDP: every process holds the whole compressor
+    torchrun --nproc_per_node N train.py ... --fsdp     FSDP2: every weight sharded over the processes
+
+The device follows --device everywhere: the process group's backend (nccl for CUDA, gloo for the CPU) and FSDP's
+mesh, so `--device cpu` under torchrun never touches a GPU, whatever the machine has.
+
+FSDP2 (torch.distributed.fsdp.fully_shard) shards every weight, frozen and trained: each process holds 1/N of every
+tensor, gathers a block's weights just before the block runs and frees them after, and reduce-scatters the gradients
+(averaged over the processes, as DDP's all-reduce: train.py's loss scaling is the same). One FSDP unit per
+transformer block of every model the compressor runs (the encoder, the decoder, GMSA's LSA; a LoRA encoder that IS
+the decoder once), and the training step (train.TrainStep) as the root, which gathers the rest (embeddings, memory
+tokens, bridge) whole for the whole step. Mixed dtypes (bf16 frozen, fp32 trained) in one unit are fine: FSDP2 gathers
+each tensor in its own dtype. Where the run computes in bf16 (autocast), the blocks' MixedPrecisionPolicy gathers
+their weights in bf16 and reduces gradients in fp32, as autocast computes in one process (tests/test_scale.py).
+
+Checkpoints are the one-process format (checkpoint.py), so a run saved under FSDP continues in one process and the
+other way round: gathered_state collects the trained tensors and AdamW's moments tensor by tensor into rank 0's CPU
+memory (as torch.distributed.checkpoint.state_dict's full_state_dict=True, cpu_offload=True does, keeping only the
+trained tensors and the one-process optimizer layout), and shard_optimizer_state cuts them back into shards on resume.
+"""
+
+import copy
+import os
+import sys
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+# fully_shard and MixedPrecisionPolicy from torch.distributed.fsdp: torch 2.6; distribute_tensor's src_data_rank: 2.7
+# (requirements.txt's floor)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from compressors import saved
+from presets import fail
+
+
+def under_torchrun() -> bool:
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK: one process per GPU."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+@contextmanager
+def processes(device: str | None, fsdp: bool):
+    """(device, rank, world) of this process, inside its process group: torchrun's, or a group of one for --fsdp
+    without torchrun (FSDP needs one). The group follows --device (default: CUDA when there is one) and is destroyed
+    on every way out, an error or an early end included."""
+    kind = torch.device(device).type if device else ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if kind == "cuda" else "gloo"
+    if under_torchrun():
+        local = int(os.environ["LOCAL_RANK"])
+        if kind == "cuda":
+            if local >= torch.cuda.device_count():
+                fail(f"torchrun started local rank {local}, and this machine has {torch.cuda.device_count()} "
+                     f"GPU(s): use --nproc_per_node {torch.cuda.device_count()}, or --device cpu")
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend)
+        here = torch.device("cuda", local) if kind == "cuda" else torch.device("cpu")
+    else:
+        here = torch.device(device or kind)
+        if fsdp:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield here, (dist.get_rank() if dist.is_initialized() else 0), (dist.get_world_size() if
+                                                                          dist.is_initialized() else 1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def leave_rank():
+    """A clean end (every file written and closed): the process group destroyed, and under torchrun the rank leaves at
+    once, without freeing the trained objects or Python's finalization, either of which can block or abort it (gloo's
+    worker threads outlive destroy_process_group, PyTorch PR 179291; a rank once hung in the teardown of the frame
+    that held the model, after its last checkpoint). train.py calls it while that frame is alive."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if under_torchrun():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def wrap(comp, step_fn, fsdp: bool, device: torch.device, world: int, bf16: bool) -> nn.Module:
+    """The training step as the processes run it: sharded (--fsdp), replicated (DDP, more than one process), or as
+    it is (one process)."""
+    if fsdp:
+        return shard(comp, step_fn, device, bf16)
+    if world > 1:   # unused parameters: e.g. the [LM] embedding when the objective is ae
+        return nn.parallel.DistributedDataParallel(step_fn, find_unused_parameters=True,
+                                                   device_ids=[device.index] if device.type == "cuda" else None)
+    return step_fn
+
+
+def shard(comp, step_fn, device, bf16):
+    """fully_shard every transformer block of comp's models, then the step (the root unit), on a mesh of `device`'s
+    kind. First every rank takes rank 0's trained tensors, as DDP does when it wraps: each rank drew its own init (its
+    own seed), and FSDP would otherwise keep each rank's shard of a different init. (The frozen base is the same file
+    on every rank.)"""
+    with torch.no_grad():
+        for name, p in comp.named_parameters():
+            if p.requires_grad or saved(comp.cfg, name):
+                dist.broadcast(p.data, src=0)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    # bf16 runs: the blocks' weights gathered in bf16, gradients reduced in fp32 (what autocast computes). Inputs are
+    # not cast (cast_forward_inputs=False): RoPE's cos/sin stay fp32, as under autocast
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False) \
+        if bf16 else MixedPrecisionPolicy()
+    seen = set()
+    for model in (comp.encoder, comp.decoder, getattr(comp, "lsa", None)):
+        for block in model.model.layers if model is not None else ():
+            if id(block) not in seen:   # a LoRA encoder is the decoder: its blocks are sharded once
+                seen.add(id(block))
+                fully_shard(block, mesh=mesh, mp_policy=mixed)
+    fully_shard(step_fn, mesh=mesh)   # the root: embeddings, memory tokens, bridge, gathered whole for the step
+    return step_fn
+
+
+def gathered_state(comp, opt, master: bool):
+    """(trained tensors by name, optimizer state_dict) in the one-process format, whole, in rank 0's CPU memory; None
+    on the other ranks. A collective: every rank calls it. Tensor by tensor: each is gathered from its shards, copied
+    to the CPU on rank 0 and dropped, so a save adds to a rank's device at most one whole tensor (tests/bench_save.py
+    measures it). The optimizer's state is read, never written: its state_dict() hands out the live per-parameter
+    states, and a gathered tensor written into them broke the next step (issue 45)."""
+    def whole(t):
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        return t.cpu() if master else None
+    state = {n: whole(t) for n, t in comp.trained_state().items()}
+    live = opt.state_dict()
+    moments = {i: {k: whole(v) if torch.is_tensor(v) else v for k, v in per_param.items()}
+               for i, per_param in live["state"].items()}
+    return (state, {"state": moments, "param_groups": copy.deepcopy(live["param_groups"])}) if master else None
+
+
+def shard_optimizer_state(opt, opt_state: dict) -> dict:
+    """A one-process optimizer state_dict with each moment cut into this rank's shard of its parameter (every rank
+    read the same file: each slices its own part, no communication)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for i, per_param in opt_state["state"].items():
+        p = params[int(i)]
+        if isinstance(p, DTensor):
+            for k, v in per_param.items():
+                if k != "step" and torch.is_tensor(v) and v.shape == p.shape:
+                    per_param[k] = distribute_tensor(v.to(p.device), p.device_mesh, p.placements,
+                                                     src_data_rank=None)
+    return opt_state
