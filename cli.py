@@ -23,7 +23,8 @@ from presets import fail
 
 # flags that may change when a run is continued with --resume; every other flag must match the checkpoint
 RUN_FLAGS = {"resume", "out", "steps", "stop_after", "save_every", "keep_every", "micro_batch", "compile",
-             "grad_ckpt", "device", "frozen_dtype", "fsdp", "cache_dir", "eval_data", "eval_every", "eval_n"}
+             "grad_ckpt", "device", "frozen_dtype", "fsdp", "cache_dir", "eval_data", "eval_every", "eval_n",
+             "eval_bleu"}
 # how this command runs, never taken from the checkpoint: a run saved under FSDP or on a GPU continues in one process
 # or on the CPU, and the other way round
 PROCESS_FLAGS = ("device", "fsdp")
@@ -159,6 +160,9 @@ def add_data_and_run_flags(p: argparse.ArgumentParser):
     g.add_argument("--eval-every", type=int, help="score the held-out examples every N steps, at step 0 and at "
                    "the end (default: at every checkpoint, --save-every; 0 = never)")
     g.add_argument("--eval-n", type=int, default=32, help="held-out examples scored (the first N; default 32)")
+    g.add_argument("--eval-bleu", action="store_true", help="ae/pretrain: also regenerate each held-out text "
+                   "greedily from its memory and log BLEU-4 (words) and ROUGE-L beside own/other (costs a generation "
+                   "per check)")
 
 
 def parse_args(argv=None):

@@ -208,9 +208,9 @@ class PlainLLM:
         return out
 
 
-def summarize(rows, extra=None):
+def summarize(rows, extra=None, modes=MODES):
     """Per-example rows -> {"scores": {mode: mean scores}, "examples": rows} (+ the set-level numbers)."""
-    return {"scores": {m: mean_scores([r[m]["scores"] for r in rows]) for m in MODES}, **(extra or {}),
+    return {"scores": {m: mean_scores([r[m]["scores"] for r in rows]) for m in modes}, **(extra or {}),
             "examples": rows}
 
 
@@ -251,13 +251,14 @@ def memory_nll(comp, task, enc, follow, ratio=None, cache=None, **nll_args):
 
 
 @torch.no_grad()
-def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=None, generate=True):
+def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=None, generate=True,
+           modes=("compressed", "full", "none")):
     """Reconstruction: compress each text, regenerate it greedily from its memory (ICAE's AE task, AOC §3, EPL Table
     6), in batches. Default budget: the compressed length for a head-cropped checkpoint (AOC code: n; after
     pretraining ⌊n/2⌋), else the reference length + 8. Also the teacher-forced AE loss on the text and its EOS with
     the own memory, another text's memory and none (EPL Table 9 reports the AE loss and its perplexity).
     generate=False: the losses only ({"protocol", "loss"}, no regeneration), as recipes/curve.py scores every kept
-    checkpoint."""
+    checkpoint; modes: which regenerations (train.py --eval-bleu's check: only "compressed", from the memory)."""
     tok, plain = comp.tok, PlainLLM(comp)
     proto = proto or protocol(comp)
     pairs = texts_as_trained(comp, [ex["text"] for ex in examples], proto)
@@ -272,9 +273,10 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
         nll_other = other and memory_nll(comp, "ae", [comp.encoder_ids(pairs[other[i]][0]) for i in idx], follow,
                                          ratio, n_supervised=n_text)[1]
         nll_none = plain.nll([[tok.start_id]] * len(xs), [x + [tok.eos_id] for x in xs])
-        outs = {"compressed": comp.generate(own, "ae", max_new_tokens=n_new),
-                "full": plain.generate([[tok.start_id] + x + tok.encode(SEP) for x in xs], n_new),
-                "none": plain.generate([[tok.start_id]] * len(xs), n_new)} if generate else {}
+        regenerate = {"compressed": lambda: comp.generate(own, "ae", max_new_tokens=n_new),
+                      "full": lambda: plain.generate([[tok.start_id] + x + tok.encode(SEP) for x in xs], n_new),
+                      "none": lambda: plain.generate([[tok.start_id]] * len(xs), n_new)}
+        outs = {mode: regenerate[mode]() for mode in modes} if generate else {}
         for j, i in enumerate(idx):
             row = {"text": examples[i]["text"], "reference": tok.decode(refs[j]), "reference_ids": refs[j],
                    "memory_slots": sum(own.mem_counts[j]),
@@ -286,7 +288,7 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
                              "scores": ae_scores(ids, refs[j], tok, epl=(stopped, comp.ae_target(refs[j])))}
             rows.append(row)
     losses = {"protocol": proto, **memory_losses(rows), "tokens_per_slot": tokens_per_slot(rows)}
-    return summarize(rows, losses) if generate else losses
+    return summarize(rows, losses, modes) if generate else losses
 
 
 def tokens_per_slot(rows):

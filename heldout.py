@@ -33,6 +33,7 @@ class HeldOut:
     rows: list          # this run's evaluations so far ({"step", "eval"}), kept across --resume
     train_args: dict    # the run's settings: evaluate.protocol cuts texts as they say (max_len, crop, objective)
     warned: bool = False
+    bleu: bool = False  # --eval-bleu: regenerate each text from its memory, BLEU-4 (words) and ROUGE-L beside own/other
 
     @property
     def last(self):
@@ -60,7 +61,8 @@ def held_out(comp, train_args: dict, every: int, tiny: bool, resumed: bool, mast
     # a resumed run's log (trimmed to its checkpoint) holds its earlier evaluations
     out = train_args["out"]
     rows = read_log(out)[1] if resumed and os.path.exists(os.path.join(out, "log.jsonl")) else []
-    return HeldOut(examples, task, every, rows, train_args, warned=any(r.get("warned") for r in rows))
+    return HeldOut(examples, task, every, rows, train_args, warned=any(r.get("warned") for r in rows),
+                   bleu=bool(train_args.get("eval_bleu")) and task == "ae")
 
 
 @torch.no_grad()
@@ -76,8 +78,12 @@ def held_out_losses(comp, ho: HeldOut, device, autocast) -> dict:
             L = E.run_qa(comp, ho.examples, max_len=max_len, generate=False)["loss"]
         else:
             proto = E.protocol(comp, max_len=max_len, train_args=ho.train_args)
-            ae = E.run_ae(comp, ho.examples, proto=proto, generate=False)
+            # --eval-bleu (ours): each text regenerated greedily from its memory too, as evaluate.py --task ae does
+            ae = E.run_ae(comp, ho.examples, proto=proto, generate=ho.bleu, modes=("compressed",))
             L, ratio = ae["loss"], {"tokens_per_slot": ae["tokens_per_slot"]}
+            if ho.bleu:
+                scores = ae["scores"]["compressed"]
+                ratio.update(bleu4_words=scores["bleu4_words"], rougeL=scores["rougeL"])
         lm = E.run_lm(comp, ho.examples, max_len=max_len)["loss"] if ho.train_args["objective"] == "pretrain" else None
     for m, training in modes.items():
         m.train(training)
@@ -112,7 +118,9 @@ def check_held_out(comp, ho: HeldOut, log, step: int, device, autocast):
     per_slot = row["eval"].get("tokens_per_slot")
     tqdm.write(f"step {step} | held-out own/other {ratio:.3f} (own {row['eval']['own']:.4f}, other "
                f"{row['eval']['other']:.4f}, no memory {row['eval']['none']:.4f})"
-               + (f" at {per_slot['mean']:.2f} tokens per memory slot" if per_slot else ""))
+               + (f" at {per_slot['mean']:.2f} tokens per memory slot" if per_slot else "")
+               + (f", regenerated: BLEU-4 {row['eval']['bleu4_words']:.3f}, ROUGE-L {row['eval']['rougeL']:.3f}"
+                  if "bleu4_words" in row["eval"] else ""))
     if warn:
         tqdm.write(f"warning: held-out own/other {ratio:.3f} at step {step} ({PROMPT_EVALS} evaluations in a row >= "
                    f"{PROMPT_LIKE}): the memory acts as a constant prompt, the same for every text; see "

@@ -29,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import compressors as C  # noqa: E402
 import presets as P  # noqa: E402
 import evaluate as E  # noqa: E402
+import heldout  # noqa: E402
 import checkpoint  # noqa: E402
 import cli  # noqa: E402
 import data as D  # noqa: E402
@@ -428,6 +429,37 @@ def test_held_out_check_logs_exactly_what_evaluate_prints(objective, held_texts,
         assert abs(lm["own_other_ratio"] - last["lm"]["own_other"]) <= 1e-5
     else:
         assert "lm" not in last
+    assert "bleu4_words" not in last   # regenerating is --eval-bleu's
+
+
+def test_eval_bleu_logs_what_evaluate_scores_the_regenerations(held_texts, tmp_path, run_train, device, monkeypatch):
+    """--eval-bleu: each held-out check regenerates the texts from their memories, and its BLEU-4 (words) and ROUGE-L
+    are evaluate.py --task ae's on the same checkpoint. A compressor that regenerates every text exactly scores 1.0
+    (its generation replaced by the reference ids), one that regenerates nothing 0: the numbers are the texts'."""
+    out = str(tmp_path / "bleu")
+    run_train([*X500, "--objective", "ae", *HELD_OUT, "--steps", "2", "--eval-data", held_texts, "--eval-every", "2",
+               "--eval-n", "6", "--eval-bleu", "--out", out])
+    last = eval_rows(out)[-1]["eval"]
+    got = E.main(["--ckpt", out, "--data", held_texts, "--n", "6", "--max-len", "16", "--device", str(device),
+                  "--dtype", "float32", "--task", "ae", "--out", str(tmp_path / "eval.json")])["scores"]["compressed"]
+    assert (last["bleu4_words"], last["rougeL"]) == pytest.approx((got["bleu4_words"], got["rougeL"]), abs=1e-9)
+    comp = C.load(out, device=device).eval()
+    ho = heldout.held_out(comp, json.load(open(os.path.join(out, "args.json"))), 1, True, False, True)
+    refs = {}
+    real = E.texts_as_trained
+
+    def remember(comp, texts, proto):   # the reference ids of each text, as the check cuts them
+        pairs = real(comp, texts, proto)
+        refs.update({tuple(x): y for x, y in pairs})
+        return pairs
+    monkeypatch.setattr(E, "texts_as_trained", remember)
+    monkeypatch.setattr(type(comp), "generate", lambda self, memory, task, max_new_tokens: [
+        list(refs.values())[i] for i in range(len(memory.mem_counts))])
+    perfect = heldout.held_out_losses(comp, ho, device, nullcontext())
+    monkeypatch.setattr(type(comp), "generate", lambda self, memory, task, max_new_tokens: [[]] * len(memory.mem_counts))
+    empty = heldout.held_out_losses(comp, ho, device, nullcontext())
+    # 1.0 but for BLEU's smoothing of texts under 4 words (16 bytes: 0.85 here)
+    assert perfect["rougeL"] == 1.0 and perfect["bleu4_words"] > 0.8 and empty["bleu4_words"] == empty["rougeL"] == 0.0
 
 
 def test_held_out_check_of_qa_scores_the_reference_answer(files, tmp_path, run_train, device):
