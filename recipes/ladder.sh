@@ -79,10 +79,23 @@ lever_flags() {   # one lever, or several joined by +: each one's flags in turn 
   [[ +$1+ == *+long+* ]] && RUN_STEPS=${LONG_STEPS:-1500}
   for one in ${1//+/ }; do lever_flag "$one" "$2" || return 2; done
 }
-lever_name() {   # an arm's lever part: each lever's name without its value (kv+ae=bos+ratio=5 -> kv+ae+ratio)
+lever_name() {   # an arm's lever part: each lever with its value, "=" dropped and "/" as "-" (kv+ae=bos+ratio=5 ->
+                 # kv+aebos+ratio5, lr=1e-5 -> lr1e-5), so arms that differ only in a value train in their own folders
   local one out=""
-  for one in ${1//+/ }; do out+=${out:++}${one%%=*}; done
+  for one in ${1//+/ }; do one=${one/=/}; out+=${out:++}${one//\//-}; done
   echo "$out"
+}
+# arms trained before lever names kept their values (issue 46) keep their folders: NEW=OLD, each old name the one
+# value it was trained with (their args.json), used where OUT holds the old folder and not the new one
+KEPT_NAMES="compllm_kv+aebos_1x=compllm_kv+ae_1x gmsa_warmgmsa_1x_4x=gmsa_warm_4x
+  compllm_kv+aebos+ratio5+long+batch16_4x=compllm_kv+ae+ratio+long+batch16_4x
+  compllm_kv+aebos+ratio5+lr5e-4+long_4x=compllm_kv+ae+ratio+lr+long_4x"
+arm_name() {   # the folder of lever arm NAME in OUT: NAME, or the kept folder it was trained in
+  local kept
+  for kept in $KEPT_NAMES; do
+    if [ "${kept%%=*}" = "$1" ] && [ -d "$OUT/${kept#*=}" ] && [ ! -d "$OUT/$1" ]; then echo "${kept#*=}"; return; fi
+  done
+  echo "$1"
 }
 # lever_arm NAME LEN TRAIN.PY-FLAGS...: train the lever arm, then score it on held-out texts of LEN tokens
 lever_arm() {
@@ -112,7 +125,8 @@ for rung in ${RUNGS:-1x 4x}; do
     [[ $pair == *@* && ${pair##*@} != "$rung" ]] && continue
     pair=${pair%@*}
     preset=${pair%%:*} lever=${pair#*:}
-    name=${preset}_$(lever_name $lever)_$rung
+    name=$(arm_name ${preset}_$(lever_name $lever)_$rung)
+    [[ " ${names[*]} " == *" $name "* ]] && { echo "LEVERS names the arm $name twice" >&2; exit 2; }
     flags=$(lever_flags $lever $n) || exit 2
     len=$n; [[ +$lever+ == *+pretrain+* ]] && len=$((2 * n))   # the text whose first half is compressed
     # shellcheck disable=SC2046,SC2086

@@ -60,7 +60,8 @@ def collect(out, extras, threshold):
     """{(preset, lever, rung): arm} from the folder names in OUT and the --extra arms."""
     arms = {}
     for name in sorted(os.listdir(out)):
-        m = re.fullmatch(r"(?P<preset>[a-z0-9]+)(?:_(?P<lever>[a-z0-9+]+))?_(?P<rung>1x|4x)", name)
+        # the lever part keeps each lever's value (recipes/ladder.sh's lever_name: aoc_lr1e-5_1x, gmsa_warmgmsa_1x_4x)
+        m = re.fullmatch(r"(?P<preset>[a-z0-9]+)(?:_(?P<lever>[a-z0-9+._-]+))?_(?P<rung>1x|4x)", name)
         if not m or not os.path.isfile(os.path.join(out, name, "args.json")):
             continue
         preset, lever = BASELINE.get(m["preset"], (m["preset"], m["lever"] or "none"))

@@ -498,20 +498,56 @@ def ladder_shell(snippet):
     reads the script as it is, not a copy); returns the finished process."""
     text = (REPO / "recipes" / "ladder.sh").read_text()
     funcs = [re.search(rf"^{f}\(\) \{{.*?^\}}", text, re.S | re.M).group(0)
-             for f in ("lever_flag", "lever_flags", "lever_name")]
+             for f in ("lever_flag", "lever_flags", "lever_name", "arm_name")]
+    kept = re.search(r'^KEPT_NAMES=".*?"$', text, re.S | re.M).group(0)
     rungs = re.search(r"^  (case \$rung in .*? esac)$", text, re.M).group(1)
-    script = "\n".join(funcs) + f"\nrung_of() {{ local rung=$1; {rungs}; echo $n $r; }}\nSTEPS=300\n{snippet}\n"
+    script = "\n".join([*funcs, kept]) + f"\nrung_of() {{ local rung=$1; {rungs}; echo $n $r; }}\nSTEPS=300\n{snippet}\n"
     return subprocess.run(["bash", "-c", script], capture_output=True, text=True)
 
 
 def test_ladder_levers_stack_and_the_8x_rung():
     """Issue 37's levers and rung: lr=X replaces the preset's learning rate, a stacked arm keeps every lever's name
-    (without its value), and the 8x rung compresses 128 tokens into the rung's 16 slots."""
+    with its value, and the 8x rung compresses 128 tokens into the rung's 16 slots."""
     flags, name, r8, r4 = ladder_shell("echo $(lever_flags kv+ae=bos+ratio=5+lr=5e-4+long 64); "
                                        "lever_name kv+ae=bos+ratio=5+lr=5e-4+long; rung_of 8x; rung_of 4x"
                                        ).stdout.split("\n")[:4]
     assert flags == ("--carrier kv --bridge none --no-delimiters --ae-token bos --ratio 5 --lr 5e-4 --steps 1500")
-    assert name == "kv+ae+ratio+lr+long"
+    assert name == "kv+aebos+ratio5+lr5e-4+long"
     assert (r8, r4) == ("128 8", "64 4")
     bad = ladder_shell("rung_of 2x")
     assert bad.returncode == 2 and "unknown rung 2x (1x, 4x or 8x)" in bad.stdout
+
+
+def test_ladder_arms_that_differ_only_in_a_value_train_in_their_own_folders(tmp_path):
+    """Issue 46: `LEVERS="aoc:lr=1e-2 aoc:lr=1e-5"` trained one folder (the names dropped the values), so the second
+    arm found the first one's run. Every valued lever keeps its value in the name; the folders trained before keep
+    their names (KEPT_NAMES) where OUT holds them, each under the one value it was trained with."""
+    pairs = [("lr=1e-2", "lr=1e-5"), ("ratio=4", "ratio=5"), ("warm=500x_1x", "warm=lora_1x"), ("ae=bos", "ae=eos"),
+             ("kv+ae=bos+ratio=5", "kv+ae=bos+ratio=4")]
+    got = ladder_shell("; ".join(f"lever_name {a}; lever_name {b}" for a, b in pairs)).stdout.split()
+    assert got == ["lr1e-2", "lr1e-5", "ratio4", "ratio5", "warm500x_1x", "warmlora_1x", "aebos", "aeeos",
+                   "kv+aebos+ratio5", "kv+aebos+ratio4"]
+    (tmp_path / "compllm_kv+ae+ratio+lr+long_4x").mkdir()   # an arm trained before values were kept
+    names = ladder_shell(f"OUT={tmp_path}; arm_name compllm_kv+aebos+ratio5+lr5e-4+long_4x; "
+                         "arm_name compllm_kv+aebos+ratio5+lr1e-3+long_4x; arm_name aoc_lr1e-5_1x; "
+                         "arm_name compllm_kv+aebos+ratio5+long+batch16_4x").stdout.split()
+    assert names == ["compllm_kv+ae+ratio+lr+long_4x", "compllm_kv+aebos+ratio5+lr1e-3+long_4x", "aoc_lr1e-5_1x",
+                     "compllm_kv+aebos+ratio5+long+batch16_4x"]   # the last: no old folder in OUT, the new name
+    # the kept names are the arms recipes/results/ladder holds, each with the value its args.json says it had
+    ladder = REPO / "recipes" / "results" / "ladder"
+    kept = dict(k.split("=") for k in re.search(r'^KEPT_NAMES="(.*?)"$', (REPO / "recipes" / "ladder.sh").read_text(),
+                                                 re.S | re.M).group(1).split())
+    args = {old: json.loads((ladder / old / "args.json").read_text()) for old in kept.values()}
+    assert args["compllm_kv+ae_1x"]["ae_token"] == "bos"
+    assert args["compllm_kv+ae+ratio+lr+long_4x"]["lr"] == 5e-4 and args["compllm_kv+ae+ratio+lr+long_4x"]["ratio"] == 5
+    assert args["compllm_kv+ae+ratio+long+batch16_4x"]["ratio"] == 5
+    assert args["gmsa_warm_4x"]["warm_start"].endswith("ladder/gmsa_1x")
+    # recipes/levers.py reads a valued name back as its preset, lever and rung
+    import sys
+    sys.path.insert(0, str(REPO / "recipes"))
+    import levers
+    for name in ("aoc_lr1e-5_1x", "aoc_lr1e-2_1x", "gmsa_warmgmsa_1x_4x"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "args.json").write_text("{}")
+    assert set(levers.collect(str(tmp_path), [], 0.5)) == {
+        ("aoc", "lr1e-5", "1x"), ("aoc", "lr1e-2", "1x"), ("gmsa", "warmgmsa_1x", "4x")}
