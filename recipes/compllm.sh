@@ -113,5 +113,12 @@ PY
       --carry gap:ce_minus_none --carry-min $GAP --carry-name "answer found, CEs minus no context" \
       --metric "F1=qa:scores.{context}.squad_f1:higher" --metric "Acc=qa:scores.{context}.substring_acc:higher"
   done
+  # the mechanical claims (CompLLM §4): true of the code path whatever the CEs hold, so no carry condition, but the
+  # rule's 2 runs per arm still hold; they are measured on the first seed's run only, and the table says so
+  $PY recipes/verdict.py --out "$OUT" --kind mechanical \
+    --claim "CompLLM: from cached CEs the first token comes sooner and the KV cache is smaller than from the full context" \
+    --arm "cached CEs" $ONE --arm full $ONE --expect "cached CEs" full --context "cached CEs" compressed --context full full \
+    --metric "TTFT at the longest context (s)=speed:rows.-1.ttft_{context}_s:lower" \
+    --metric "KV cache at the longest context (bytes)=speed:rows.-1.kv_bytes_{context}:lower"
 fi
 finish

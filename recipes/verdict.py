@@ -8,7 +8,8 @@
 recipes/summarize.py reads it), each arm's mean over its seeds and its spread (the range, max - min), then:
 
     undecided       first, whatever the values: an arm with fewer than 2 seeds: one run cannot tell a
-                    gap from the spread between seeds
+                    gap from the spread between seeds (the distinct seeds of the arm's runs, from each run's
+                    args.json; a run listed twice in an arm, or two folders of one run, stop with one line)
 
     reproduced      every run of both arms carries its text, and A beats B in the mean by more than the larger of
                     the two spreads; or every run of A carries its text, no run of B does, and A beats B by more
@@ -43,16 +44,42 @@ from summarize import read_metric  # noqa: E402
 
 
 MIN_SEEDS = 2   # the rule: no verdict from fewer seeds per arm
+# args.json keys that say where a run was written or how it was stopped and resumed, not what it trained: two folders
+# whose args.json differ only in these are one run, copied (ours, issue 46)
+WHERE = ("out", "resume", "stop_after", "save_every", "keep_every")
 
 
-def decide(a, b, better, carries, min_seeds=MIN_SEEDS):
+def seeds_of(out, runs):
+    """The distinct seeds of one arm's runs, read from each run's args.json (train.py writes it). A run listed twice,
+    or two runs with the same seed and settings, is one run counted twice: SystemExit with one line (issue 46: one PIC
+    run and one PCC run, each listed twice, gave "contradicted")."""
+    seen = {}
+    for run in runs:
+        path = os.path.join(out, run, "args.json")
+        if not os.path.isfile(path):
+            raise SystemExit(f"verdict.py: {path} is missing: a run's seed is read from its args.json")
+        where = os.path.realpath(os.path.join(out, run))
+        args = {k: v for k, v in json.load(open(path)).items() if k not in WHERE}
+        for other, (other_where, other_args) in seen.items():
+            if where == other_where:
+                raise SystemExit(f"verdict.py: the run {run} is listed twice in one arm: each run counts once")
+            if args == other_args:
+                raise SystemExit(f"verdict.py: {other} and {run} are one run (their args.json have the same seed "
+                                 f"{args.get('seed')} and settings): each run counts once")
+        seen[run] = (where, args)
+    return sorted({args.get("seed") for _, args in seen.values()})
+
+
+def decide(a, b, better, carries, min_seeds=MIN_SEEDS, seeds=None):
     """The verdict on one metric: a and b are the two arms' per-seed values (A is the paper's winner), carries
     whether each arm's memories carry their text: (A, B), each True (every run), False (no run) or None (some);
-    a mechanical claim passes (True, True). Fewer than min_seeds values in an arm: undecided, whatever they are.
+    a mechanical claim passes (True, True); seeds the number of distinct seeds in each arm (default: one per value).
+    Fewer than min_seeds seeds in an arm: undecided, whatever the values are.
     For a lower-is-better metric (steps to a threshold) None means never within the run: one arm that always gets
     there against one that never does is a verdict, anything else with a None is undecided."""
-    if min(len(a), len(b)) < min_seeds:
-        return f"undecided ({min(len(a), len(b))} seed(s) in an arm: the rule needs {min_seeds})"
+    n = min(seeds) if seeds else min(len(a), len(b))
+    if n < min_seeds:
+        return f"undecided ({n} seed(s) in an arm: the rule needs {min_seeds})"
     if better == "lower" and (None in a or None in b) and a and b:
         if None not in a and all(v is None for v in b):
             return "reproduced"
@@ -107,6 +134,7 @@ def main(argv=None):
     p.add_argument("--note", default="")
     a = p.parse_args(argv)
     arms = {g[0]: g[1:] for g in a.arm}
+    seeds = {label: seeds_of(a.out, runs) for label, runs in arms.items()}   # each arm's distinct seeds
     carry_runs = {**arms, **{g[0]: g[1:] for g in a.carry_runs}}
     carry_values = {label: [read_metric(a.out, run, a.carry) for run in carry_runs[label]] for label in arms}
     ok = (lambda v: v >= a.carry_min) if a.carry_min is not None else (lambda v: v <= a.carry_max)
@@ -123,7 +151,8 @@ def main(argv=None):
         path, _, better = rest.rpartition(":")
         values = {label: [read_metric(a.out, run, path.replace("{context}", contexts.get(label, "")))
                           for run in arms[label]] for label in (A, B)}
-        verdicts[name] = decide(values[A], values[B], better, (carries[A], carries[B]))
+        verdicts[name] = decide(values[A], values[B], better, (carries[A], carries[B]),
+                                seeds=(len(seeds[A]), len(seeds[B])))
         if a.kind == "mechanical" and not verdicts[name].startswith("undecided"):
             verdicts[name] += " (mechanical)"
         lines.append(f"| {name} ({better} is better) | {fmt(values[A])} | {fmt(values[B])} | **{verdicts[name]}** |")
@@ -138,14 +167,14 @@ def main(argv=None):
                                   for label in (A, B))
                      + " | " + ("every run carries its text" if carries[A] and carries[B] else
                                 "**not every run carries its text**") + " |")
-    seeds = min(len(arms[A]), len(arms[B]))
-    lines += ["", f"mean over {len(arms[A])} / {len(arms[B])} seed(s) per arm, (min-max) across seeds; the rule: "
+    fewest = min(len(seeds[A]), len(seeds[B]))
+    lines += ["", f"mean over {len(seeds[A])} / {len(seeds[B])} seed(s) per arm, (min-max) across seeds; the rule: "
               f"{a.kind} claim, at least {MIN_SEEDS} seeds per arm"
               + ("" if a.kind == "mechanical" else f", every run's {a.carry_name} {rule}")
-              + (f" (**{seeds} here: not decided**)" if seeds < MIN_SEEDS else "") + ". " + a.note]
+              + (f" (**{fewest} here: not decided**)" if fewest < MIN_SEEDS else "") + ". " + a.note]
     results = os.path.join(a.out, "results.json")
     tables = json.load(open(results))["tables"] if os.path.isfile(results) else []
-    tables.append(dict(title=a.claim, kind=a.kind, verdicts=verdicts, arms=arms, expect=[A, B],
+    tables.append(dict(title=a.claim, kind=a.kind, verdicts=verdicts, arms=arms, seeds=seeds, expect=[A, B],
                        carry={"metric": a.carry, "name": a.carry_name, "rule": rule, "values": carry_values}))
     json.dump({"tables": tables}, open(results, "w"), indent=1)
     md = os.path.join(a.out, "results.md")

@@ -202,6 +202,7 @@ def test_verdict_kinds_and_the_carry_metric_in_the_record(tmp_path):
     import verdict as V
     for run, (score, gap) in {"a0": (0.9, 0.01), "a1": (0.92, 0.02), "b0": (0.5, 0.0), "b1": (0.52, 0.01)}.items():
         (tmp_path / run).mkdir()
+        (tmp_path / run / "args.json").write_text(json.dumps({"method": run[0], "seed": int(run[1]), "out": run}))
         (tmp_path / run / "eval_qa.json").write_text(json.dumps({"scores": {"compressed": {"f1": score}}}))
         (tmp_path / run / "eval_gap.json").write_text(json.dumps({"ce_minus_none": gap}))
     common = ["--out", str(tmp_path), "--arm", "A", "a0", "a1", "--arm", "B", "b0", "b1", "--expect", "A", "B",
@@ -221,6 +222,41 @@ def test_verdict_kinds_and_the_carry_metric_in_the_record(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| answer found, CEs minus no context (each run; >= 0.1 carries its text) |" in md
     assert "(**1 here: not decided**)" in md
+
+
+def test_verdict_counts_distinct_seeds_and_refuses_a_duplicated_run(tmp_path):
+    """Issue 46: verdict.py counted the runs it was given, so one PIC run and one PCC run, each listed twice, gave
+    "contradicted". It counts each arm's distinct seeds from the runs' args.json, and a run listed twice in an arm, or
+    two folders of one run (the same args.json but where it was written), stop it with one line."""
+    import sys
+    sys.path.insert(0, str(REPO / "recipes"))
+    import verdict as V
+    runs = {"pic": (0, 300, 0.40), "pic_copy": (0, 300, 0.40), "pic_long": (0, 600, 0.35), "pcc": (0, 300, 0.10),
+            "pcc_s1": (1, 300, 0.12), "pic_s1": (1, 300, 0.45)}
+    for run, (seed, steps, loss) in runs.items():
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "args.json").write_text(json.dumps(
+            {"method": run[:3], "seed": seed, "steps": steps, "out": f"/elsewhere/{run}", "resume": None}))
+        (tmp_path / run / "eval_ae.json").write_text(json.dumps({"loss": {"own": loss, "own_other_ratio": loss}}))
+    def verdict(pic, pcc):
+        V.main(["--out", str(tmp_path), "--claim", "c", "--arm", "PIC", *pic, "--arm", "PCC", *pcc,
+                "--expect", "PIC", "PCC", "--metric", "loss=ae:loss.own:lower"])
+        return json.loads((tmp_path / "results.json").read_text())["tables"][-1]
+    with pytest.raises(SystemExit, match=r"^verdict.py: the run pic is listed twice in one arm"):
+        verdict(["pic", "pic"], ["pcc", "pcc_s1"])
+    with pytest.raises(SystemExit, match=r"^verdict.py: pic and pic_copy are one run \(their args.json have the same "
+                                         r"seed 0 and settings\)"):
+        verdict(["pic", "pic_copy"], ["pcc", "pcc_s1"])
+    with pytest.raises(SystemExit, match=r"args.json is missing"):
+        verdict(["pic", "nowhere"], ["pcc", "pcc_s1"])
+    one = verdict(["pic", "pic_long"], ["pcc", "pcc_s1"])   # two runs, one seed: decides nothing
+    assert one["seeds"] == {"PIC": [0], "PCC": [0, 1]}
+    assert one["verdicts"]["loss"] == "undecided (1 seed(s) in an arm: the rule needs 2)"
+    assert "mean over 1 / 2 seed(s) per arm" in (tmp_path / "results.md").read_text().splitlines()[-1]
+    two = verdict(["pic", "pic_s1"], ["pcc", "pcc_s1"])     # two seeds each: decided (PCC's loss lower)
+    assert two["seeds"] == {"PIC": [0, 1], "PCC": [0, 1]} and two["verdicts"]["loss"] == "contradicted"
+    # one run in both arms stays allowed: CompLLM's CEs and no context are two rows of one run's evaluation
+    assert verdict(["pic", "pic_s1"], ["pic", "pic_s1"])["seeds"]["PCC"] == [0, 1]
 
 
 def test_curve_scores_texts_cut_as_the_arm_was_trained(tmp_path):
