@@ -28,6 +28,7 @@ import compressors as C  # noqa: E402
 import evaluate as E  # noqa: E402
 import checkpoint  # noqa: E402
 import figures  # noqa: E402
+from records import portable  # noqa: E402
 
 
 def kept(result, run):
@@ -77,7 +78,7 @@ def loss_curves(runs, key="loss", target=None, png=None):
         if not c:
             raise SystemExit(f"curve.py: the log of {run} has no '{key}' values")
     target = target if target is not None else max(min(v for _, v in c) for c in curves.values())
-    out = [dict(run=run, last_step=c[-1][0], final=c[-1][1], best=min(v for _, v in c), reached=first_step_at(c, target))
+    out = [dict(run=portable(run), last_step=c[-1][0], final=c[-1][1], best=min(v for _, v in c), reached=first_step_at(c, target))
            for run, c in curves.items()]
     plt = figures.pyplot(png) if png else None   # None without matplotlib: the table is the result, the figure a view of it
     if plt:
@@ -90,7 +91,7 @@ def loss_curves(runs, key="loss", target=None, png=None):
         fig.tight_layout()
         fig.savefig(png, dpi=100)
         plt.close(fig)
-    return {"key": key, "target": target, "png": png if plt else None, "runs": out}
+    return {"key": key, "target": target, "png": portable(png) if plt else None, "runs": out}
 
 
 def arm_curve(run, examples, n, threshold, loss_at=None):
@@ -172,7 +173,7 @@ def main(argv=None):
     if a.score_only:
         return
     png = figure(os.path.join(a.out, "curve.png"), groups, curves, a.threshold, a.title)
-    json.dump(dict(curves=curves, png=png), open(os.path.join(a.out, "curve.json"), "w"), indent=1)
+    json.dump(dict(curves=curves, png=portable(png)), open(os.path.join(a.out, "curve.json"), "w"), indent=1)
     steps = sorted({p["step"] for c in curves.values() for p in c["points"]})
     at_loss = " first step at the reference's training loss (the loss) |" if a.loss_ref else ""
     lines = ["| arm | " + " | ".join(str(s) for s in steps) + f" | first step <= {a.threshold} |" + at_loss,

@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import compressors as C  # noqa: E402
 import evaluate as E  # noqa: E402
 from curve import kept  # noqa: E402
+from records import portable  # noqa: E402
 from model import apply_rope  # noqa: E402
 
 
@@ -160,7 +161,7 @@ def measure_run(run, meta, texts, count, n):
             raise SystemExit(f"diagnosis.py: {run}: {len(xs)} held-out text(s) of {n} tokens or more, 2 needed: pass "
                              f"--data with longer texts, or --len with a shorter length")
         out[state] = measure(comp, xs)
-    return dict(run=run, method=meta["config"]["method"], carrier=meta["config"]["carrier"],
+    return dict(run=portable(run), method=meta["config"]["method"], carrier=meta["config"]["carrier"],
                 step=meta.get("step"), texts=len(xs), n=n, **out)
 
 
@@ -200,7 +201,7 @@ def capacity(run, texts, count, n, steps, lr=1e-2, every=50):
                                           {"kv": [(k.roll(-1, 0), v.roll(-1, 0)) for k, v in free().kv]})),
                          "ae", targets)
     ratio = (sum(own[0]) / sum(own[1])) / (sum(other[0]) / sum(other[1]))
-    return dict(run=run, texts=len(xs), n=n, steps=steps, lr=lr, curve=curve, own_other=ratio)
+    return dict(run=portable(run), texts=len(xs), n=n, steps=steps, lr=lr, curve=curve, own_other=ratio)
 
 
 def groups_of(values, k=5):

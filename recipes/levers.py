@@ -26,6 +26,7 @@ import presets as P  # noqa: E402
 import checkpoint  # noqa: E402
 import figures  # noqa: E402
 import summarize  # noqa: E402
+from records import portable  # noqa: E402
 
 PRESETS = P.METHODS
 RUNGS = ("1x", "4x")
@@ -46,7 +47,7 @@ def read_arm(path, threshold):
                                                                                        else None)
     first = next((s for s, r in points if r <= threshold), None)
     tps = summarize.read_metric(os.path.dirname(path), os.path.basename(path), "ae:tokens_per_slot")
-    return dict(path=path, points=points, own_other=final, first=first, steps=points[-1][0] if points else None,
+    return dict(path=portable(path), points=points, own_other=final, first=first, steps=points[-1][0] if points else None,
                 tokens_per_slot=tps)
 
 

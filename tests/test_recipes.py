@@ -495,6 +495,41 @@ def test_no_rendered_record_names_a_machine_local_path(tmp_path):
     assert E.shown_path(str(out.resolve()), cwd=str(tmp_path)) == "eval_ae.json"
 
 
+def test_no_json_record_names_a_machine_local_path(tmp_path):
+    """Issue 46: 574 JSON records named the paths of the machines that ran them (args.json's data/out/init, a model in
+    ~/.cache, eval_ae.json's checkpoint). No value of a JSON record under recipes/results is an absolute path, and none
+    names one inside it, except the held-out texts the corpus itself wrote (a record's "examples"). records.py makes
+    a record so: relative to the repository, or a local folder by its own name; only whole values change."""
+    import sys
+    sys.path.insert(0, str(REPO / "recipes"))
+    import records as R
+    local = re.compile(MACHINE_PATH.pattern + r"|~/\.cache")
+
+    def found(obj, key=None):
+        if key == "examples":   # the scored texts: the Python docs' own words ("... /tmp/myapp.log ...")
+            return []
+        if isinstance(obj, dict):
+            return [p for k, v in obj.items() for p in found(v, k)]
+        if isinstance(obj, list):
+            return [p for v in obj for p in found(v, key)]
+        return [obj] if isinstance(obj, str) and (R.LOCAL.fullmatch(obj) or local.search(obj)) else []
+    bad = {str(p.relative_to(REPO)): f[:2] for p in (REPO / "recipes" / "results").rglob("*.json")
+           if (f := found(json.loads(p.read_text())))}
+    assert not bad, f"{len(bad)} record(s) name machine-local paths (python recipes/records.py FOLDER): {bad}"
+    assert found({"a": ["~/.cache/ctxcomp/smollm2"]}) and found({"note": "model /root/x"})   # the check catches one
+    assert R.portable(str(REPO / "runs" / "corpus" / "train.jsonl")) == "runs/corpus/train.jsonl"
+    assert R.portable("/elsewhere/ctxcomp-copy/runs/recipes/pic/pcc_r1_s0") == "runs/recipes/pic/pcc_r1_s0"
+    assert R.portable("/root/.cache/ctxcomp/smollm2-135m") == "smollm2-135m" and R.portable("~/m/") == "m"
+    assert R.portable("see /tmp/app.log") == "see /tmp/app.log" and R.portable(0.5) == 0.5
+    record = tmp_path / "args.json"   # rewritten in place: the layout kept, only whole path values changed
+    text = json.dumps({"data": str(REPO / "runs" / "c.jsonl"), "model": "/tmp/smollm2", "lr": 1e-4,
+                       "text": "logs go to /tmp/smollm2 here"}, indent=2)
+    record.write_text(text)
+    R.main([str(tmp_path)])
+    assert record.read_text() == text.replace(json.dumps(str(REPO / "runs" / "c.jsonl")), '"runs/c.jsonl"').replace(
+        '"/tmp/smollm2"', '"smollm2"')
+
+
 def markdown_table(text, header_start):
     """The rows (lists of cells) of the markdown table in text whose header line starts with header_start."""
     lines = text.splitlines()
