@@ -146,6 +146,8 @@ def add_data_and_run_flags(p: argparse.ArgumentParser):
                    "one GPU. Checkpoints are the one-process format; --resume takes it or leaves it")
     g.add_argument("--plan", action="store_true", help="print the run's memory per GPU (parameters by dtype, "
                    "weights, gradients, AdamW, activations; plan.py), built on the meta device, and exit")
+    g.add_argument("--gpus", type=int, help="with --plan: the GPUs the run spreads over (torchrun "
+                   "--nproc_per_node N; with --fsdp, sharded): memory per GPU, the micro-batch per GPU (default 1)")
     g.add_argument("--shape", choices=tuple(SHAPES), help="with --plan: a paper model's shape (model.SHAPES) in place "
                    "of --model, no download")
     g.add_argument("--frozen-dtype", choices=("auto", "fp32", "bf16"), default="auto", help="the frozen base "
@@ -192,6 +194,9 @@ def parse_args(argv=None):
         return args, state, {k: P.Setting(merged[k], f"--resume {args.resume}") for k in SETTINGS if k in merged}
     if args.method is None:
         parser.error("--method is required (or --resume DIR)")
+    if args.gpus is not None and (not args.plan or args.gpus < 1):
+        fail(f"--gpus {args.gpus} sizes a --plan (a real run takes its GPUs from torchrun --nproc_per_node): "
+             "add --plan, with --gpus 1 or more")
     if args.shape:   # --plan only: the paper's recipe at that shape (not tiny's demo)
         if not args.plan or args.model != "tiny":
             fail("--shape names a model shape for --plan (tests/bench_train.py --shape times one): drop --model, "

@@ -226,6 +226,11 @@ def build_encoder(cfg: CompressorConfig, decoder: Transformer, encoder: Transfor
         if cfg.mlp != enc.config.mlp:
             enc = copy_model(enc, mlp=cfg.mlp)
         enc.requires_grad_(True)
+        if enc.lm_head.weight is not enc.model.embed_tokens.weight:
+            # PCC code reads the compressor's hidden states (output_hidden_states), never its logits: an untied
+            # lm_head would train nothing and cost 525M fp32 parameters at Llama-3-8B, with gradients and AdamW
+            # states in the plan (issue 45). A tied one is the embedding, which the encoder reads
+            enc.lm_head = None
     if cfg.carrier == "kv":
         d, e = decoder.config, enc.config
         if (d.num_hidden_layers, d.num_key_value_heads, d.head_dim) != \
@@ -769,6 +774,15 @@ class Compressor(nn.Module):
                 p.data = p.data.to(want)   # in place of the tensor: every module holding p sees the new dtype
         return self
 
+    def blocks(self) -> list:
+        """Every distinct transformer block the compressor runs: the encoder's, the decoder's, GMSA's LSA blocks (a
+        LoRA encoder that IS the decoder once). FSDP's units (parallel.shard), and what --plan --fsdp divides."""
+        seen = {}
+        for model in (self.encoder, self.decoder, getattr(self, "lsa", None)):
+            for block in model.model.layers if model is not None else ():
+                seen.setdefault(id(block), block)
+        return list(seen.values())
+
     def trained_state(self) -> dict:
         return {n: p.detach().contiguous() for n, p in self.named_parameters() if saved(self.cfg, n)}
 
@@ -792,6 +806,8 @@ class Compressor(nn.Module):
     def load_trained(self, state: dict):
         """Load exactly the tensors `save` wrote; list whatever is missing, unexpected or misshapen."""
         own = {n: p for n, p in self.named_parameters() if saved(self.cfg, n)}
+        if self.encoder.lm_head is None:   # a PCC/PIC checkpoint before issue 45 kept the unused lm_head: left out
+            state = {n: t for n, t in state.items() if not n.startswith("encoder.lm_head.")}
         missing = sorted(set(own) - set(state))
         unexpected = sorted(set(state) - set(own))
         shapes = sorted(n for n in set(own) & set(state) if own[n].shape != state[n].shape)

@@ -112,12 +112,8 @@ def shard(comp, step_fn, device, bf16):
     # not cast (cast_forward_inputs=False): RoPE's cos/sin stay fp32, as under autocast
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False) \
         if bf16 else MixedPrecisionPolicy()
-    seen = set()
-    for model in (comp.encoder, comp.decoder, getattr(comp, "lsa", None)):
-        for block in model.model.layers if model is not None else ():
-            if id(block) not in seen:   # a LoRA encoder is the decoder: its blocks are sharded once
-                seen.add(id(block))
-                fully_shard(block, mesh=mesh, mp_policy=mixed)
+    for block in comp.blocks():   # (a LoRA encoder is the decoder: its blocks are sharded once)
+        fully_shard(block, mesh=mesh, mp_policy=mixed)
     fully_shard(step_fn, mesh=mesh)   # the root: embeddings, memory tokens, bridge, gathered whole for the step
     return step_fn
 

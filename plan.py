@@ -14,15 +14,24 @@ settings and --frozen-dtype. Nothing is allocated. Per GPU:
 adding up every distinct tensor autograd keeps for the backward pass (parameters left out: they are the weights
 above). Under bf16 autocast (CUDA, or --frozen-dtype bf16) the forward runs in bf16, as autocast computes: the
 meta device has no autocast, so the counted model is cast to bf16 whole, and the bf16 copies autocast makes of
-the fp32 trained weights are added (trained numel × 2). --grad-ckpt counts as it runs (only each block's input),
-plus one block's activations, which backward recomputes and holds while it goes through that block.
+the fp32 trained weights are added (trained numel × 2, cached once per step), and with fp32 frozen weights the bf16
+copy of each frozen matrix a matmul saves (autocast does not cache what needs no gradient: one copy per use).
+--grad-ckpt counts as it runs (only each block's input), plus one block's activations, which backward recomputes and
+holds while it goes through that block.
+
+Over several GPUs (--gpus N, with torchrun --nproc_per_node N): each GPU runs batch / N examples (or --micro-batch).
+DDP keeps everything whole on every GPU, plus its gradient buckets (trained numel × 4). --fsdp (parallel.shard)
+divides every tensor at rest by N, and while a step runs holds the root unit's weights whole (everything outside the
+transformer blocks: embeddings, lm_head, memory tokens, bridge) and two blocks gathered (the running one and the next,
+prefetched; in bf16 under MixedPrecisionPolicy), the root's gradients whole until they are reduce-scattered; AdamW's
+states follow the shards.
 OVERHEAD covers what the count cannot see: the backward pass's transient gradients of activations, the
 cross-entropy's chunk of logits, the allocator. It is calibrated on measured peaks (tests/README.md, "The memory
 plan against measured peaks"). Attention is counted as the CPU's SDPA keeps it, the full (B, H, T, S)
 probabilities: CUDA's memory-efficient kernel keeps only its output and a log-sum-exp, so on CUDA the count is
 an upper bound where sequences are long.
 
-`python plan.py` prints tests/README.md's table: every preset at its papers' model and batch.
+`python tests/bench_plan.py --papers` prints tests/README.md's table: every preset at its papers' model and batch.
 """
 
 import argparse
@@ -41,9 +50,11 @@ from hf import Tokenizer
 from model import SHAPES, TINY_CONFIG, ModelConfig, Transformer, build_tiny
 from presets import fail
 
-GIB = 2 ** 30
-CARD_GB = 80          # one H100 / A100 80GB: what "fits" means in the table
-OVERHEAD = 2.0        # measured peak / counted activations: 1.8-2.4 on the CPU, peak RSS (tests/README.md, "The memory plan")
+GB = 1e9              # every size the plan prints and compares: GB of 10^9 bytes, the card's "80 GB" included
+CARD_GB = 80          # one H100 / A100 80GB: what "fits" means (80e9 bytes, under the card's 85.5e9: a margin)
+# measured / counted activations on CUDA (torch.cuda.max_memory_allocated, H200, tests/README.md "Issue 45's
+# check"): aoc 1.25, icae 1.29 (pcc 0.52: the count is an upper bound there). On the CPU's peak RSS 1.8-2.4
+OVERHEAD = 1.3
 
 
 def model_config(name: str, shape: str | None) -> tuple[dict, Tokenizer]:
@@ -137,10 +148,14 @@ def sdpa(q, k, v, attn_mask=None, **kw):
     return SDPA(q, k, v, attn_mask=attn_mask, **kw)
 
 
-def saved_bytes(comp, args, micro: int, autocast: bool, step_cls) -> int:
+def saved_bytes(comp, args, micro: int, autocast: bool, step_cls, sharded=frozenset()) -> int:
     """Bytes of every distinct tensor autograd saves for backward in one forward of a micro-batch (parameters
-    aside), counted on the meta device; under autocast the model computes in bf16 (see the module docstring).
+    aside), counted on the meta device; under autocast the model computes in bf16 (see the module docstring), and each
+    time a matmul saves an fp32 frozen matrix, autocast's bf16 copy of it counts (not for the blocks in `sharded`:
+    FSDP's MixedPrecisionPolicy gathers those in bf16).
     step_cls: the run's step module (train.TrainStep: train.py hands it over, being the layer above this one)."""
+    copied = {id(p) for p in comp.parameters() if autocast and not p.requires_grad and p.dtype == torch.float32
+              and p.dim() == 2 and id(p) not in sharded}   # (1-D norms are not autocast: no copy)
     if autocast:
         comp = comp.to(torch.bfloat16)   # what autocast computes in; Transformer._apply keeps RoPE in fp32
     for model in (comp.encoder, comp.decoder):
@@ -150,7 +165,9 @@ def saved_bytes(comp, args, micro: int, autocast: bool, step_cls) -> int:
 
     def pack(t):
         base = t if t._base is None else t._base
-        if id(base) not in params and id(t) not in params:
+        if id(base) in copied:   # a new bf16 copy each use: autocast caches only what needs a gradient
+            kept[("copy", len(kept))] = (None, base.numel() * 2)
+        elif id(base) not in params and id(t) not in params:
             kept[id(base)] = (base, base.untyped_storage().nbytes())   # the reference keeps the id unique
         return t
     batch = example_batch(comp, args, micro)
@@ -167,15 +184,21 @@ def saved_bytes(comp, args, micro: int, autocast: bool, step_cls) -> int:
 @dataclass
 class Plan:
     params: dict          # ("trained" | "frozen", dtype name) -> parameter count
-    weights: int          # bytes
+    weights: int          # bytes, per GPU (under --fsdp: the shards, the root unit whole, two blocks gathered)
     grads: int
     optimizer: int
     activations: int      # one micro-batch, OVERHEAD included
-    micro: int            # examples per micro-batch
+    micro: int            # examples per micro-batch and GPU
+    gpus: int = 1
+    fsdp: bool = False
 
     @property
     def total(self) -> int:
         return self.weights + self.grads + self.optimizer + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= CARD_GB * GB
 
 
 def frozen_dtype(args) -> torch.dtype:
@@ -187,86 +210,58 @@ def frozen_dtype(args) -> torch.dtype:
 def make_plan(args, step_cls, micro: int | None = None) -> Plan:
     frozen = frozen_dtype(args)
     autocast = frozen == torch.bfloat16 or (args.device or "cuda").startswith("cuda")
-    micro = micro or args.micro_batch or args.batch_size
+    gpus, fsdp = args.gpus or 1, bool(args.fsdp)
+    micro = micro or args.micro_batch or max(1, args.batch_size // gpus)
     comp = build_on_meta(args, frozen)
-    params, weights, trained = {}, 0, 0
+    blocks = comp.blocks()
+    sharded = {id(p) for b in blocks for p in b.parameters()} if fsdp else set()
+    params, weights, trained, root, root_trained = {}, 0, 0, 0, 0
     for p in comp.parameters():   # distinct tensors: a tied or shared one counts once
         kind = ("trained" if p.requires_grad else "frozen", str(p.dtype).removeprefix("torch."))
         params[kind] = params.get(kind, 0) + p.numel()
         weights += p.numel() * p.element_size()
         trained += p.numel() if p.requires_grad else 0
-    saved = saved_bytes(comp, args, micro, autocast, step_cls) + (2 * trained if autocast else 0)
+        if id(p) not in sharded:
+            root += p.numel() * p.element_size()
+            root_trained += p.numel() if p.requires_grad else 0
+    copies = 2 * (root_trained if fsdp else trained) if autocast else 0   # autocast's cached bf16 copies
+    saved = saved_bytes(comp, args, micro, autocast, step_cls, sharded) + copies
     if args.grad_ckpt:   # backward recomputes one block at a time and keeps its activations meanwhile: one
         # block's share of what the run without checkpointing saves (the decoder's layer count, an upper bound where
         # a shorter encoder's blocks are larger)
         whole = saved_bytes(build_on_meta(args, frozen), argparse.Namespace(**{**vars(args), "grad_ckpt": False}),
-                            micro, autocast, step_cls)
+                            micro, autocast, step_cls, sharded)
         saved += whole // comp.decoder.config.num_hidden_layers
-    return Plan(params, weights, 4 * trained, 8 * trained, int(OVERHEAD * saved), micro)
+    activations = int(OVERHEAD * saved)
+    if not fsdp:   # every GPU holds everything; DDP adds its gradient buckets
+        return Plan(params, weights, 4 * trained * (2 if gpus > 1 else 1), 8 * trained, activations, micro, gpus)
+    gathered = 2 * max(sum(p.numel() * (2 if autocast else p.element_size()) for p in b.parameters())
+                       for b in blocks)   # the running block and the prefetched next one (bf16: MixedPrecisionPolicy)
+    return Plan(params, -(-weights // gpus) + root + gathered, 4 * (-(-trained // gpus) + root_trained),
+                8 * -(-trained // gpus), activations, micro, gpus, fsdp)
 
 
 def describe(args, plan: Plan) -> str:
-    gb = lambda b: f"{b / GIB:7.2f} GB"
+    gb = lambda b: f"{b / GB:8.2f} GB"
     where = args.shape and f"a {args.shape} shape" or args.decoder or args.model
-    lines = [f"memory plan: {args.method} ({args.objective}) on {where}, micro-batch {plan.micro} of batch "
-             f"{args.batch_size}, |X| up to {args.max_len}{', --grad-ckpt' if args.grad_ckpt else ''}, "
-             f"--frozen-dtype {args.frozen_dtype} (per GPU, nothing allocated: plan.py)"]
+    spread = (f", --fsdp over {plan.gpus} GPU(s)" if plan.fsdp else f", DDP over {plan.gpus} GPUs" if plan.gpus > 1
+              else "")
+    lines = [f"memory plan: {args.method} ({args.objective}) on {where}, micro-batch {plan.micro} per GPU of batch "
+             f"{args.batch_size}{spread}, |X| up to {args.max_len}{', --grad-ckpt' if args.grad_ckpt else ''}, "
+             f"--frozen-dtype {args.frozen_dtype} (per GPU, GB = 10^9 bytes, nothing allocated: plan.py)"]
     for (kind, dtype), n in sorted(params.items() if (params := plan.params) else []):
         lines.append(f"  parameters {kind:7} {dtype:8} {n:>15,}")
-    lines += [f"  weights        {gb(plan.weights)}", f"  gradients      {gb(plan.grads)}",
+    shards = "   (the shards; the root unit whole and two blocks gathered)" if plan.fsdp else ""
+    lines += [f"  weights        {gb(plan.weights)}{shards}", f"  gradients      {gb(plan.grads)}",
               f"  AdamW states   {gb(plan.optimizer)}",
-              f"  activations    {gb(plan.activations)}   (counted saved tensors x {OVERHEAD}, calibrated)",
-              f"  total          {gb(plan.total)}   {'fits' if plan.total <= CARD_GB * 1e9 else 'does not fit'} "
-              f"on one {CARD_GB} GB card"]
-    if plan.total > CARD_GB * 1e9:
-        lines.append("  (less: --micro-batch, --grad-ckpt, --frozen-dtype bf16; or shard with torchrun ... --fsdp)")
+              f"  activations    {gb(plan.activations)}   (counted saved tensors x {OVERHEAD}, calibrated on CUDA)",
+              f"  total          {gb(plan.total)}   {'fits' if plan.fits else 'does not fit'} on one {CARD_GB} GB card"]
+    if not plan.fits:
+        lines.append("  (less: --micro-batch, --grad-ckpt, --frozen-dtype bf16; or shard: --fsdp --gpus N, then "
+                     "torchrun --nproc_per_node N ... --fsdp)")
     return "\n".join(lines)
 
 
 def show(args, step_cls):
     """train.py --plan: print the plan and exit."""
     print(describe(args, make_plan(args, step_cls)))
-
-
-# every preset at its papers' models and batch (tests/README.md's table): (preset, shape, batch, source)
-PAPERS = [
-    ("icae", "llama-3.2-1b", 16, "EPL's code (App. C)"), ("icae", "llama-2-7b", 16, "ICAE (Llama-2-7B)"),
-    ("500x", "llama-3.2-1b", 16, "EPL's code"), ("500x", "llama-3-8b", 16, "500xCompressor (Llama-3-8B)"),
-    ("pcc", "llama-3-8b", 256, "PCC code, 8B compressor + 8B decoder"),
-    ("pic", "llama-3-8b", 256, "PIC §4.1.2 decoder (compressor as large)"),
-    ("compllm", "qwen3-4b", 4, "CompLLM"), ("compllm", "gemma-3-4b", 4, "CompLLM"),
-    ("gmsa", "llama-2-7b", 4, "GMSA (LLaMA-2-7B)"), ("aoc", "llama-3.2-1b", 16, "AOC (Llama-3.2-1B)"),
-]
-
-
-def paper_table(step_cls) -> str:
-    """tests/README.md's table. Activations grow linearly with the micro-batch, a + b·m (a: what autocast's bf16
-    copies of the trained weights and a recomputed block's fixed part hold): planned at m = 1 and 2, then extended."""
-    rows = ["| preset | model | batch | trained params | weights+grads+AdamW GB | activations GB | total GB | "
-            "fits 80 GB | with --grad-ckpt GB | fits | largest micro-batch that fits (ckpt) | "
-            "GPUs under --fsdp (micro-batch 1, ckpt) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for method, shape, batch, source in PAPERS:
-        args, *_ = cli.parse_args(["--method", method, "--shape", shape, "--plan", "--batch-size", str(batch)])
-        act, fixed = {}, 0
-        for ckpt in (False, True):
-            p1, p2 = (make_plan(argparse.Namespace(**{**vars(args), "grad_ckpt": ckpt}), step_cls, micro=m)
-                      for m in (1, 2))
-            act[ckpt] = (2 * p1.activations - p2.activations, p2.activations - p1.activations)   # (a, b)
-            fixed = p1.weights + p1.grads + p1.optimizer
-            trained = sum(n for (kind, _), n in p1.params.items() if kind == "trained")
-        total = {ckpt: fixed + a + b * batch for ckpt, (a, b) in act.items()}
-        card = CARD_GB * 1e9
-        a, b = act[True]
-        room = int((card - fixed - a) // b) if card > fixed + a else 0
-        # FSDP shards weights, gradients and AdamW over the GPUs; each still holds its own micro-batch's activations
-        gpus = next((k for k in range(1, 65) if fixed / k + a + b <= card), "> 64")
-        rows.append(f"| {method} | {shape} ({source}) | {batch} | {trained / 1e9:.2f}B | {fixed / GIB:.1f} | "
-                    f"{(total[False] - fixed) / GIB:.1f} | {total[False] / GIB:.1f} | "
-                    f"{'yes' if total[False] <= card else 'no'} | {total[True] / GIB:.1f} | "
-                    f"{'yes' if total[True] <= card else 'no'} | {min(room, batch) if room > 0 else 'none'} | {gpus} |")
-    return "\n".join(rows)
-
-
-if __name__ == "__main__":   # (a script's entry: it may import the layer above, train.py, whose step it counts)
-    import train
-    print(paper_table(train.TrainStep))

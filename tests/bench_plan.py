@@ -2,6 +2,7 @@
 
     python tests/bench_plan.py                                  # CPU: a random 4-layer model, fp32
     python tests/bench_plan.py --device cuda --shape llama-3.2-1b --methods aoc icae pcc    # on a GPU
+    python tests/bench_plan.py --papers      # tests/README.md's table: every preset at its papers' model, planned
 
 Each run is train.py for 2 steps in its own process. Measured: the peak during the steps minus the memory held
 before the first one (the weights; the corpus), i.e. gradients + AdamW states + activations; on the CPU the peak
@@ -64,8 +65,49 @@ def random_checkpoint(folder, config):
     return folder
 
 
+# every preset at its papers' models and batch (tests/README.md's table): (preset, shape, batch, source)
+PAPERS = [
+    ("icae", "llama-3.2-1b", 16, "EPL's code (App. C)"), ("icae", "llama-2-7b", 16, "ICAE (Llama-2-7B)"),
+    ("500x", "llama-3.2-1b", 16, "EPL's code"), ("500x", "llama-3-8b", 16, "500xCompressor (Llama-3-8B)"),
+    ("pcc", "llama-3-8b", 256, "PCC code, 8B compressor + 8B decoder"),
+    ("pic", "llama-3-8b", 256, "PIC §4.1.2 decoder (compressor as large)"),
+    ("compllm", "qwen3-4b", 4, "CompLLM"), ("compllm", "gemma-3-4b", 4, "CompLLM"),
+    ("gmsa", "llama-2-7b", 4, "GMSA (LLaMA-2-7B)"), ("aoc", "llama-3.2-1b", 16, "AOC (Llama-3.2-1B)"),
+]
+PAPER_HEADER = ("| preset | model | batch | trained params | weights+grads+AdamW GB | activations GB | total GB | fits "
+                "80 GB | with --grad-ckpt GB | fits | largest micro-batch that fits (ckpt) | GPUs under --fsdp "
+                "(micro-batch 1, ckpt) |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def paper_row(method, shape, batch, source, frozen="auto") -> str:
+    """One row of the table, every number a direct plan (train.py --plan): the batch as one micro-batch, without and
+    with --grad-ckpt; the largest micro-batch that fits with --grad-ckpt (a bisection over direct plans); the fewest
+    GPUs (1, 2, 4, ... 64) over which --fsdp fits micro-batch 1 with --grad-ckpt."""
+    sys.path.insert(0, REPO)
+    import cli
+    import plan
+    import train
+    argv = ["--method", method, "--shape", shape, "--plan", "--batch-size", str(batch), "--frozen-dtype", frozen]
+    at = lambda *extra, micro=None: plan.make_plan(cli.parse_args(argv + list(extra))[0], train.TrainStep, micro)
+    whole, ckpt = at(), at("--grad-ckpt")
+    fixed = whole.weights + whole.grads + whole.optimizer
+    trained = sum(n for (kind, _), n in whole.params.items() if kind == "trained")
+    lo, hi = 0, batch   # the largest micro-batch m <= batch whose plan fits
+    while lo < hi:
+        m = (lo + hi + 1) // 2
+        lo, hi = (m, hi) if at("--grad-ckpt", micro=m).fits else (lo, m - 1)
+    gpus = next((str(n) for n in (1, 2, 4, 8, 16, 32, 64)
+                 if at("--grad-ckpt", "--fsdp", "--gpus", str(n), "--micro-batch", "1").fits), "> 64")
+    gb = lambda b: f"{b / plan.GB:.1f}"
+    return (f"| {method} | {shape} ({source}) | {batch} | {trained / 1e9:.2f}B | {gb(fixed)} | {gb(whole.activations)} | "
+            f"{gb(whole.total)} | {'yes' if whole.fits else 'no'} | {gb(ckpt.total)} | {'yes' if ckpt.fits else 'no'} | "
+            f"{lo or 'none'} | {gpus} |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--papers", action="store_true", help="instead: tests/README.md's table, every preset at its "
+                   "papers' model and batch, from direct plans (no GPU, nothing allocated)")
     p.add_argument("--methods", nargs="+", default=["aoc", "icae", "pcc", "gmsa"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--shape", help="a model.SHAPES entry (random weights; CUDA) instead of the small random model")
@@ -73,6 +115,11 @@ def main():
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--grad-ckpt", action="store_true")
     a = p.parse_args()
+    if a.papers:
+        print(PAPER_HEADER)
+        for row in PAPERS:
+            print(paper_row(*row), flush=True)
+        return
     sys.path.insert(0, REPO)
     import cli
     import plan

@@ -14,13 +14,14 @@ from dataclasses import asdict, replace
 
 import pytest
 import torch
+import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import compressors as C  # noqa: E402
 import presets as P  # noqa: E402
 import masks  # noqa: E402
 from hf import LLAMA_3_2_1B_CONFIG  # noqa: E402
-from model import ModelConfig, Transformer, build_tiny  # noqa: E402
+from model import TINY_CONFIG, ModelConfig, Transformer, build_tiny  # noqa: E402
 
 TEXT = ("The quick brown fox jumps over the lazy dog. It was a bright cold day in April! "
         "Were the clocks striking thirteen? Nobody knew.\nA new line starts here. ") * 2
@@ -189,6 +190,30 @@ def small_compressor(dec):
                   num_attention_heads=4, num_key_value_heads=2, head_dim=12)
     torch.manual_seed(1)
     return Transformer(cfg).to(dec.lm_head.weight.device)
+
+
+@pytest.mark.parametrize("method", ["pcc", "pic"])
+def test_pcc_pic_encoder_has_no_unused_lm_head_and_old_checkpoints_still_load(method, device, tmp_path):
+    """PCC/PIC's compressor LLM is read for its hidden states, never its logits. With untied embeddings (Llama-2/3,
+    the papers' 8B) its lm_head trained nothing and was saved, 525M parameters at 8B (issue 45): it is gone, the loss
+    is the one the encoder with it gave, and a checkpoint that still holds it loads (the tensor left out)."""
+    torch.manual_seed(0)
+    untied = Transformer(ModelConfig.from_hf({**TINY_CONFIG, "tie_word_embeddings": False})).to(device)
+    tok = build_tiny()[1]
+    comp = C.build(method, untied, tok, mem=4, chunk_len=16)
+    names = [n for n, _ in comp.named_parameters()]
+    assert not [n for n in names if n.startswith("encoder.lm_head")] and comp.encoder.lm_head is None
+    V, d = TINY_CONFIG["vocab_size"], TINY_CONFIG["hidden_size"]
+    with_head = Transformer(ModelConfig.from_hf({**TINY_CONFIG, "tie_word_embeddings": False}))
+    assert sum(p.numel() for p in comp.encoder.parameters()) == sum(p.numel() for p in with_head.parameters()) - V * d
+    ctx = [list(TEXT.encode())[:16], list(TEXT.encode())[20:36]]
+    loss, _ = comp.lm_loss(comp.compress(ctx), "ae", [c + [tok.eos_id] for c in ctx])
+    comp.encoder.lm_head = nn.Linear(d, V, bias=False).to(device)   # the head back: the same loss, to the bit
+    again, _ = comp.lm_loss(comp.compress(ctx), "ae", [c + [tok.eos_id] for c in ctx])
+    assert torch.equal(loss, again)
+    old = {**comp.trained_state(), "encoder.lm_head.weight": comp.encoder.lm_head.weight.detach().clone()}
+    comp.encoder.lm_head = None
+    comp.load_trained(old)   # a checkpoint written before: loads
 
 
 def test_pcc_pic_separate_compressor_with_converter(device):

@@ -187,6 +187,95 @@ def test_plan_counts_the_activations_a_real_step_saves(tmp_path):
     assert ckpt < 0.5 * plan.make_plan(args, train.TrainStep).activations
 
 
+def test_an_fsdp_run_that_ends_early_or_fails_closes_its_process_group(tmp_path, device):
+    """--fsdp in one process opens a process group of one; a run that ends before training (nothing left to do) or
+    stops with an error must close it, or the next in-process train.main([... --fsdp]) fails (issue 45)."""
+    flags = ["--method", "aoc", "--model", "tiny", "--mem", "4", "--batch-size", "2", "--steps", "1", "--fsdp",
+             "--eval-every", "0", "--device", str(device)]
+    train.main(flags + ["--out", str(tmp_path / "a")])
+    assert not torch.distributed.is_initialized()
+    train.main(["--resume", str(tmp_path / "a"), "--fsdp", "--device", str(device)])   # already at step 1: nothing to do
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(SystemExit):   # refused after the group is open: --out holds a checkpoint
+        train.main(flags + ["--out", str(tmp_path / "a")])
+    assert not torch.distributed.is_initialized()
+    train.main(flags + ["--out", str(tmp_path / "b")])   # and the next run starts
+    assert len(rows(tmp_path / "b")) == 1
+
+
+def test_plan_speaks_one_unit_and_fits_in_it(capsys):
+    """GB is 10^9 bytes when the plan prints a size and when it decides "fits" (it printed GiB labelled GB and
+    compared with 80e9 bytes: issue 45): a total of 80.1e9 bytes prints as 80.10 GB and does not fit, 79.9e9 does."""
+    args, *_ = cli.parse_args(["--method", "aoc", "--plan"])
+    for total, fits in ((80.1e9, False), (79.9e9, True)):
+        p = plan.Plan({}, int(total), 0, 0, 0, 1)
+        assert p.fits is fits
+        text = plan.describe(args, p)
+        assert f"{total / 1e9:8.2f} GB" in text and ("does not fit" not in text) is fits
+
+
+def test_plan_per_gpu_under_fsdp_and_ddp(tmp_path):
+    """--plan --gpus N: DDP keeps every weight on every GPU and adds its gradient buckets; --fsdp divides every
+    tensor at rest by N, and while a step runs holds the root unit (what is outside the transformer blocks) whole,
+    two blocks gathered (bf16 under MixedPrecisionPolicy) and the root's gradients whole; the micro-batch is
+    batch / N. Each term is checked against a real build's parameters (tiny, pcc: a fully trained encoder)."""
+    argv = ["--method", "pcc", "--batch-size", "8", "--out", str(tmp_path)]
+    one, ddp, fsdp = (plan.make_plan(cli.parse_args(argv + ["--plan", *extra])[0], train.TrainStep)
+                      for extra in ([], ["--gpus", "4"], ["--gpus", "4", "--fsdp"]))
+    comp = train.build_compressor(cli.parse_args(argv + ["--frozen-dtype", "bf16"])[0], torch.device("cpu"),
+                                  frozen=torch.bfloat16)
+    in_blocks = {id(p) for b in comp.blocks() for p in b.parameters()}
+    size = lambda ps: sum(p.numel() * p.element_size() for p in ps)
+    root = size(p for p in comp.parameters() if id(p) not in in_blocks)
+    root_trained = sum(p.numel() for p in comp.parameters() if p.requires_grad and id(p) not in in_blocks)
+    trained = sum(p.numel() for p in comp.parameters() if p.requires_grad)
+    block = max(sum(p.numel() * 2 for p in b.parameters()) for b in comp.blocks())
+    assert (one.micro, ddp.micro, fsdp.micro) == (8, 2, 2)
+    assert (ddp.weights, ddp.grads, ddp.optimizer) == (one.weights, 2 * one.grads, one.optimizer)
+    assert fsdp.weights == -(-size(comp.parameters()) // 4) + root + 2 * block
+    assert fsdp.grads == 4 * (-(-trained // 4) + root_trained) and fsdp.optimizer == 8 * -(-trained // 4)
+    assert ddp.activations < one.activations and fsdp.activations < ddp.activations   # autocast copies: root only
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(argv + ["--gpus", "2"])
+    assert "--plan" in str(e.value)
+
+
+def test_plan_counts_autocasts_copies_of_fp32_frozen_matrices_at_each_use(tmp_path):
+    """Under autocast an fp32 frozen matrix is cast to bf16 at each use (no cache: it needs no gradient), and the
+    matmul saves the copy: the plan with --frozen-dtype fp32 counts 2 bytes x numel for every such use, which a
+    real step's F.linear calls on inputs that need a gradient (counted by a TorchFunctionMode) give independently."""
+    from torch.overrides import TorchFunctionMode
+    argv = ["--method", "aoc", "--out", str(tmp_path)]
+    plans = {d: plan.make_plan(cli.parse_args(argv + ["--plan", "--frozen-dtype", d])[0], train.TrainStep)
+             for d in ("fp32", "bf16")}
+    args = cli.parse_args(argv + ["--frozen-dtype", "fp32", "--device", "cpu"])[0]
+    comp = train.build_compressor(args, torch.device("cpu"))
+    frozen = {id(p): p.numel() for p in comp.parameters() if not p.requires_grad and p.dim() == 2}
+    del frozen[id(comp.decoder.lm_head.weight)]   # the loss's lm_head runs under checkpoint: none of it is saved
+    uses = []
+
+    class Linears(TorchFunctionMode):
+        def __torch_function__(self, func, types, a=(), kw=None):
+            if func is torch.nn.functional.linear and id(a[1]) in frozen and a[0].requires_grad:
+                uses.append(frozen[id(a[1])])   # (a matmul whose input needs no gradient saves nothing)
+            return func(*a, **(kw or {}))
+    with Linears():
+        train.TrainStep(comp, args.objective, args.lm_weight)(plan.example_batch(comp, args, args.batch_size))
+    copies = 2 * sum(uses)
+    extra = (plans["fp32"].activations - plans["bf16"].activations) / plan.OVERHEAD
+    assert uses and abs(extra - copies) <= 0.01 * copies + 64, (extra, copies)
+
+
+def test_the_paper_table_in_tests_readme_is_the_direct_plan():
+    """tests/README.md's table is printed by tests/bench_plan.py --papers, each number a direct plan: its AOC and
+    GMSA rows (the cheap ones) are recomputed here and must be the printed rows exactly."""
+    import bench_plan
+    table = (Path(__file__).parent / "README.md").read_text()
+    for row in bench_plan.PAPERS:
+        if row[0] in ("aoc", "gmsa"):
+            assert bench_plan.paper_row(*row) in table, row
+
+
 # ---- FSDP ----
 
 from conftest import torchrun as torchrun_  # noqa: E402
