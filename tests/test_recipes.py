@@ -547,21 +547,27 @@ RATIO = re.compile(r"\b\d+\.\d\d(?!\d)(?: \(\d+\.\d\d-\d+\.\d\d)?")   # tokens p
 
 
 def test_the_readmes_tables_show_the_measured_tokens_per_slot():
-    """Issue 37: every own/other the verdict tables state stands beside the tokens per memory slot it was scored at.
-    recipes/README.md's verdict table has a column of them in every row, its lever table is recipes/levers.py's (each
-    cell with its tokens per slot, and the rule of a measured 4x), and README.md's verdict table names them."""
+    """Issues 37 and 46: every held-out own/other a README's table states stands beside the tokens per memory slot it
+    was scored at (a column of them, or each group of the cell led by its own), and its record (tests/test_records.py
+    checks the numbers); recipes/README.md's verdict table states the papers' numbers, our setups and verdicts, none of
+    ours; its lever table is recipes/levers.py's (each cell with its tokens per slot, and the rule of a measured 4x)."""
+    import test_records as T
+    for readme in ("README.md", "recipes/README.md"):
+        shown = [(line, header) for line, header, _, _ in T.tables((REPO / readme).read_text())
+                 if any("held-out own/other" in c for c in header)]
+        assert shown, readme
+        for line, header in shown:
+            assert any(c.startswith("tokens per slot") for c in header), (readme, line[:80])
+            assert "records" in header or line.startswith(tuple(T.NOT_RESULTS)), (readme, line[:80])   # the tiny demo
     text = (REPO / "recipes" / "README.md").read_text()
-    header, *rows = markdown_table(text, "| claim | the paper's number |")
-    col = next(i for i, c in enumerate(header) if c.startswith("tokens per memory slot"))
-    assert rows and all(RATIO.search(row[col]) for row in rows), [row[col] for row in rows]
+    header = markdown_table(text, "| claim | the paper's number |")[0]
+    assert header == ["claim", "the paper's number", "our setup", "verdict"]
     kept = (REPO / "recipes" / "results" / "ladder" / "levers.md").read_text().split("\n\n")[0]
     header, *rows = markdown_table(text, "| preset | lever |")
     assert markdown_table(kept, "| preset | lever |") == [header, *rows]   # the table as the record renders it
     assert "tokens per slot" in header[2] and "measured 4x" in header[4]
     cells = [c for row in rows for c in row[2:4] if c != "-"]
     assert cells and all(re.search(r"\d\.\d{3} \(.*\)\**( at " + RATIO.pattern + ")", c) for c in cells), cells
-    header = markdown_table((REPO / "README.md").read_text(), "| claim (paper) |")[0]
-    assert any("measured tokens per slot" in c for c in header), header
 
 
 def ladder_shell(snippet):
