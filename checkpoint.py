@@ -23,16 +23,16 @@ from tqdm import tqdm
 from presets import fail
 
 
-def save_checkpoint(out, step, comp, opt, args, rng, data_key, keep_every=None, whole=None):
+def save_checkpoint(out, step, comp, opt, record: dict, rng, data_key, keep_every=None, whole=None):
     """Write everything a run needs to continue into a temporary directory, then rename it into place: a run
     killed at any moment leaves the previous checkpoint or the new one, never half of one. Then point the
     top-level compressor files at it and drop older checkpoints. (Atomic against a killed process; without
-    fsync, not against a power cut.)"""
+    fsync, not against a power cut.) record: every resolved flag of the run (train.Run.record), as args.json."""
     tmp, final = os.path.join(out, f".tmp-ckpt-{step:06d}"), os.path.join(out, f"ckpt-{step:06d}")
     shutil.rmtree(tmp, ignore_errors=True)
     # compressor.json + compressor.safetensors; whole: the trained tensors and AdamW state gathered from FSDP's shards
-    comp.save(tmp, extra={"step": step, "train_args": vars(args)}, state=whole and whole[0])
-    torch.save(dict(step=step, optimizer=whole[1] if whole else opt.state_dict(), rng=rng, args=vars(args),
+    comp.save(tmp, extra={"step": step, "train_args": record}, state=whole and whole[0])
+    torch.save(dict(step=step, optimizer=whole[1] if whole else opt.state_dict(), rng=rng, args=record,
                     data=data_key, config=asdict(comp.cfg)), os.path.join(tmp, "train_state.pt"))
     # the schedule is a function of the step and the data of (seed, step): step + RNG states are their state
     if os.path.exists(final):
@@ -49,7 +49,7 @@ def save_checkpoint(out, step, comp, opt, args, rng, data_key, keep_every=None, 
             shutil.copy2(os.path.join(final, name), link)   # file systems without hard links
         os.replace(link, os.path.join(out, name))
     with open(os.path.join(out, "args.json.tmp"), "w") as f:
-        json.dump(vars(args), f, indent=2)
+        json.dump(record, f, indent=2)
     os.replace(os.path.join(out, "args.json.tmp"), os.path.join(out, "args.json"))
     for old in glob(os.path.join(out, ".tmp-ckpt-*")):
         shutil.rmtree(old, ignore_errors=True)

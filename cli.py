@@ -14,9 +14,9 @@ import argparse
 import os
 from dataclasses import asdict
 
-import compressors as C
-import presets as P
-from checkpoint import read_train_state
+import compressors
+import presets
+from checkpoint import latest_checkpoint, read_train_state
 from data import Sampling, check_len_curriculum
 from model import SHAPES
 from presets import fail
@@ -39,16 +39,16 @@ EXAMPLES = """examples:
   python train.py --resume runs/aoc --stop-after 4000                                  # time-sliced jobs
   torchrun --nproc_per_node 8 train.py --method icae ...                               # one process per GPU"""
 # every compressor axis (compressors.CompressorConfig) that a flag can set
-COMPRESSOR_FLAGS = tuple(f.name for f in P.FLAG_FIELDS)
+COMPRESSOR_FLAGS = tuple(f.name for f in presets.FLAG_FIELDS)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="train.py", usage="python train.py --method METHOD [options]   (--help lists every flag)",
         formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__.split("\n\n")[0].strip(),
-        epilog=P.defaults_table() + "\n\n" + EXAMPLES)
+        epilog=presets.defaults_table() + "\n\n" + EXAMPLES)
     g = p.add_argument_group("what to train")
-    g.add_argument("--method", choices=P.METHODS, help="the compressor preset (presets.PRESETS); "
+    g.add_argument("--method", choices=presets.METHODS, help="the compressor preset (presets.PRESETS); "
                    "optional with --resume")
     g.add_argument("--model", default="tiny", help="the LLM: a Hugging Face id, a local folder with config.json "
                    "+ *.safetensors, or 'tiny' (a random 4-layer model, the default: a CPU demo with defaults of its "
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "the --resume directory)")
 
     g = p.add_argument_group("compressor (default: the method's preset, presets.PRESETS)")
-    for f in P.FLAG_FIELDS:   # one flag per compressor axis, its help and choices from CompressorConfig
+    for f in presets.FLAG_FIELDS:   # one flag per compressor axis, its help and choices from CompressorConfig
         flag, kind, meta = "--" + f.name.replace("_", "-"), type(f.default), f.metadata
         if kind is bool:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, help=meta["help"])
@@ -161,15 +161,18 @@ def add_data_and_run_flags(p: argparse.ArgumentParser):
                    "--model tiny: evaluate.py's built-in held-out set; on a real model none (the run says so)")
     g.add_argument("--eval-every", type=int, help="score the held-out examples every N steps, at step 0 and at "
                    "the end (default: at every checkpoint, --save-every; 0 = never)")
-    g.add_argument("--eval-n", type=int, default=32, help="held-out examples scored (the first N; default 32)")
+    g.add_argument("--eval-n", type=int, default=32, help="held-out examples scored: the first N (ae, pretrain: the "
+                   "first N of at least --min-len tokens, cut to the trained length); default 32")
     g.add_argument("--eval-bleu", action="store_true", help="ae/pretrain: also regenerate each held-out text "
                    "greedily from its memory and log BLEU-4 (words) and ROUGE-L beside own/other (costs a generation "
                    "per check)")
 
 
 def parse_args(argv=None):
-    """Flags -> (args: a complete argparse.Namespace, every default resolved; the checkpoint's train state with
-    --resume, else None; each training setting's value and source, presets.recipe_for's)."""
+    """Flags -> (args: a complete argparse.Namespace, every default resolved, as each checkpoint saves it; the
+    checkpoint's train state with --resume, else None; every setting that shapes the run with its value and source,
+    training and compressor (the first log line); the compressor's config, made once (with --init or --resume: that
+    run's))."""
     parser = build_parser()
     args = parser.parse_args(argv)
     given = typed_flags(argv)
@@ -191,7 +194,13 @@ def parse_args(argv=None):
         merged.update(resume=args.resume, stop_after=args.stop_after, out=args.out or args.resume,
                       **{k: getattr(args, k) for k in PROCESS_FLAGS})
         args = argparse.Namespace(**merged)
-        return args, state, {k: P.Setting(merged[k], f"--resume {args.resume}") for k in SETTINGS if k in merged}
+        try:
+            cfg = compressors.saved_config(latest_checkpoint(args.resume))
+        except (ValueError, OSError) as e:
+            fail(f"cannot resume: {e}")
+        given = f"--resume {args.resume}"
+        settings = {k: presets.Setting(merged[k], given) for k in SETTINGS if k in merged}
+        return args, state, settings | presets.compressor_settings(args.method, cfg, {}, {}, given), cfg
     if args.method is None:
         parser.error("--method is required (or --resume DIR)")
     if args.gpus is not None and (not args.plan or args.gpus < 1):
@@ -202,8 +211,8 @@ def parse_args(argv=None):
             fail("--shape names a model shape for --plan (tests/bench_train.py --shape times one): drop --model, "
                  "add --plan")
         args.model = args.shape
-    args, settings = resolve_defaults(args)
-    return args, None, settings
+    args, settings, cfg = resolve_defaults(args)
+    return args, None, settings, cfg
 
 
 def typed_flags(argv=None) -> set:
@@ -224,15 +233,16 @@ SETTINGS = ("objective", "lr", "betas", "weight_decay", "schedule", "warmup", "b
 def resolve_defaults(args):
     """Fill every flag left unset from presets.recipe_for (the tiny demo on --model tiny, else the paper's recipe),
     check what the flags ask for; returns (args, recipe_for's settings)."""
-    init = None
+    init, init_cfg = None, None
     if args.init:   # the models and compressor settings are the --init run's
         try:   # a setting added after that run was saved has its default there, as compressors.load builds it
-            init = asdict(C.saved_config(args.init))
+            init_cfg = compressors.saved_config(args.init)
         except (ValueError, OSError) as e:
             fail(e)
+        init = asdict(init_cfg)
         args.model = init["compressor_model"] or init["model"]
         args.decoder = init["model"] if init["compressor_model"] else None
-    settings = P.recipe_for(args.method, args.model, args.decoder, args.stage, flags=vars(args), init=init)
+    settings = presets.recipe_for(args.method, args.model, args.decoder, args.stage, flags=vars(args), init=init)
     max_len = settings["max_len"].value
     if settings["crop"].value == "head" and args.min_len not in (None, max_len):   # (never silently ignored)
         fail(f"--crop head trains on the first --max-len ({max_len}) tokens of each document, so --min-len "
@@ -245,24 +255,30 @@ def resolve_defaults(args):
     for k, s in settings.items():   # (a flag's own value, or the default that replaces an unset flag)
         if k not in row:
             setattr(args, k, list(s.value) if isinstance(s.value, tuple) else s.value)   # a list, as argparse gives
-    try:   # validates the compressor flags before any model is loaded
-        cfg = init or asdict(P.make_config(args.method, defaults=row, **typed))
+    try:   # the compressor's config, made once here (the run builds exactly this), before any model is loaded
+        cfg = init_cfg or presets.make_config(args.method, defaults=row, model=args.decoder or args.model,
+                                        compressor_model=args.model if args.decoder else None, **typed)
     except ValueError as e:
         fail(e)
-    for k in row:   # the values the row's settings resolved to (build_compressor passes them as flags)
-        setattr(args, k, list(cfg[k]) if isinstance(cfg[k], tuple) else cfg[k])
+    for k in row:   # the values the row's settings resolved to, as args.json records them
+        v = getattr(cfg, k)
+        setattr(args, k, list(v) if isinstance(v, tuple) else v)
     if init:
-        if args.method != cfg["method"]:
-            fail(f"--init {args.init} is a {cfg['method']} compressor, not {args.method}")
+        if args.method != cfg.method:
+            fail(f"--init {args.init} is a {cfg.method} compressor, not {args.method}")
         for k in COMPRESSOR_FLAGS:
-            v = getattr(args, k)
-            if v is not None and v != (list(cfg[k]) if isinstance(cfg[k], (list, tuple)) else cfg[k]):
-                fail(f"--init {args.init} was trained with {k}={cfg[k]}: drop --{k.replace('_', '-')}")
+            v, trained = getattr(args, k), getattr(cfg, k)
+            if v is not None and v != (list(trained) if isinstance(trained, (list, tuple)) else trained):
+                fail(f"--init {args.init} was trained with {k}={trained}: drop --{k.replace('_', '-')}")
+    if args.decoder and cfg.encoder != "separate":   # --model compresses, --decoder decodes: two models
+        fail(f"--decoder needs a separate compressor model (pcc, pic or --encoder separate), not {args.method}'s "
+             f"{cfg.encoder} encoder")
+    settings |= presets.compressor_settings(args.method, cfg, typed, settings, init and f"--init {args.init}")
     if not 2 <= args.min_len <= args.max_len:
         fail(f"need 2 <= --min-len <= --max-len, got {args.min_len} and {args.max_len}")
     check_len_curriculum(sampling(args))
     args.out = args.out or os.path.join("runs", args.method)
-    return args, settings
+    return args, settings, cfg
 
 
 def sampling(args) -> Sampling:

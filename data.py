@@ -60,9 +60,13 @@ def read_corpus(path):
                         fail(f'{f} {where}: expected {{"text"}} or {{"context", "question", "answer"}}')
                     if kind == "text":
                         texts.append(rec["text"])
-                    else:
+                        continue
+                    try:
                         r = qa_record(rec, f"{f} {where}")
-                        qa.append((r["context"], r["question"], first_answer(r["answer"])))
+                    except Unanswerable:   # its context is a text all the same (ae, pretrain read it)
+                        texts.append(rec["context"])
+                        continue
+                    qa.append((r["context"], r["question"], first_answer(r["answer"])))
             except ValueError as e:   # a line that is no JSON, a malformed QA record: one line naming it
                 fail(e)
         else:
@@ -127,9 +131,13 @@ def qa_record(rec, where):
         if not isinstance(a, str):
             raise ValueError(f'{where}: "answer" must be a string, a number or a list of them, got {str(raw)[:40]!r}')
         answers.append(a)
-    if not answers:
-        raise ValueError(f'{where}: "answer" is an empty list')
+    if not answers:   # SQuAD 2.0's unanswerable questions: "answers": {"text": [], "answer_start": []}
+        raise Unanswerable(f'{where}: "answer" is an empty list (an unanswerable question)')
     return {**rec, "answer": answers if isinstance(raw, (list, tuple, dict)) else answers[0]}
+
+
+class Unanswerable(ValueError):
+    """A QA record with no answer (SQuAD 2.0 has them): no QA example, though its context is still text."""
 
 
 def first_answer(answer):
@@ -169,18 +177,19 @@ def tokenize_corpus(texts, qa, identity, comp, cache_dir):
     offsets = torch.tensor([0] + [len(d) for d in docs], dtype=torch.int64).cumsum(0)   # (n_docs + 1,)
     pieces = [{**{k: torch.tensor(v, dtype=torch.int32) for k, v in comp.qa_parts(c, q).items()},
                "answer": as_ids(a)} for c, q, a in qa]
-    data = {"tokens": torch.cat(docs) if docs else torch.zeros(0, dtype=torch.int32), "offsets": offsets,
-            "qa": pieces}
+    tensors = {"tokens": torch.cat(docs) if docs else torch.zeros(0, dtype=torch.int32), "offsets": offsets,
+               "qa": pieces}
     os.makedirs(cache_dir, exist_ok=True)
     # atomic: a killed run never leaves half a cache behind (one temp file per process: DDP ranks all write)
-    torch.save(data, f"{path}.{os.getpid()}.tmp")
+    torch.save(tensors, f"{path}.{os.getpid()}.tmp")
     os.replace(f"{path}.{os.getpid()}.tmp", path)
-    return data, key
+    return tensors, key
 
 
 @dataclass
-class Data:
-    tokens: dict        # tokenize_corpus's tensors
+class Corpus:
+    """What a run trains on: the corpus tokenised (tokenize_corpus), and the teacher's answers so far (distill)."""
+    tensors: dict       # tokenize_corpus's: "tokens" (every text's ids, flat), "offsets", "qa" (the QA pieces)
     key: str            # its cache key (saved with each checkpoint)
     documents: int      # texts read
     questions: int      # QA examples read
@@ -188,121 +197,144 @@ class Data:
     answers_path: str
 
 
-def load_data(path, s: Sampling, comp, cache_dir: str, answer_tokens: int) -> Data:
+def load_corpus(path, sampling: Sampling, comp, cache_dir: str, answer_tokens: int) -> Corpus:
     """The corpus, checked against the objective, tokenised once and cached."""
     try:
         texts, qa, identity = read_corpus(path)
     except OSError as e:     # unreadable files: one line
         fail(e)
-    if s.objective in ("qa", "distill") and not qa:
-        fail(f"--objective {s.objective} needs JSON lines with \"context\", \"question\", \"answer\"")
-    if s.objective in ("pretrain", "ae"):
+    if sampling.objective in ("qa", "distill") and not qa:
+        fail(f"--objective {sampling.objective} needs JSON lines with \"context\", \"question\", \"answer\"")
+    if sampling.objective in ("pretrain", "ae"):
         texts += [c for c, _, _ in qa]   # QA contexts are text too (ours)
-        if s.crop == "head" and len(texts) < s.batch_size:
+        if sampling.crop == "head" and len(texts) < sampling.batch_size:
             # a head crop is the first n tokens of a document: with fewer documents than a batch, every step would
             # train on the same few texts (a .txt file is one document)
-            fail(f"--crop head trains on the first {s.max_len} tokens of each document, and "
+            fail(f"--crop head trains on the first {sampling.max_len} tokens of each document, and "
                  f"{path or 'the built-in corpus'} holds {len(texts)} document(s) for a batch of "
-                 f"{s.batch_size}: give a .jsonl with one document per line, a folder of files, or use --crop window")
-    if s.objective == "distill" and comp.enc_tok is not comp.tok:
+                 f"{sampling.batch_size}: give a .jsonl with one document per line, a folder of files, or use --crop window")
+    if sampling.objective == "distill" and comp.enc_tok is not comp.tok:
         fail("distill runs the teacher and the student on the same ids: it needs one tokenizer for both models")
-    data, key = tokenize_corpus(texts, qa, identity, comp, cache_dir)
-    if s.objective in ("pretrain", "ae") and len(data["tokens"]) == 0:   # (documents of < 2 tokens are dropped)
+    tensors, key = tokenize_corpus(texts, qa, identity, comp, cache_dir)
+    if sampling.objective in ("pretrain", "ae") and len(tensors["tokens"]) == 0:   # (documents of < 2 tokens are dropped)
         fail(f"no text of 2 tokens or more in {path}")
     answers_path = os.path.join(cache_dir, f"answers-{key}-{answer_tokens}.pt")
     answers = torch.load(answers_path, weights_only=True) if os.path.exists(answers_path) else {}
-    return Data(data, key, len(texts), len(qa), answers, answers_path)
+    return Corpus(tensors, key, len(texts), len(qa), answers, answers_path)
 
 
 # ---- sampling a step ----
 
 
-def sample_example(data, s: Sampling, rng, comp, step):
+def sample_example(tensors, sampling: Sampling, rng, comp, step):
     """One training example of step `step`, drawn with `rng`. Context ids are the compressor's, everything else
     the decoder's."""
-    ex = draw_qa(data, s, rng, comp) if s.objective in ("qa", "distill") else \
-        draw_text(data, s, rng, comp, step)
+    ex = draw_qa(tensors, sampling, rng, comp) if sampling.objective in ("qa", "distill") else \
+        draw_text(tensors, sampling, rng, comp, step)
     # GMSA §4.1: the compression ratio is sampled per example; drawn with the example, so that it too depends on
     # nothing but the step and the example's index
     ex["ratio"] = [comp.cfg.ratios[rng.integers(len(comp.cfg.ratios))]] if comp.cfg.source == "group_mean" else []
     return ex
 
 
-def draw_qa(data, s: Sampling, rng, comp):
-    ex = {k: v.tolist() for k, v in data["qa"][rng.integers(len(data["qa"]))].items()}
+def draw_qa(tensors, sampling: Sampling, rng, comp):
+    ex = {k: v.tolist() for k, v in tensors["qa"][rng.integers(len(tensors["qa"]))].items()}
     # contexts cut at --max-len (ours): the context's own tokens, the template's text around it kept
-    ctx, enc_ctx = (comp.cut_context(ex[k], s.max_len, t) for k, t in (("dec_context", comp.tok),
-                                                                        ("enc_context", comp.enc_tok)))
-    if s.objective == "distill":   # the answer is the teacher's own (teacher_answer), not the data set's
+    ctx, enc_ctx = (comp.cut_context(ex[k], sampling.max_len, t) for k, t in (("dec_context", comp.tok),
+                                                                               ("enc_context", comp.enc_tok)))
+    if sampling.objective == "distill":   # the answer is the teacher's own (teacher_answer), not the data set's
         return dict(context=enc_ctx, dec_context=ctx, prefix=ex["prefix"], question=ex["prompt"])
     # [prefix; memory; [LM]; prompt] -> answer: the loss covers answer + EOS only (EPL code)
     return dict(context=enc_ctx, prefix=ex["prefix"], qa=ex["prompt"] + ex["answer"] + [comp.tok.eos_id],
                 n_answer=len(ex["answer"]) + 1)
 
 
-def check_len_curriculum(s: Sampling):
+def check_len_curriculum(sampling: Sampling):
     """--len-curriculum N K (ours) grows the windows of --crop window texts: a one-line error where it cannot."""
-    if not s.len_curriculum:
+    if not sampling.len_curriculum:
         return
-    start, k = s.len_curriculum
-    if s.crop == "head" or s.objective not in ("ae", "pretrain"):
+    start, k = sampling.len_curriculum
+    if sampling.crop == "head" or sampling.objective not in ("ae", "pretrain"):
         fail("--len-curriculum grows the windows of --crop window texts (ae or pretrain): drop it, or use "
              "--crop window")
-    if not (1 <= start <= s.min_len and k >= 1):
-        fail(f"--len-curriculum N K needs 1 <= N <= --min-len ({s.min_len}) and K >= 1, got {start} {k}")
+    if not (1 <= start <= sampling.min_len and k >= 1):
+        fail(f"--len-curriculum N K needs 1 <= N <= --min-len ({sampling.min_len}) and K >= 1, got {start} {k}")
 
 
-def text_lengths(s: Sampling, step):
+def text_lengths(sampling: Sampling, step):
     """The range [lo, hi + 1) a text's length is drawn from at `step`: --min-len..--max-len, or, under
     --len-curriculum N K (ours), a range that starts at N tokens and grows linearly to it over the first K steps."""
-    if not s.len_curriculum:
-        return s.min_len, s.max_len + 1
-    start, k = s.len_curriculum
+    if not sampling.len_curriculum:
+        return sampling.min_len, sampling.max_len + 1
+    start, k = sampling.len_curriculum
     f = min(1.0, step / k)
-    return round(start + (s.min_len - start) * f), round(start + (s.max_len - start) * f) + 1
+    return round(start + (sampling.min_len - start) * f), round(start + (sampling.max_len - start) * f) + 1
 
 
-def draw_text(data, s: Sampling, rng, comp, step):
-    eos, offsets = comp.tok.eos_id, data["offsets"]
-    if s.crop == "head":
+def draw_text(tensors, sampling: Sampling, rng, comp, step):
+    eos, offsets = comp.tok.eos_id, tensors["offsets"]
+    if sampling.crop == "head":
         # AOC code: each text is the first n tokens of a document (tokenizer truncation), a shorter one right-padded
         # with EOS to n; the padding is compressed and reconstructed like any token (no mask, no -100)
         d = int(rng.integers(len(offsets) - 1))
-        n = s.max_len
-        x = data["tokens"][offsets[d]:min(offsets[d] + n, offsets[d + 1])].tolist()
+        n = sampling.max_len
+        x = tensors["tokens"][offsets[d]:min(offsets[d] + n, offsets[d + 1])].tolist()
         x = x + [comp.tok.pad_id if comp.tok.pad_id is not None else eos] * (n - len(x))
     else:
         # the document of a random token (so each with probability proportional to its length), then a window
         # of |X| tokens at a random offset inside it: a text never straddles two documents
         d = int(torch.searchsorted(offsets, int(rng.integers(offsets[-1])), right=True)) - 1
         lo, hi = int(offsets[d]), int(offsets[d + 1])
-        n = min(int(rng.integers(*text_lengths(s, step))), hi - lo)   # a short document gives a short text
+        n = min(int(rng.integers(*text_lengths(sampling, step))), hi - lo)   # a short document gives a short text
         start = lo + int(rng.integers(0, hi - lo - n + 1))
-        x = data["tokens"][start:start + n].tolist()
-    if s.objective == "ae":   # ICAE AE / AOC Eq. (4): regenerate all of X, then EOS
+        x = tensors["tokens"][start:start + n].tolist()
+    if sampling.objective == "ae":   # ICAE AE / AOC Eq. (4): regenerate all of X, then EOS
         return dict(context=comp.encoder_ids(x), ae=comp.ae_target(x))
     # pretrain (EPL code): compress the first p = ⌊|X|/2⌋ tokens, reconstruct them, continue with the rest + EOS
     p = max(1, n // 2)
     return dict(context=comp.encoder_ids(x[:p]), ae=comp.ae_target(x[:p]), lm=x[p:] + [eos], last=x[p - 1])
 
 
-def step_examples(data, s: Sampling, comp, step):
+def step_examples(tensors, sampling: Sampling, comp, step):
     """Every example of step `step`: example i comes from a generator seeded with (seed, step, i), so a step
     depends on nothing but its number (exact resume) and is made of the same examples whatever the
     micro-batching or the number of processes (each process draws them all and takes its share)."""
-    return [sample_example(data, s, np.random.default_rng([s.seed, step, i]), comp, step)
-            for i in range(s.batch_size)]
+    return [sample_example(tensors, sampling, np.random.default_rng([sampling.seed, step, i]), comp, step)
+            for i in range(sampling.batch_size)]
 
 
-def collate(examples):
-    """A micro-batch: one list per field; "ratios" (GMSA: one compression ratio per example) is None unless sampled."""
-    batch = {k: [e[k] for e in examples] for k in examples[0]}
-    if "ratio" in batch:
-        ratios = sum(batch.pop("ratio"), [])
-        batch["ratios"] = ratios or None
+@dataclass
+class Batch:
+    """A micro-batch: one list per field, one entry per example; each objective fills its own fields, the others
+    stay None (the losses in train.py read them by name):
+
+        ae        context, ae                    regenerate the text after its memory (ICAE AE, AOC Eq. 4)
+        pretrain  context, ae, lm, last          ... and continue it after the memory (EPL §3.1.1, PIC Eq. 6-8)
+        qa        context, prefix, qa, n_answer  [prefix; memory; [LM]; prompt] -> answer (EPL, PCC, GMSA KEFT)
+        distill   context, prefix, dec_context, question, answer     CompLLM Eq. 1-3, the answer the teacher's
+    """
+    context: list                   # the ids each example compresses (the compressor's tokenizer)
+    tokens: int                     # tokens the step reads: the contexts + every decoder sequence (the log's tok/s)
+    ratios: list | None = None      # GMSA §4.1: one compression ratio per example, drawn with it
+    ae: list | None = None          # the AE target: the compressed text (and EOS), Compressor.ae_target
+    lm: list | None = None          # pretrain: the text's continuation x_p+1.. and EOS
+    last: list | None = None        # pretrain: x_p, the last compressed token (PIC Eq. 7's special token)
+    qa: list | None = None          # qa: the prompt, then the answer and EOS
+    n_answer: list | None = None    # qa: the supervised tokens at the end of each qa row (answer + EOS)
+    prefix: list | None = None      # qa, distill: the template's text before the memory
+    dec_context: list | None = None  # distill: the context uncompressed, as the teacher reads it
+    question: list | None = None    # distill: the template's text after the context
+    answer: list | None = None      # distill: the frozen LLM's own answer (add_teacher_answers)
+    norm: dict | None = None        # task -> its loss divisor over the whole step (step_normalizers): the step sets it
+
+
+def collate(examples) -> Batch:
+    """The examples of a micro-batch as one Batch; its ratios (GMSA) None unless sampled."""
+    fields = {k: [e[k] for e in examples] for k in examples[0]}
+    ratios = sum(fields.pop("ratio", []), [])
     # tokens the step reads: compressed context + every decoder sequence (tok/s in the log)
-    batch["tokens"] = sum(len(f) for k in ("context", "ae", "lm", "qa") if k in batch for f in batch[k])
-    return batch
+    tokens = sum(len(f) for k in ("context", "ae", "lm", "qa") if k in fields for f in fields[k])
+    return Batch(**fields, ratios=ratios or None, tokens=tokens)
 
 
 def step_normalizers(comp, objective, examples):
@@ -310,14 +342,14 @@ def step_normalizers(comp, objective, examples):
     process), so that the step's loss is the mean over its tokens however it is split (the gradient-accumulation
     normalisation, as Hugging Face's Trainer fixed it in 2024); distillation is a mean over examples (CompLLM
     Eq. 3), so its normaliser is the step's number of examples."""
-    b = collate(examples)
+    batch = collate(examples)
     if objective == "distill":
         return {"distill": len(examples)}
     if objective == "qa":
-        return {"qa": comp.supervised_tokens("qa", b["qa"], b["n_answer"], b["prefix"])}
-    norm = {"ae": comp.supervised_tokens("ae", b["ae"])}
+        return {"qa": comp.supervised_tokens("qa", batch.qa, batch.n_answer, batch.prefix)}
+    norm = {"ae": comp.supervised_tokens("ae", batch.ae)}
     if objective == "pretrain":
-        norm["lm"] = comp.supervised_tokens("lm", b["lm"])
+        norm["lm"] = comp.supervised_tokens("lm", batch.lm)
     return norm
 
 
@@ -335,26 +367,27 @@ def teacher_answer(comp, cache, prompt, max_new, autocast):
     return cache[example_key]
 
 
-def add_teacher_answers(comp, batch, cache, max_new, autocast):
+def add_teacher_answers(comp, batch: Batch, cache, max_new, autocast):
     """distill: the frozen LLM's own answer to each example of the micro-batch (teacher_answer), and the tokens the
     teacher and the student read (the log's tok/s)."""
-    batch["answer"] = [teacher_answer(comp, cache, p + c + q, max_new, autocast)
-                       for p, c, q in zip(batch["prefix"], batch["dec_context"], batch["question"])]
-    batch["tokens"] += sum(len(c) + len(q) + 2 * len(a) for c, q, a in   # teacher + student
-                           zip(batch["dec_context"], batch["question"], batch["answer"]))
+    batch.answer = [teacher_answer(comp, cache, p + c + q, max_new, autocast)
+                    for p, c, q in zip(batch.prefix, batch.dec_context, batch.question)]
+    batch.tokens += sum(len(c) + len(q) + 2 * len(a) for c, q, a in   # teacher + student
+                        zip(batch.dec_context, batch.question, batch.answer))
 
 
-def save_answers(data: Data):
+def save_answers(corpus: Corpus):
     """The teacher's answers so far, beside the token cache (atomic), so a resumed run does not generate them again."""
-    if data.answers:
-        torch.save(data.answers, data.answers_path + ".tmp")
-        os.replace(data.answers_path + ".tmp", data.answers_path)
+    if corpus.answers:
+        torch.save(corpus.answers, corpus.answers_path + ".tmp")
+        os.replace(corpus.answers_path + ".tmp", corpus.answers_path)
 
 
-def batch_shape(batch) -> str:
+def batch_shape(batch: Batch) -> str:
     """'contexts 4 x <= 480 tokens, ae 4 x <= 481' : what a micro-batch asks of the GPU."""
-    return ", ".join(f"{'contexts' if k == 'context' else k} {len(batch[k])} x <= {max(map(len, batch[k]))} tokens"
-                     for k in ("context", "ae", "lm", "qa", "answer") if k in batch)
+    rows = {k: getattr(batch, k) for k in ("context", "ae", "lm", "qa", "answer") if getattr(batch, k) is not None}
+    return ", ".join(f"{'contexts' if k == 'context' else k} {len(v)} x <= {max(map(len, v))} tokens"
+                     for k, v in rows.items())
 
 
 # ---- built-in corpus ----

@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import compressors as C
-import data as D   # the built-in corpus and its held-out set; the one reader of .jsonl / .parquet records
+import compressors
+import data   # the built-in corpus and its held-out set; the one reader of .jsonl / .parquet records
 import masks
 from figures import heat_png, needle_png, render_text
-import presets as P
+import presets
 from metrics import ae_scores, mean_scores, passkey_score, perplexity, qa_scores
 from model import load_pretrained
 
@@ -64,16 +64,16 @@ def load_examples(path, task, n=None):
     (train.py reads a whole .txt file as one document to draw windows from; an evaluation needs fixed examples).
     n: keep the first n."""
     if path is None:
-        rows = [dict(r) for r in D.EVAL_QA] if task == "qa" else [{"text": t} for t in D.held_out_texts()]
+        rows = [dict(r) for r in data.EVAL_QA] if task == "qa" else [{"text": t} for t in data.held_out_texts()]
     elif not os.path.isfile(path):
         raise FileNotFoundError(f"--data {path}: no such file")
     elif path.endswith((".jsonl", ".parquet")):   # data.py's reader (train.py's), and its checks of a QA record
         need = '{"context", "question", "answer"}' if task == "qa" else '{"text"} or {"context", ...}'
         rows = []
-        for where, rec in D.records(path):
-            kind = D.record_kind(rec)   # (SQuAD's "answers" -> "answer")
+        for where, rec in data.records(path):
+            kind = data.record_kind(rec)   # (SQuAD's "answers" -> "answer")
             if kind == "qa":
-                rec = D.qa_record(rec, f"{path} {where}")
+                rec = data.qa_record(rec, f"{path} {where}")
             if kind is None or (task == "qa" and kind != "qa"):   # (a QA record serves the text tasks too)
                 raise ValueError(f"{path} {where}: --task {task} reads {need} records")
             rows.append(rec if task == "qa" or kind == "text" else {"text": rec["context"]})
@@ -95,7 +95,7 @@ def protocol(comp, ckpt=None, max_len=None, train_args=None, min_len=None):
     under a head crop), what pretraining compressed (EPL code). max_len: cut every text to its first max_len
     tokens; min_len: score only texts of at least min_len tokens (default: the run's --min-len, at_trained_length)."""
     if train_args is None:
-        train_args = (C.read_checkpoint_config(ckpt).get("train_args") or {}) if ckpt else {}
+        train_args = (compressors.read_checkpoint_config(ckpt).get("train_args") or {}) if ckpt else {}
     n = max_len or train_args.get("max_len")   # the run's own check cuts at its --max-len (any crop): so does this
     shortest = train_args.get("min_len") if n else None   # texts shorter than the run's --min-len are not scored
     return dict(crop=train_args.get("crop", "window"), n=n, min=min_len or (shortest and min(shortest, n)),
@@ -109,9 +109,18 @@ def at_trained_length(comp, examples, proto, n=None):
     if proto.get("min"):
         examples = [ex for ex in examples if len(comp.tok.encode(ex["text"])) >= proto["min"]]
         if not examples:
-            raise ValueError(f"no text of at least {proto['min']} tokens (the run's --min-len) to score: pass --data "
-                             "with longer texts, or --min-len N")
+            raise TooShort(proto["min"])
     return examples[:n] if n else examples
+
+
+class TooShort(ValueError):
+    """No text reaches the length a run trained on (at_trained_length): evaluate.py and train.py's check each say
+    what to do about it in their own terms."""
+
+    def __init__(self, min_len):
+        super().__init__(f"no text of at least {min_len} tokens (the run's --min-len) to score: pass --data with "
+                         "longer texts, or --min-len N")
+        self.min_len = min_len
 
 
 def texts_as_trained(comp, texts, proto):
@@ -374,7 +383,7 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
     if max_len:   # data.draw_qa: contexts cut at --max-len (the context's tokens; the template's text kept)
         parts = [{**p, "enc_context": comp.cut_context(p["enc_context"], max_len, comp.enc_tok),
                   "dec_context": comp.cut_context(p["dec_context"], max_len, tok)} for p in parts]
-    answers = [tok.encode(D.first_answer(ex["answer"])) for ex in examples]
+    answers = [tok.encode(data.first_answer(ex["answer"])) for ex in examples]
     # over documents: question i reads the memory of question i + concat's context, the next document's
     other = derangement(len(examples), concat)
     cache, rows = ({} if reuse else None), []
@@ -687,9 +696,9 @@ for with the QA template; it scores when the key is among the numbers generated.
 
 ae, lm and qa also report, teacher-forced, the loss of their target (qa: the reference answer) with each text's own
 memory, with another text's (text i reads text i+1's; qa: the next document's) and with none: own/other well below
-1 means each memory carries its own text, 1.0 a constant prompt. A checkpoint trained with a head crop (AOC) is
-evaluated on the first n tokens of each text, padded as in training; one pretrained with AE + LM (EPL) reconstructs
-the first half of each text (of those n tokens under a head crop), what pretraining compressed.
+1 means each memory carries its own text, 1.0 a constant prompt. ae and lm score the texts of at least the run's
+--min-len tokens (a head crop's n: shorter ones are left out, not padded), each cut to the trained length; one
+pretrained with AE + LM (EPL) reconstructs the first half of each text, what pretraining compressed.
 
 Results go to --out (default: CKPT/eval_TASK.json), a markdown table to stdout. Without --data the built-in sets;
 --data: .jsonl or .parquet with {"text"} or {"context", "question", "answer"} records, or one text per line.
@@ -709,11 +718,12 @@ def parse_args(argv=None):
                 epilog=f"tasks:\n{tasks}\n\n{TASKS_NOTES}", formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", help="checkpoint directory written by train.py --out")
     p.add_argument("--task", required=True, help=f"one of {', '.join(TASKS)} (see below)")
-    p.add_argument("--method", help=f"one of {', '.join(P.METHODS)}: it must match the checkpoint's")
+    p.add_argument("--method", help=f"one of {', '.join(presets.METHODS)}: it must match the checkpoint's")
     p.add_argument("--model", help="base LLM (HF id, directory or tiny): it must match the checkpoint's")
     p.add_argument("--data", help="examples (.jsonl, .parquet or .txt); default: the built-in sets")
-    p.add_argument("--n", type=int, help=f"use the first N examples (default: all); needle: samples per depth and "
-                   f"length (default {NEEDLE_N})")
+    p.add_argument("--n", type=int, help=f"use the first N examples (default: all; ae, lm: the first N of at least "
+                   f"the run's --min-len tokens, see --min-len); needle: samples per depth and length (default "
+                   f"{NEEDLE_N})")
     p.add_argument("--batch-size", type=int, default=8, help="ae, lm, qa, needle: examples per batch (default 8)")
     p.add_argument("--max-new-tokens", type=int, help="generation budget (default: ae n for a head-cropped "
                    "checkpoint, else reference + 8; qa the paper's: PCC 30, CompLLM 512, EPL 1024, else 64; "
@@ -757,13 +767,13 @@ def load_compressor(args):
     """The checkpoint's compressor (args: ckpt, model, method, device, dtype); one-line errors. Also
     tests/bench_speed.py's."""
     dtype = DTYPES[args.dtype]
-    cfg = asdict(C.saved_config(args.ckpt))   # one-line errors for a missing or malformed compressor.json
+    cfg = asdict(compressors.saved_config(args.ckpt))   # one-line errors for a missing or malformed compressor.json
     if args.model is not None and args.model != cfg["model"]:
         raise ValueError(f"checkpoint '{args.ckpt}' was trained on model '{cfg['model']}', not '{args.model}'")
     if args.method is not None and args.method != cfg["method"]:
         raise ValueError(f"checkpoint '{args.ckpt}' holds method '{cfg['method']}', not '{args.method}'")
     try:
-        comp = C.load(args.ckpt, dtype=dtype, device=args.device)
+        comp = compressors.load(args.ckpt, dtype=dtype, device=args.device)
     except (ValueError, TypeError) as e:   # TypeError: a config field this code does not know
         raise ValueError(f"cannot load checkpoint '{args.ckpt}' on its base model '{cfg['model']}': {e}") from None
     return comp.eval()

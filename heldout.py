@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-import evaluate as E
+import evaluate
 from checkpoint import is_out_of_memory, read_log
 from presets import fail
 
@@ -52,10 +52,14 @@ def held_out(comp, train_args: dict, every: int, tiny: bool, resumed: bool, mast
                   "whether the memory carries its own text")
         return None
     try:   # the texts at the run's trained length (evaluate.at_trained_length), as evaluate.py scores them
-        examples = E.load_examples(train_args["eval_data"], task, None if task == "ae" else train_args["eval_n"])
+        examples = evaluate.load_examples(train_args["eval_data"], task, None if task == "ae" else train_args["eval_n"])
         if task == "ae":
-            proto = E.protocol(comp, train_args=train_args)
-            examples = E.at_trained_length(comp, examples, proto, train_args["eval_n"])
+            proto = evaluate.protocol(comp, train_args=train_args)
+            examples = evaluate.at_trained_length(comp, examples, proto, train_args["eval_n"])
+    except evaluate.TooShort as e:   # the run's advice, not evaluate.py's (--data, --min-len would change the training)
+        fail(f"--eval-data {train_args['eval_data'] or '(the built-in set)'}: no held-out text of at least "
+             f"{e.min_len} tokens (the run's --min-len) to score: pass --eval-data FILE with longer texts, or "
+             "--eval-every 0 (no check)")
     except (OSError, ValueError) as e:
         fail(f"--eval-data: {e}")
     # a resumed run's log (trimmed to its checkpoint) holds its earlier evaluations
@@ -75,16 +79,16 @@ def held_out_losses(comp, ho: HeldOut, device, autocast) -> dict:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast:
         ratio = {}   # ae: the compression the texts were scored at
         if ho.task == "qa":
-            L = E.run_qa(comp, ho.examples, max_len=max_len, generate=False)["loss"]
+            L = evaluate.run_qa(comp, ho.examples, max_len=max_len, generate=False)["loss"]
         else:
-            proto = E.protocol(comp, max_len=max_len, train_args=ho.train_args)
+            proto = evaluate.protocol(comp, max_len=max_len, train_args=ho.train_args)
             # --eval-bleu (ours): each text regenerated greedily from its memory too, as evaluate.py --task ae does
-            ae = E.run_ae(comp, ho.examples, proto=proto, generate=ho.bleu, modes=("compressed",))
+            ae = evaluate.run_ae(comp, ho.examples, proto=proto, generate=ho.bleu, modes=("compressed",))
             L, ratio = ae["loss"], {"tokens_per_slot": ae["tokens_per_slot"]}
             if ho.bleu:
                 scores = ae["scores"]["compressed"]
                 ratio.update(bleu4_words=scores["bleu4_words"], rougeL=scores["rougeL"])
-        lm = E.run_lm(comp, ho.examples, max_len=max_len)["loss"] if ho.train_args["objective"] == "pretrain" else None
+        lm = evaluate.run_lm(comp, ho.examples, max_len=max_len)["loss"] if ho.train_args["objective"] == "pretrain" else None
     for m, training in modes.items():
         m.train(training)
     point = lambda L: dict(own=L["own"], other=L["other"], none=L["none"], own_other=L["own_other_ratio"])
@@ -104,7 +108,7 @@ def check_held_out(comp, ho: HeldOut, log, step: int, device, autocast):
         fail(f"out of memory in the held-out check at step {step} on {device}: use a smaller --eval-n, or "
              f"--eval-every 0 (no check); the last good checkpoint in {ho.train_args['out']} is kept")
     row["eval"]["seconds"] = time.time() - t0   # what the check cost (the training steps' dt leaves it out)
-    row["eval"]["accelerator"] = E.accelerator(device)   # where it ran (a resumed run may move machines)
+    row["eval"]["accelerator"] = evaluate.accelerator(device)   # where it ran (a resumed run may move machines)
     ho.rows.append(row)
     ratio = row["eval"]["own_other"]
     recent = [r["eval"]["own_other"] for r in ho.rows if r["step"] > ho.train_args["warmup"]][-PROMPT_EVALS:]

@@ -1,6 +1,6 @@
 """Training on more than one process: torchrun's process group, DDP or FSDP2 around the training step, and the
-checkpoint of a sharded run. train.py calls it in three places (processes, wrap, gathered_state / shard_optimizer_state);
-a run of one process on one device passes through each untouched.
+checkpoint of a sharded run. train.py calls it in three places (processes, wrap, gathered_state and
+shard_optimizer_state); a run of one process on one device passes through each untouched.
 
     torchrun --nproc_per_node N train.py ...           DDP: every process holds the whole compressor
     torchrun --nproc_per_node N train.py ... --fsdp     FSDP2: every weight sharded over the processes

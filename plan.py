@@ -26,10 +26,10 @@ transformer blocks: embeddings, lm_head, memory tokens, bridge) and two blocks g
 prefetched; in bf16 under MixedPrecisionPolicy), the root's gradients whole until they are reduce-scattered; AdamW's
 states follow the shards.
 OVERHEAD covers what the count cannot see: the backward pass's transient gradients of activations, the
-cross-entropy's chunk of logits, the allocator. It is calibrated on measured peaks (tests/README.md, "The memory
-plan against measured peaks"). Attention is counted as the CPU's SDPA keeps it, the full (B, H, T, S)
-probabilities: CUDA's memory-efficient kernel keeps only its output and a log-sum-exp, so on CUDA the count is
-an upper bound where sequences are long.
+cross-entropy's chunk of logits, the allocator. It is calibrated on measured CUDA peaks (tests/README.md, "The memory
+plan"). Attention is counted as CUDA's memory-efficient kernel saves it (CudaAttention: q, K/V repeated to the query
+heads as model.sdpa hands them over, the output, a log-sum-exp, the mask as a bias), not as the meta device's own
+SDPA would (the math path's (B, H, T, S) probabilities, which no GPU run holds).
 
 `python tests/bench_plan.py --papers` prints tests/README.md's table: every preset at its papers' model and batch.
 """
@@ -42,10 +42,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import cli
-import compressors as C
-import data as D
-import presets as P
+import compressors
+import data
 from hf import Tokenizer
 from model import SHAPES, TINY_CONFIG, ModelConfig, Transformer, build_tiny
 from presets import fail
@@ -76,9 +74,9 @@ def model_config(name: str, shape: str | None) -> tuple[dict, Tokenizer]:
     return hf, tok
 
 
-def build_on_meta(args, frozen: torch.dtype) -> C.Compressor:
-    """The run's compressor on the meta device, in its training dtypes (Compressor.set_dtypes), nothing allocated."""
-    flags = {f.name: getattr(args, f.name) for f in P.FLAG_FIELDS}
+def build_on_meta(args, cfg, frozen: torch.dtype) -> compressors.Compressor:
+    """The run's compressor (of `cfg`, cli.parse_args's) on the meta device, in its training dtypes
+    (Compressor.set_dtypes), nothing allocated."""
     hf, tok = model_config(args.decoder or args.model, args.shape)
     with torch.device("meta"):
         decoder = Transformer(ModelConfig.from_hf(hf))
@@ -86,9 +84,7 @@ def build_on_meta(args, frozen: torch.dtype) -> C.Compressor:
         if args.decoder:   # --model is then the separate compressor LLM (pcc/pic)
             enc_hf, enc_tok = model_config(args.model, None)
             encoder = Transformer(ModelConfig.from_hf(enc_hf))
-    cfg = P.make_config(args.method, model=args.decoder or args.model,
-                        compressor_model=args.model if args.decoder else None, **flags)
-    comp = C.Compressor(cfg, decoder, tok, encoder, enc_tok)
+    comp = compressors.Compressor(cfg, decoder, tok, encoder, enc_tok)
     if args.stage == "keft":
         comp.set_stage("keft")
     return comp.set_dtypes(frozen)
@@ -102,15 +98,15 @@ def example_batch(comp, args, micro: int) -> dict:
         parts = comp.qa_parts("x", "?")
         qa = dict(prefix=parts["prefix"], dec_context=ids(n), enc_context=ids(n), prompt=parts["prompt"] + ids(16),
                   answer=ids(32))
-        data = {"qa": [{k: torch.tensor(v) for k, v in qa.items()}], "tokens": None, "offsets": None}
+        tensors = {"qa": [{k: torch.tensor(v) for k, v in qa.items()}], "tokens": None, "offsets": None}
     else:
-        data = {"tokens": torch.tensor(ids(n)), "offsets": torch.tensor([0, n]), "qa": []}
-    longest = D.Sampling(args.objective, args.crop, n, n, micro, seed=0)
-    examples = [D.sample_example(data, longest, np.random.default_rng(i), comp, 0) for i in range(micro)]
-    batch = D.collate(examples)
-    batch["norm"] = D.step_normalizers(comp, args.objective, examples)
+        tensors = {"tokens": torch.tensor(ids(n)), "offsets": torch.tensor([0, n]), "qa": []}
+    longest = data.Sampling(args.objective, args.crop, n, n, micro, seed=0)
+    examples = [data.sample_example(tensors, longest, np.random.default_rng(i), comp, 0) for i in range(micro)]
+    batch = data.collate(examples)
+    batch.norm = data.step_normalizers(comp, args.objective, examples)
     if args.objective == "distill":   # the frozen LLM's own answers, at their longest
-        batch["answer"] = [ids(args.answer_tokens) for _ in examples]
+        batch.answer = [ids(args.answer_tokens) for _ in examples]
     return batch
 
 
@@ -207,12 +203,12 @@ def frozen_dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.frozen_dtype == "bf16" or (args.frozen_dtype == "auto" and cuda) else torch.float32
 
 
-def make_plan(args, step_cls, micro: int | None = None) -> Plan:
+def make_plan(args, cfg, step_cls, micro: int | None = None) -> Plan:
     frozen = frozen_dtype(args)
     autocast = frozen == torch.bfloat16 or (args.device or "cuda").startswith("cuda")
     gpus, fsdp = args.gpus or 1, bool(args.fsdp)
     micro = micro or args.micro_batch or max(1, args.batch_size // gpus)
-    comp = build_on_meta(args, frozen)
+    comp = build_on_meta(args, cfg, frozen)
     blocks = comp.blocks()
     sharded = {id(p) for b in blocks for p in b.parameters()} if fsdp else set()
     params, weights, trained, root, root_trained = {}, 0, 0, 0, 0
@@ -229,7 +225,7 @@ def make_plan(args, step_cls, micro: int | None = None) -> Plan:
     if args.grad_ckpt:   # backward recomputes one block at a time and keeps its activations meanwhile: one
         # block's share of what the run without checkpointing saves (the decoder's layer count, an upper bound where
         # a shorter encoder's blocks are larger)
-        whole = saved_bytes(build_on_meta(args, frozen), argparse.Namespace(**{**vars(args), "grad_ckpt": False}),
+        whole = saved_bytes(build_on_meta(args, cfg, frozen), argparse.Namespace(**{**vars(args), "grad_ckpt": False}),
                             micro, autocast, step_cls, sharded)
         saved += whole // comp.decoder.config.num_hidden_layers
     activations = int(OVERHEAD * saved)
@@ -262,6 +258,6 @@ def describe(args, plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def show(args, step_cls):
+def show(args, cfg, step_cls):
     """train.py --plan: print the plan and exit."""
-    print(describe(args, make_plan(args, step_cls)))
+    print(describe(args, make_plan(args, cfg, step_cls)))

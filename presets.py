@@ -158,8 +158,8 @@ class Recipe:
         return self.sources.get(name, "paper")
 
 
-def frozen(**kw) -> MappingProxyType:
-    """A read-only dict (a preset's settings are never shared mutably with another preset)."""
+def readonly(**kw) -> MappingProxyType:
+    """A read-only dict (a preset's values are never shared mutably with another preset)."""
     return MappingProxyType(dict(kw))
 
 
@@ -167,21 +167,21 @@ class Preset(NamedTuple):
     """One method: the compressor settings its paper's code uses, its training recipe, and the sources both follow.
     "ours" marks a value the paper and its code do not give."""
     cite: str               # the paper section or code this preset follows
-    settings: Mapping       # CompressorConfig fields that differ from the defaults
+    compressor: Mapping     # CompressorConfig fields that differ from the defaults
     recipe: Recipe          # train.py's defaults
     # objective -> compressor settings that --objective changes too, e.g. the original 500x code's AE-only setup
     # regenerates from [BOS]: train.py's --help and a run's first log line name them
-    objective_settings: Mapping = frozen()
+    objective_compressor: Mapping = readonly()
 
-    def settings_for(self, objective: str) -> Mapping:
-        """The compressor settings --objective `objective` sets on top of `settings` (empty for most)."""
-        return self.objective_settings.get(objective, frozen())
+    def compressor_for(self, objective: str) -> Mapping:
+        """The compressor fields --objective `objective` sets on top of `compressor` (empty for most)."""
+        return self.objective_compressor.get(objective, readonly())
 
 
-def derive(base: Preset, cite: str, settings=frozen(), objective_settings=frozen(), recipe=None) -> Preset:
+def derive(base: Preset, cite: str, compressor=readonly(), objective_compressor=readonly(), recipe=None) -> Preset:
     """A preset that is `base` plus a few changes (new read-only mappings; `base` is never touched)."""
-    return Preset(cite, frozen(**{**base.settings, **settings}), recipe or base.recipe,
-                  frozen(**{**base.objective_settings, **objective_settings}))
+    return Preset(cite, readonly(**{**base.compressor, **compressor}), recipe or base.recipe,
+                  readonly(**{**base.objective_compressor, **objective_compressor}))
 
 
 # EPL App. C, Table 8 and code (ICAE continued pretraining, 1B/3B): AdamW β=(0.9, 0.95), wd 0.1, lr 1e-4 pretrain /
@@ -189,10 +189,10 @@ def derive(base: Preset, cite: str, settings=frozen(), objective_settings=frozen
 # averages the two losses 1:1)
 EPL_RECIPE = Recipe(objective="pretrain", lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, schedule="constant",
                     warmup=300, batch_size=16, clip=2.0, steps=20000, lengths=(510, 2040), lm_weight=0.5, crop="window",
-                    per_objective=frozen(qa=frozen(lr=5e-5)), sources=frozen(crop="ours"))
+                    per_objective=readonly(qa=readonly(lr=5e-5)), sources=readonly(crop="ours"))
 # ICAE as the EPL code runs it: LoRA r=128 α=256 on q,v; 102 memory tokens per 510-token chunk, drawn from N(μ, σ) of
 # the embedding table; the context starts with [BOS]; learned [AE]/[LM]; EPL's QA template
-ICAE = Preset("ICAE as EPL's code runs it (EPL App. C, Table 8)", frozen(bos=True, template="epl"), EPL_RECIPE)
+ICAE = Preset("ICAE as EPL's code runs it (EPL App. C, Table 8)", readonly(bos=True, template="epl"), EPL_RECIPE)
 # PCC code (PIC §3.4 follows it): a separate, fully fine-tuned compressor LLM, ordinary causal mask, 256-token segments
 # with 16 memory slots each (16x, PIC Table 4), memory tokens as new vocabulary rows N(0, 0.02); decoder input
 # [BOS, <mem> m.. </mem>, ...] with random, frozen <mem>/</mem>/<ae>; RMSNorm -> Linear -> GELU -> Linear converter;
@@ -200,12 +200,12 @@ ICAE = Preset("ICAE as EPL's code runs it (EPL App. C, Table 8)", frozen(bos=Tru
 # (PIC §4.1.2 too), cosine after 300 warmup steps, clip 0.5, batch 256; 256-token texts to compress (|X| = 512:
 # p = 256, then its continuation); QA: lr 5e-5, cosine, warmup 100, batch 128; steps: one epoch in the paper (ours: 20k)
 PCC = Preset("PCC code (PIC §3.4 follows it)",
-             frozen(encoder="separate", mem=16, chunk_len=256, bridge="mlp", mem_init="hf", delimiters=True,
+             readonly(encoder="separate", mem=16, chunk_len=256, bridge="mlp", mem_init="hf", delimiters=True,
                     lm_token="last", train_specials=False, template="pcc"),
              Recipe(objective="pretrain", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="cosine", warmup=300,
                     batch_size=256, clip=0.5, steps=20000, lengths=(512, 512), lm_weight=0.5, crop="window",
-                    per_objective=frozen(qa=frozen(lr=5e-5, warmup=100, batch_size=128)),
-                    sources=frozen(**{k: "code" for k in ("betas", "weight_decay", "schedule", "warmup", "batch_size",
+                    per_objective=readonly(qa=readonly(lr=5e-5, warmup=100, batch_size=128)),
+                    sources=readonly(**{k: "code" for k in ("betas", "weight_decay", "schedule", "warmup", "batch_size",
                                                           "clip", "lengths", "crop", "qa.lr", "qa.warmup",
                                                           "qa.batch_size")}, steps="ours")))
 
@@ -218,27 +218,27 @@ PRESETS = {
     # dropout 0.05 (PEFT's default q, v), lr 1e-4, HF Trainer's AdamW (wd 0, clip 1.0), constant after 300 warmup
     # steps, texts cut to their first 500 tokens
     "500x": derive(ICAE, "EPL's 500xCompressor branch (EPL App. C); --objective ae: the 500xCompressor code",
-                   settings=frozen(carrier="kv"),
-                   objective_settings=frozen(ae=frozen(ae_token="bos", lm_token="bos", mem_init="normal", bos=False,
+                   compressor=readonly(carrier="kv"),
+                   objective_compressor=readonly(ae=readonly(ae_token="bos", lm_token="bos", mem_init="normal", bos=False,
                                                        lora_r=64, lora_alpha=32, lora_dropout=0.05, template="plain")),
-                   recipe=replace(EPL_RECIPE, per_objective=frozen(
-                       qa=frozen(lr=5e-5),
-                       ae=frozen(betas=(0.9, 0.999), weight_decay=0.0, clip=1.0, lengths=(500, 500), crop="head")),
-                       sources=frozen(**EPL_RECIPE.sources, **{f"ae.{k}": "code" for k in (
+                   recipe=replace(EPL_RECIPE, per_objective=readonly(
+                       qa=readonly(lr=5e-5),
+                       ae=readonly(betas=(0.9, 0.999), weight_decay=0.0, clip=1.0, lengths=(500, 500), crop="head")),
+                       sources=readonly(**EPL_RECIPE.sources, **{f"ae.{k}": "code" for k in (
                            "betas", "weight_decay", "clip", "lengths", "crop")}))),
     "pcc": PCC,
     # PIC: PCC with the block-wise causal mask and nothing else changed (PIC §4.3 ablation)
-    "pic": derive(PCC, "PIC §3.3, Eq. 4-5, on PCC's code", settings=frozen(mask="pic")),
+    "pic": derive(PCC, "PIC §3.3, Eq. 4-5, on PCC's code", compressor=readonly(mask="pic")),
     # CompLLM: LoRA r=32 on the LLM; segments of <= S = 20 tokens; ceil(n/C) EOS embeddings per segment with C = 2;
     # one linear layer; the question follows the CEs directly, in the model's chat format (§3, §4.1). Recipe (§4.1):
     # Adam (AdamW, weight decay 0), lr 1e-4, batch 4, "until convergence"; schedule, warmup, clip, steps and the |X|
     # range for --objective pretrain/ae are ours
     "compllm": Preset("CompLLM §3, §4.1 (no public code)",
-                      frozen(lora_r=32, lora_alpha=64, source="eos", chunking="sentences", chunk_len=20, ratio=2.0,
+                      readonly(lora_r=32, lora_alpha=64, source="eos", chunking="sentences", chunk_len=20, ratio=2.0,
                              bridge="linear", ae_token="none", lm_token="none", template="chat"),
                       Recipe(objective="distill", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="constant",
                              warmup=0, batch_size=4, clip=1.0, steps=20000, lengths=(510, 2040), lm_weight=0.5,
-                             crop="window", per_objective=frozen(), sources=frozen(**{k: "ours" for k in (
+                             crop="window", per_objective=readonly(), sources=readonly(**{k: "ours" for k in (
                                  "schedule", "warmup", "clip", "steps", "lengths", "lm_weight", "crop")}))),
     # GMSA: first k layers + LoRA; mean of groups of r last hidden states, r in {4, 8} per example; one LSA block
     # initialised from decoder layer 0; reconstruct after [AE] (§3.2-3.4); texts <= 512 tokens (PwC, §4.1), QA contexts
@@ -251,12 +251,12 @@ PRESETS = {
     # it, gmsa.sh's 1:1 flags recover it at 300 steps (3.58 / 0.139, own/other 0.039 vs 0.138), the ladder's 1:1
     # flags do not (12.50 / 3.28, own/other 0.653 vs 0.551): recipes/README.md, the lever phase
     "gmsa": Preset("GMSA §3.2-3.5, App. C Table 3 (no public code)",
-                   frozen(encoder="first_k", lora_r=64, lora_alpha=128, source="group_mean", chunk_len=512,
+                   readonly(encoder="first_k", lora_r=64, lora_alpha=128, source="group_mean", chunk_len=512,
                           bridge="lsa", lm_token="none", bos=True),
                    Recipe(objective="ae", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01, schedule="linear", warmup=300,
                           batch_size=4, clip=2.0, steps=10000, lengths=(256, 512), lm_weight=0.5, crop="window",
-                          per_objective=frozen(qa=frozen(lr=1e-5, batch_size=16, steps=5000, lengths=(256, 3072))),
-                          sources=frozen(**{k: "ours" for k in ("lr", "betas", "weight_decay", "warmup", "lengths",
+                          per_objective=readonly(qa=readonly(lr=1e-5, batch_size=16, steps=5000, lengths=(256, 3072))),
+                          sources=readonly(**{k: "ours" for k in ("lr", "betas", "weight_decay", "warmup", "lengths",
                                                                 "lm_weight", "crop", "qa.lr", "qa.lengths")}))),
     # AOC code: the decoder with every MLP replaced by the identity, fully trained, embedding the prompt with the frozen
     # LLM's table; 16 memory tokens drawn from N(0, 1); K/V carrier as 500x; regenerate from [BOS] (§2). Recipe
@@ -264,11 +264,11 @@ PRESETS = {
     # the code's default is 5e-4), then constant; clip 1.0; batch 16; one model per prompt length n: every text is the
     # first n tokens of a document (head crop), n = 96 in the code; 300k abstracts at batch 16 = 18,750 steps
     "aoc": Preset("AOC §2 and its code (pretrain_and_eval.py)",
-                  frozen(encoder="full", mlp="aoc", mem=16, chunk_len=512, carrier="kv", ae_token="bos",
+                  readonly(encoder="full", mlp="aoc", mem=16, chunk_len=512, carrier="kv", ae_token="bos",
                          lm_token="bos", mem_init="normal"),
                   Recipe(objective="ae", lr=2e-4, betas=(0.9, 0.999), weight_decay=0.0, schedule="constant",
                          warmup=300, batch_size=16, clip=1.0, steps=18750, lengths=(96, 96), lm_weight=0.5,
-                         crop="head", per_objective=frozen(), sources=frozen(
+                         crop="head", per_objective=readonly(), sources=readonly(
                              **{k: "code" for k in ("betas", "weight_decay", "schedule", "clip", "batch_size",
                                                     "lengths", "crop")}, steps="ours", lm_weight="ours"))),
 }
@@ -289,17 +289,17 @@ def make_config(method: str, defaults: dict | None = None, **overrides) -> Compr
     for k in overrides:
         if k not in known:
             raise ValueError(f"unknown compressor setting '{k}': known settings are {', '.join(sorted(known))}")
-    settings = {**PRESETS[method].settings, **(defaults or {}), **overrides}
+    values = {**PRESETS[method].compressor, **(defaults or {}), **overrides}
     if "mem" in overrides and "ratio" not in overrides:   # mapping 1 (docstring): a fixed budget, no ratio
-        settings["ratio"] = 0.0
-    if settings.get("source") == "group_mean" and settings.get("ratio", 0) > 0:   # mapping 2: ratio R -> ratios (R,)
-        settings["ratios"], settings["ratio"] = (settings["ratio"],), 0.0
-    if "ratios" in settings:   # group sizes are whole numbers of tokens
-        settings["ratios"] = tuple(int(r) if float(r).is_integer() else r for r in settings["ratios"])
+        values["ratio"] = 0.0
+    if values.get("source") == "group_mean" and values.get("ratio", 0) > 0:   # mapping 2: ratio R -> ratios (R,)
+        values["ratios"], values["ratio"] = (values["ratio"],), 0.0
+    if "ratios" in values:   # group sizes are whole numbers of tokens
+        values["ratios"] = tuple(int(r) if float(r).is_integer() else r for r in values["ratios"])
     for k in ("lora_targets", "ratios"):
-        if k in settings:
-            settings[k] = tuple(settings[k])
-    cfg = CompressorConfig(method=method, **settings)
+        if k in values:
+            values[k] = tuple(values[k])
+    cfg = CompressorConfig(method=method, **values)
     validate(cfg)
     return cfg
 
@@ -382,7 +382,7 @@ class Setting(NamedTuple):
 
 
 def recipe_for(method: str, model: str = "tiny", decoder: str | None = None, stage: str = "ae",
-               flags: Mapping = frozen(), init: Mapping | None = None) -> dict:
+               flags: Mapping = readonly(), init: Mapping | None = None) -> dict:
     """Every training setting of a run and where its value comes from: a flag typed on the command line (`flags`:
     name -> value, the None ones not given), else on --model tiny the demo (ours), else the preset's recipe (the
     paper's, its code's, or ours where both are silent). Besides the recipe's fields (its `lengths` as min_len and
@@ -398,7 +398,7 @@ def recipe_for(method: str, model: str = "tiny", decoder: str | None = None, sta
     out = {"objective": objective}
     out |= {k: Setting(v, recipe.source(k, objective.value)) for k, v in recipe.values(objective.value).items()
             if k != "objective"}
-    out |= {k: Setting(v, "code") for k, v in preset.settings_for(objective.value).items()}   # the objective's code
+    out |= {k: Setting(v, "code") for k, v in preset.compressor_for(objective.value).items()}   # the objective's code
     out |= {k: Setting(v, "demo") for k, v in demo.items() if k != "objective"}
     compressor = {f.name for f in FLAG_FIELDS}
     if init:   # the compressor settings are the --init run's
@@ -410,8 +410,8 @@ def recipe_for(method: str, model: str = "tiny", decoder: str | None = None, sta
     # lengths: the paper's, shrunk with the chunk so that a context still spans the same number of chunks (EPL: p =
     # |X|/2 is 1 to 2 chunks of 510); the tiny demo's as they are
     chunk_len = (init or {}).get("chunk_len") or flags.get("chunk_len") or out.get("chunk_len", Setting(
-        preset.settings.get("chunk_len", CompressorConfig.chunk_len), "")).value
-    scale = 1.0 if demo else min(1.0, chunk_len / preset.settings.get("chunk_len", CompressorConfig.chunk_len))
+        preset.compressor.get("chunk_len", CompressorConfig.chunk_len), "")).value
+    scale = 1.0 if demo else min(1.0, chunk_len / preset.compressor.get("chunk_len", CompressorConfig.chunk_len))
     (lo, hi), source = out.pop("lengths")
     source += ", scaled by --chunk-len" if scale < 1 else ""
     if "max_len" not in flags:
@@ -421,6 +421,38 @@ def recipe_for(method: str, model: str = "tiny", decoder: str | None = None, sta
     elif "min_len" not in flags:
         out["min_len"] = Setting(min(out["max_len"].value, max(2, round(lo * scale))), source)
     return out
+
+
+def compressor_settings(method: str, cfg: CompressorConfig, typed: Mapping, settings: Mapping,
+                        given_by: str | None = None) -> dict:
+    """Every compressor setting of `cfg` (one per flag) and where its value comes from: a flag (`typed`), the demo or
+    the objective's code (recipe_for named those in `settings`), the preset (its paper's code), CompressorConfig's
+    default shared by every preset, one of make_config's two mappings; `given_by`: the run it came from (--init,
+    --resume)."""
+    preset, out = PRESETS[method].compressor, {}
+    for f in FLAG_FIELDS:
+        source = (given_by if given_by else "flag" if f.name in typed else settings[f.name].source
+                  if f.name in settings else "preset" if f.name in preset else "default")
+        out[f.name] = Setting(getattr(cfg, f.name), source)
+    if not given_by and "mem" in typed and "ratio" not in typed and preset.get("ratio"):   # make_config's mapping 1
+        out["ratio"] = Setting(cfg.ratio, "--mem: a fixed budget")
+    if not given_by and "ratio" in typed and cfg.source == "group_mean":                 # mapping 2
+        out["ratios"], out["ratio"] = Setting(cfg.ratios, "--ratio"), Setting(cfg.ratio, "--ratio: as ratios")
+    return out
+
+
+def demo_changes(method: str, settings: Mapping) -> str:
+    """The line a --model tiny run prints at its start: what the demo (ours) changes of the paper's recipe, each value
+    beside the paper's ("" on any other model, or where the demo changes nothing)."""
+    paper = PRESETS[method].recipe
+    values = paper.values(paper.objective)
+    was = {**values, "min_len": values["lengths"][0], "max_len": values["lengths"][1],
+           **{f.name: f.default for f in FLAG_FIELDS}, **PRESETS[method].compressor}
+    show = lambda v: ",".join(map(str, v)) if isinstance(v, (tuple, list)) else f"{v:g}" if isinstance(v, float) else v
+    changed = [f"{k} {show(s.value)} (the paper's {show(was[k])})" for k, s in settings.items()
+               if s.source == "demo" and was[k] != s.value]
+    return ("--model tiny is a CPU demo (ours), not the paper's run: it changes " + ", ".join(changed)
+            + "; any other --model trains the paper's recipe") if changed else ""
 
 
 def settings_line(settings: Mapping) -> str:
@@ -433,7 +465,7 @@ def objective_changes(method, objective, cfg=None) -> str:
     """The compressor settings that --objective changes on this preset, as "k=v, ..." ("" for none): e.g. 500x's ae
     is the original 500xCompressor code, with another special token, init, LoRA and template. With the run's
     config `cfg`, only those it took (a flag overrides any of them)."""
-    return ", ".join(f"{k}={v}" for k, v in PRESETS[method].settings_for(objective).items()
+    return ", ".join(f"{k}={v}" for k, v in PRESETS[method].compressor_for(objective).items()
                      if cfg is None or getattr(cfg, k) == v)
 
 
@@ -447,7 +479,7 @@ def defaults_table() -> str:
                     f"{r.schedule:9} {r.warmup:6} {r.batch_size:5} {r.clip:4} {r.steps:6}  "
                     f"{r.lengths[0]}-{r.lengths[1]}" + "".join(f"   {o}: {dict(v)}" for o, v in r.per_objective.items()))
     rows += [f"--objective {o} on {m} also sets: {objective_changes(m, o)}"
-             for m, p in PRESETS.items() for o in p.objective_settings]
+             for m, p in PRESETS.items() for o in p.objective_compressor]
     common = ", ".join(f"{k.replace('_', ' ')} {v:g}" if isinstance(v, float) else f"{k.replace('_', ' ')} {v}"
                        for k, v in TINY_ALL.items())
     rows += ["", "--model tiny (the default): a CPU demo that compresses (ours; README, Quickstart). In place of the "
@@ -467,7 +499,7 @@ def method_table() -> str:
             "| \\|X\\| |", "|---|---|---|---|---|---|---|---|"]
     for name, p in PRESETS.items():
         settings = ", ".join(f"{k}={'/'.join(map(str, v)) if isinstance(v, tuple) else v}"
-                             for k, v in p.settings.items()) or "(the defaults)"
+                             for k, v in p.compressor.items()) or "(the defaults)"
         r = p.recipe
         rows.append(f"| `{name}` | {p.cite} | {settings} | {r.objective} | {r.lr:.0e} | {r.batch_size} | "
                     f"{r.steps:,} | {r.lengths[0]}-{r.lengths[1]} |")

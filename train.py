@@ -3,10 +3,10 @@ Train a soft context compressor: one script for every method in compressors.py.
 
     python train.py --method aoc --mem 4           # CPU, under two minutes: --model tiny's demo (presets.TINY), 4x
 
-It reads top to bottom: arguments (cli.py: every flag, and each default from presets.recipe_for, which the first
-log line prints with its source), set-up (device, processes), the compressor, the data (data.py), optimizer and
-schedule, the objectives' losses, the step, the loop with its held-out check (heldout.py) and checkpoints
-(checkpoint.py). The objectives, each named after its paper:
+It reads in the order it runs, main() last: the settings (cli.py resolves every flag once, each with its source:
+the first log line), the processes (parallel.py: torchrun, DDP, FSDP), the run's set-up, the compressor, the
+optimizer, the log, the loop (the step: forward and backward over the micro-batches; the held-out check, heldout.py;
+checkpoints, checkpoint.py), the step's objective and its losses. The objectives, each named after its paper:
 
     pretrain   L = α·L_LM + (1 − α)·L_AE on ONE compression of the first p = ⌊|X|/2⌋ tokens of a text X
                (EPL §3.1.1 and App. C; PIC Eq. 6-8 with λ = α = 0.5: TR = AE reconstructs x_1..x_p and EOS,
@@ -42,92 +42,93 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 import cli
-import compressors as C
-import data as D
-import plan
-import presets as P
+import compressors
+import data
 import parallel
+import plan
+import presets
 from checkpoint import gather_rng_states, is_out_of_memory, latest_checkpoint, save_checkpoint, set_rng_state, \
     trim_log, write_log
 from heldout import check_held_out, first_carrying_step, held_out
 from model import load_pretrained
 from presets import fail
 
-# ---- set-up ----
+# ---- the run ----
 
 
 @dataclass
 class Run:
-    """Where and how a run trains: its processes (one per GPU under torchrun) and how a step's batch is split."""
+    """Everything the loop needs, fixed for the run: where it runs (one process per GPU under torchrun), how a step's
+    batch is split, the schedule, and where it saves. main() makes it from the resolved settings."""
     device: torch.device
-    rank: int           # this process (0 logs and writes)
-    world: int          # processes
-    micro: int          # examples per forward pass and process
-    accum: int          # micro-batches per step and process
-    start: int          # steps done (the data position is this number)
-    autocast: object    # bf16 autocast on CUDA or with bf16 frozen weights, else nothing
-    out: str            # the run directory (--out)
-    grad_ckpt: bool     # activation checkpointing (an out-of-memory error suggests it when off)
-    sampling: D.Sampling    # how a step's examples are drawn
-    clip: float         # gradient-norm clipping (0 = off)
-    answer_tokens: int  # distill: the teacher's longest answer
-    frozen: torch.dtype = torch.float32   # the frozen base weights' dtype (--frozen-dtype)
+    rank: int               # this process (0 logs and writes)
+    world: int              # processes
+    micro: int              # examples per forward pass and process
+    accum: int              # micro-batches per step and process
+    start: int              # steps done (the data position is this number)
+    end: int                # the last step of this job (--stop-after K, else --steps)
+    steps: int              # the run's length (the schedule's)
+    lr: float               # peak learning rate, reached after `warmup` steps, then `schedule`
+    warmup: int
+    schedule: str
+    clip: float             # gradient-norm clipping (0 = off)
+    sampling: data.Sampling    # how a step's examples are drawn
+    answer_tokens: int      # distill: the teacher's longest answer
+    frozen: torch.dtype     # the frozen base weights' dtype (--frozen-dtype)
+    autocast: object        # bf16 autocast on CUDA or with bf16 frozen weights, else nothing
+    out: str                # the run directory (--out)
+    save_every: int
+    keep_every: int | None
+    grad_ckpt: bool         # activation checkpointing (an out-of-memory error suggests it when off)
+    fsdp: bool
+    record: dict            # every resolved flag, as each checkpoint and args.json save them
 
     @property
     def master(self) -> bool:
         return self.rank == 0
 
 
-def set_up(args, resume_state, device, rank, world) -> Run:
-    """The batch split over the processes (parallel.processes), the seeds; refuses a run that would overwrite another."""
-    micro = args.micro_batch or args.batch_size // world
-    if micro < 1 or args.batch_size % (micro * world):
-        fail(f"--batch-size {args.batch_size} must be a multiple of --micro-batch {micro} x {world} GPU(s)")
-    start = resume_state["step"] if resume_state else 0
-    if not args.resume and latest_checkpoint(args.out, required=False):
-        fail(f"{args.out} already holds a checkpoint: continue it with --resume {args.out}, or pick another --out")
+def set_up(device, rank, world, batch_size, micro_batch, seed, frozen_dtype) -> tuple:
+    """(micro, accum, frozen dtype, autocast): the batch split over the processes (parallel.processes), the seed."""
+    micro = micro_batch or batch_size // world
+    if micro < 1 or batch_size % (micro * world):
+        fail(f"--batch-size {batch_size} must be a multiple of --micro-batch {micro} x {world} GPU(s)")
     # torch's RNG draws the init of memory tokens / LoRA / bridges (one stream per process: DDP then copies rank
     # 0's weights to every process) and LoRA dropout; the data, GMSA's rates included, has generators of its own
     # (step_examples), so torch's is the only global generator a run draws from
-    torch.manual_seed(args.seed + rank)
+    torch.manual_seed(seed + rank)
     # --frozen-dtype auto: bf16 on CUDA (the EPL and AOC code's dtype), fp32 elsewhere. bf16 weights need autocast
     # on the CPU too (a matmul of fp32 activations with bf16 weights is an error outside it)
-    frozen = torch.bfloat16 if args.frozen_dtype == "bf16" or (
-        args.frozen_dtype == "auto" and device.type == "cuda") else torch.float32
+    frozen = torch.bfloat16 if frozen_dtype == "bf16" or (frozen_dtype == "auto" and device.type == "cuda") \
+        else torch.float32
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" or \
         frozen == torch.bfloat16 else nullcontext()
-    return Run(device, rank, world, micro, args.batch_size // (micro * world), start, autocast, args.out,
-               args.grad_ckpt, cli.sampling(args), args.clip, args.answer_tokens, frozen)
+    return micro, batch_size // (micro * world), frozen, autocast
 
 # ---- the compressor ----
 
 
-def build_compressor(args, device, ckpt_dir=None, frozen=torch.float32):
-    """The compressor of --method (with the flags' overrides), of --init, or of the checkpoint to resume.
-    Trained weights are fp32 (AdamW's master weights), frozen base weights `frozen` (--frozen-dtype,
-    Compressor.set_dtypes); CUDA runs, and bf16 ones anywhere, compute in bf16 through autocast."""
-    if args.warm_start and not ckpt_dir:
-        check_warm_start(args.warm_start, args.init)
-    if ckpt_dir or args.init:   # its config + its trained tensors
-        comp = C.load(ckpt_dir or args.init, dtype=frozen, device=device, for_training=True)
+def build_compressor(cfg, device, frozen=torch.float32, ckpt_dir=None, init=None, warm=None, stage="ae"):
+    """The compressor of `cfg` (cli.parse_args made it, once), of the --init run, or of the checkpoint to resume
+    (`ckpt_dir`); `warm`: --warm-start's run. Trained weights are fp32 (AdamW's master weights), frozen base weights
+    `frozen` (--frozen-dtype, Compressor.set_dtypes); CUDA runs, and bf16 ones anywhere, compute in bf16 through
+    autocast."""
+    if warm and not ckpt_dir:
+        check_warm_start(warm, init)
+    if ckpt_dir or init:   # its config + its trained tensors
+        comp = compressors.load(ckpt_dir or init, dtype=frozen, device=device, for_training=True)
     else:
-        # --model compresses and decodes; with --decoder, --model is only the compressor (pcc/pic)
-        if args.decoder and (args.encoder or P.PRESETS[args.method].settings.get("encoder")) != "separate":
-            fail(f"--decoder needs a separate compressor model (pcc, pic or --encoder separate), "
-                 f"not {args.method}'s encoder")
-        decoder, tok = load_pretrained(args.decoder or args.model, dtype=frozen, device=device)
-        encoder, enc_tok = load_pretrained(args.model, dtype=frozen, device=device) if args.decoder else (None, None)
-        # (not C.build: its `encoder` model argument would clash with the --encoder setting)
-        cfg = P.make_config(args.method, model=args.decoder or args.model,
-                            compressor_model=args.model if args.decoder else None,
-                            **{k: getattr(args, k) for k in cli.COMPRESSOR_FLAGS})
-        comp = C.Compressor(cfg, decoder, tok, encoder, enc_tok).set_dtypes(frozen)   # before any load_trained
-        if args.warm_start:
-            warm_start(comp, args.warm_start, device)
-    if args.stage == "keft" and comp.cfg.decoder_train != "keft":
+        # --model compresses and decodes; with --decoder, --model is only the compressor (pcc/pic): cfg.model decodes
+        decoder, tok = load_pretrained(cfg.model, dtype=frozen, device=device)
+        encoder, enc_tok = load_pretrained(cfg.compressor_model, dtype=frozen, device=device) \
+            if cfg.compressor_model else (None, None)
+        comp = compressors.Compressor(cfg, decoder, tok, encoder, enc_tok).set_dtypes(frozen)   # before any load_trained
+        if warm:
+            warm_start(comp, warm, device)
+    if stage == "keft" and comp.cfg.decoder_train != "keft":
         if comp.shares_decoder:   # the LoRA encoder IS the decoder: training its q/k/v would move the encoder too
             fail(f"--stage keft trains the decoder's q/k/v, which {comp.cfg.method}'s LoRA encoder shares")
-        if not args.init:
+        if not init:
             fail("--stage keft starts from a stage-1 (ae) run: pass --init DIR")
         comp.set_stage("keft")    # GMSA §3.5: freeze encoder + LSA, train decoder W_q, W_k, W_v
     return comp.set_dtypes(frozen)   # (after set_stage: what it unfroze trains in fp32)
@@ -152,30 +153,10 @@ def warm_start(comp, run_dir, device):
 def compile_blocks(comp):
     """torch.compile every transformer block (the heavy part); the glue around them stays eager.
     dynamic=True: lengths change every step, and a recompile per shape would cost more than it saves."""
-    models = {id(m): m for m in (comp.encoder, comp.decoder)}.values()   # a LoRA encoder is the decoder
-    for m in models:
-        for block in m.model.layers:
-            block.compile(dynamic=True)
+    for block in comp.blocks():   # (a LoRA encoder is the decoder: once)
+        block.compile(dynamic=True)
 
-
-def build_step(args, run: Run, ckpt_dir):
-    """The compressor (from the checkpoint when resuming) and the objective as a module (DDP-wrapped on > 1 GPU)."""
-    try:   # a bad model name, a corrupt checkpoint: one line, not a traceback
-        comp = build_compressor(args, run.device, ckpt_dir, run.frozen)
-    except (ValueError, OSError) as e:
-        fail(e)
-    for model in (comp.encoder, comp.decoder):   # activation checkpointing per block (model.py)
-        model.grad_ckpt = args.grad_ckpt
-    if args.compile:
-        compile_blocks(comp)
-    if args.fsdp and args.objective == "distill":   # the teacher generates outside the step, where weights are shards
-        fail("--fsdp does not run distill (its frozen teacher generates outside the training step): use DDP")
-    step_fn = parallel.wrap(comp, TrainStep(comp, args.objective, args.lm_weight), args.fsdp, run.device, run.world,
-                            bf16=not isinstance(run.autocast, nullcontext))
-    return comp, step_fn
-
-
-# ---- optimizer and schedule ----
+# ---- optimizer ----
 
 
 def make_optimizer(comp, lr, betas, weight_decay, mem_lr, device):
@@ -197,6 +178,66 @@ def make_optimizer(comp, lr, betas, weight_decay, mem_lr, device):
     # (tests/README.md, "Where a CPU training step goes")
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=device.type in ("cuda", "cpu"))
 
+# ---- the log ----
+
+
+def open_log(run: Run, comp, corpus: data.Corpus, settings: dict, demo: str, n_params: int):
+    """log.jsonl (a resumed run rewrites the steps after its checkpoint), and the run's first lines: every setting
+    with its source (cli.parse_args), what the tiny demo changes, then what trains on what."""
+    os.makedirs(run.out, exist_ok=True)
+    trim_log(os.path.join(run.out, "log.jsonl"), run.start)
+    print(presets.settings_line(settings))
+    if demo:
+        print(demo)
+    objective, method = settings["objective"].value, comp.cfg.method
+    read = f"{corpus.documents:,} documents" + (f", {corpus.questions:,} QA examples" if corpus.questions else "")
+    changes = presets.objective_changes(method, objective, comp.cfg)
+    note = f" (--objective {objective} on {method} also sets: {changes})" if changes and not \
+        settings["objective"].source.startswith("--") else ""
+    print(f"{method}: {objective} objective{note} on {read}, {n_params:,} trained parameters, batch "
+          f"{run.sampling.batch_size} ({run.accum} x {run.micro} x {run.world}), |X| in [{run.sampling.min_len}, "
+          f"{run.sampling.max_len}], lr {run.lr:g}, {run.schedule} after {run.warmup} warmup steps, steps "
+          f"{run.start}->{run.steps} on {run.device}")
+    return open(os.path.join(run.out, "log.jsonl"), "a")
+
+# ---- the loop ----
+
+
+def loop(run: Run, comp, step_module, opt, params, corpus: data.Corpus, ho, log) -> int:
+    """The training loop, from the run's start to its end (--steps, or --stop-after K): the step, its log row, the
+    held-out check, a checkpoint on schedule. Returns the last step done."""
+    stop = {"signal": None}
+    old_handlers = catch_signals(stop)
+    end = run.end
+    bar = tqdm(total=run.steps, initial=run.start, disable=not run.master, desc=comp.cfg.method, dynamic_ncols=True)
+    try:
+        if ho and run.master and run.start == 0:
+            check_held_out(comp, ho, log, 0, run.device, run.autocast)   # at init: what an untrained memory carries
+        for step in range(run.start, end):
+            lr = lr_at(step, run.lr, run.warmup, run.steps, run.schedule)   # set by hand: a function of the step
+            row = train_step(run, comp, step_module, opt, params, corpus, lr, step, stop)
+            if run.master:
+                write_log(log, bar, row, run.steps, ho and ho.last)
+            done = step + 1
+            if ho and run.master and (done % ho.every == 0 or done == run.steps):
+                check_held_out(comp, ho, log, done, run.device, run.autocast)
+            # save on schedule, at the end of this job, or when asked to stop: never after a bad step (train_step)
+            if row["stop"] or done == end or done % run.save_every == 0 or (run.keep_every and
+                                                                            done % run.keep_every == 0):
+                save(run, comp, opt, corpus, done)
+            if row["stop"]:
+                end = done
+                if run.master:
+                    print(f"\nstopped by a signal after step {done}; continue with --resume {run.out}")
+                break
+    finally:
+        bar.close()
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+        if log:
+            log.close()
+    return end
+
 
 def lr_at(step, lr, warmup, steps, schedule):
     """Learning rate of step `step` (0-based): linear warmup to lr, then constant (EPL) or a linear (GMSA) or
@@ -209,78 +250,27 @@ def lr_at(step, lr, warmup, steps, schedule):
     return lr * ((1 - done) if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * done)))
 
 
-# ---- the objectives ----
-# Each loss is this micro-batch's share of the step's loss: its summed NLL over the step's normaliser b["norm"]
-# (data.step_normalizers), so that the shares of every micro-batch and process add up to the step's mean.
-
-
-def loss_pretrain(comp, b, lm_weight):
-    """EPL §3.1.1 / PIC Eq. (6)-(8): ONE compression of x_1..x_p serves both tasks."""
-    memory = comp.compress(b["context"], ratios=b.get("ratios"))
-    norm = b["norm"]
-    l_ae, _ = comp.lm_loss(memory, "ae", b["ae"], normalize_by=norm["ae"])   # AE / TR, PIC Eq. (6): x_1..x_p, EOS
-    l_lm, _ = comp.lm_loss(memory, "lm", b["lm"], last_tokens=b["last"],    # LM / TC, PIC Eq. (7): x_p+1..
-                           normalize_by=norm["lm"])
-    return lm_weight * l_lm + (1 - lm_weight) * l_ae, {"ae": l_ae, "lm": l_lm}   # PIC Eq. (8), λ = α = 0.5
-
-
-def loss_ae(comp, b):
-    """ICAE autoencoding / AOC Eq. (4) / GMSA §3.4 stage 1: regenerate the compressed text from the memory
-    (500x/AOC after [BOS], ICAE/GMSA after [AE]: the compressor's ae_token)."""
-    memory = comp.compress(b["context"], ratios=b.get("ratios"))
-    l_ae, _ = comp.lm_loss(memory, "ae", b["ae"], normalize_by=b["norm"]["ae"])
-    return l_ae, {"ae": l_ae}
-
-
-def loss_qa(comp, b):
-    """QA fine-tuning (EPL §4, GMSA KEFT Eq. 8): [memory; [LM]; question] -> answer, loss on answer + EOS only."""
-    memory = comp.compress(b["context"], ratios=b.get("ratios"))
-    l_qa, _ = comp.lm_loss(memory, "qa", b["qa"], n_supervised=b["n_answer"], prefix=b["prefix"],
-                           normalize_by=b["norm"]["qa"])
-    return l_qa, {"qa": l_qa}
-
-
-def loss_distill(comp, b):
-    """CompLLM Eq. (1)-(3): Σ_ℓ SmoothL1(H̃_ℓ, H_ℓ) / σ_ℓ over the answer tokens, teacher = the LLM with
-    the full context, student = the LLM with the concept embeddings."""
-    l, _ = comp.distill_loss(b["context"], b["question"], b["answer"], b["prefix"], b["dec_context"],
-                             normalize_by=b["norm"]["distill"])
-    return l, {"distill": l}
-
-
-class TrainStep(nn.Module):
-    """The objective as a module's forward(), so DistributedDataParallel can sync what it computes."""
-
-    def __init__(self, comp, objective, lm_weight):
-        super().__init__()
-        self.comp, self.objective, self.lm_weight = comp, objective, lm_weight
-
-    def forward(self, batch):
-        if self.objective == "pretrain":
-            return loss_pretrain(self.comp, batch, self.lm_weight)
-        return {"ae": loss_ae, "qa": loss_qa, "distill": loss_distill}[self.objective](self.comp, batch)
-
-
-# ---- the step ----
-
-
-def accumulate(run: Run, comp, step_fn, data: D.Data, step: int):
-    """Forward and backward over this process's micro-batches of the step: (loss, per-task parts, tokens read)."""
-    s, total, parts, tokens = run.sampling, 0.0, {}, 0
-    examples = D.step_examples(data.tokens, s, comp, step)
-    norm = D.step_normalizers(comp, s.objective, examples)
+def train_step(run: Run, comp, step_module, opt, params, corpus: data.Corpus, lr: float, step: int, stop: dict) -> dict:
+    """One optimizer step at learning rate `lr`, forward and backward over this process's micro-batches of the
+    step: the step's log row, with "stop" when any process was asked to stop (by now)."""
+    t0 = time.time()
+    for group in opt.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)   # --mem-lr's group runs at its own peak
+    examples = data.step_examples(corpus.tensors, run.sampling, comp, step)
+    norm = data.step_normalizers(comp, run.sampling.objective, examples)
+    total, parts, tokens = 0.0, {}, 0
     for m in range(run.accum):
         first = (m * run.world + run.rank) * run.micro   # this rank's slice of the step's examples
-        batch = D.collate(examples[first:first + run.micro])
-        batch["norm"] = norm
-        if s.objective == "distill":   # the frozen LLM answers first (once per example, cached)
-            D.add_teacher_answers(comp, batch, data.answers, run.answer_tokens, run.autocast)
+        batch = data.collate(examples[first:first + run.micro])
+        batch.norm = norm
+        if run.sampling.objective == "distill":   # the frozen LLM answers first (once per example, cached)
+            data.add_teacher_answers(comp, batch, corpus.answers, run.answer_tokens, run.autocast)
         # DDP all-reduces gradients after every backward; only the last micro-batch needs it (FSDP syncs each)
-        ddp = isinstance(step_fn, nn.parallel.DistributedDataParallel)
-        sync = step_fn.no_sync() if ddp and m < run.accum - 1 else nullcontext()
+        ddp = isinstance(step_module, nn.parallel.DistributedDataParallel)
+        sync = step_module.no_sync() if ddp and m < run.accum - 1 else nullcontext()
         try:
             with sync, run.autocast:
-                loss, part = step_fn(batch)
+                loss, part = step_module(batch)   # TrainStep.forward: the objective's loss (below)
             # each loss is this micro-batch's share of the step's mean (step_normalizers): the gradients of the
             # shares add up to the step's, as if it had been one forward pass. DDP averages the processes'
             # gradients, so each process's share counts `world` times
@@ -290,22 +280,12 @@ def accumulate(run: Run, comp, step_fn, data: D.Data, step: int):
                 raise
             # nothing is saved: the last checkpoint in --out stays the last good state
             fail(f"out of memory at step {step + 1} on {run.device} with a micro-batch of {run.micro} "
-                 f"({D.batch_shape(batch)}): use --micro-batch {max(1, run.micro // 2)}"
+                 f"({data.batch_shape(batch)}): use --micro-batch {max(1, run.micro // 2)}"
                  f"{'' if run.grad_ckpt else ' or --grad-ckpt'}; the last good checkpoint in {run.out} is kept")
         total += loss.item()
         for k, v in part.items():
             parts[k] = parts.get(k, 0.0) + v.item()
-        tokens += batch["tokens"]
-    return total, parts, tokens
-
-
-def train_step(run: Run, comp, step_fn, opt, params, data: D.Data, lr: float, step: int, stop: dict) -> dict:
-    """One optimizer step at learning rate `lr`: the step's log row, with "stop" when any process was asked to stop
-    (by now)."""
-    t0 = time.time()
-    for group in opt.param_groups:
-        group["lr"] = lr * group.get("lr_scale", 1.0)   # --mem-lr's group runs at its own peak
-    total, parts, tokens = accumulate(run, comp, step_fn, data, step)
+        tokens += batch.tokens
     # clip_grad_norm_ returns the norm before clipping; clip 0 = measure only
     grad_norm = torch.nn.utils.clip_grad_norm_(params, run.clip if run.clip > 0 else float("inf"))
     grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()   # FSDP: a DTensor
@@ -328,17 +308,69 @@ def train_step(run: Run, comp, step_fn, opt, params, data: D.Data, lr: float, st
     return dict(step=step + 1, loss=total, lr=lr, grad_norm=grad_norm, dt=dt, tokens_per_s=tokens / dt,
                 tokens=tokens, **parts, stop=stopping)
 
+# ---- the objectives ----
+# Each loss is this micro-batch's share of the step's loss: its summed NLL over the step's normaliser batch.norm
+# (data.step_normalizers), so that the shares of every micro-batch and process add up to the step's mean.
 
-# ---- log and checkpoint ----
+
+class TrainStep(nn.Module):
+    """The objective as a module's forward(), so DistributedDataParallel and FSDP can sync what it computes."""
+
+    def __init__(self, comp, objective, lm_weight):
+        super().__init__()
+        self.comp, self.objective, self.lm_weight = comp, objective, lm_weight
+
+    def forward(self, batch):
+        if self.objective == "pretrain":
+            return loss_pretrain(self.comp, batch, self.lm_weight)
+        return {"ae": loss_ae, "qa": loss_qa, "distill": loss_distill}[self.objective](self.comp, batch)
 
 
-def save(args, run: Run, comp, opt, data: D.Data, done: int):
-    """A checkpoint of step `done` (every rank hands rank 0 its RNG state; rank 0 writes)."""
+def loss_pretrain(comp, batch: data.Batch, lm_weight):
+    """EPL §3.1.1 / PIC Eq. (6)-(8): ONE compression of x_1..x_p serves both tasks."""
+    memory = comp.compress(batch.context, ratios=batch.ratios)
+    # AE / TR, PIC Eq. (6): x_1..x_p, EOS; LM / TC, PIC Eq. (7): x_p+1.., EOS
+    l_ae, _ = comp.lm_loss(memory, "ae", batch.ae, normalize_by=batch.norm["ae"])
+    l_lm, _ = comp.lm_loss(memory, "lm", batch.lm, last_tokens=batch.last,
+                           normalize_by=batch.norm["lm"])
+    return lm_weight * l_lm + (1 - lm_weight) * l_ae, {"ae": l_ae, "lm": l_lm}   # PIC Eq. (8), λ = α = 0.5
+
+
+def loss_ae(comp, batch: data.Batch):
+    """ICAE autoencoding / AOC Eq. (4) / GMSA §3.4 stage 1: regenerate the compressed text from the memory
+    (500x/AOC after [BOS], ICAE/GMSA after [AE]: the compressor's ae_token)."""
+    memory = comp.compress(batch.context, ratios=batch.ratios)
+    l_ae, _ = comp.lm_loss(memory, "ae", batch.ae, normalize_by=batch.norm["ae"])
+    return l_ae, {"ae": l_ae}
+
+
+def loss_qa(comp, batch: data.Batch):
+    """QA fine-tuning (EPL §4, GMSA KEFT Eq. 8): [memory; [LM]; question] -> answer, loss on answer + EOS only."""
+    memory = comp.compress(batch.context, ratios=batch.ratios)
+    l_qa, _ = comp.lm_loss(memory, "qa", batch.qa, n_supervised=batch.n_answer, prefix=batch.prefix,
+                           normalize_by=batch.norm["qa"])
+    return l_qa, {"qa": l_qa}
+
+
+def loss_distill(comp, batch: data.Batch):
+    """CompLLM Eq. (1)-(3): Σ_ℓ SmoothL1(H̃_ℓ, H_ℓ) / σ_ℓ over the answer tokens, teacher = the LLM with the
+    full context, student = the LLM with the concept embeddings."""
+    l, _ = comp.distill_loss(batch.context, batch.question, batch.answer, batch.prefix, batch.dec_context,
+                             normalize_by=batch.norm["distill"])
+    return l, {"distill": l}
+
+
+# ---- checkpoints and signals ----
+
+
+def save(run: Run, comp, opt, corpus: data.Corpus, done: int):
+    """A checkpoint of step `done` (every rank hands rank 0 its RNG state; under FSDP every rank gathers, rank 0
+    writes)."""
     rng = gather_rng_states(run.world, run.device)
-    whole = parallel.gathered_state(comp, opt, run.master) if args.fsdp else None   # rank 0 writes them whole
+    whole = parallel.gathered_state(comp, opt, run.master) if run.fsdp else None
     if run.master:
-        save_checkpoint(args.out, done, comp, opt, args, rng, data.key, args.keep_every, whole)
-        D.save_answers(data)
+        save_checkpoint(run.out, done, comp, opt, run.record, rng, corpus.key, run.keep_every, whole)
+        data.save_answers(corpus)
 
 
 def catch_signals(stop: dict) -> dict:
@@ -349,109 +381,71 @@ def catch_signals(stop: dict) -> dict:
         stop["signal"] = signal.Signals(signum).name
     return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
-
 # ---- main ----
 
 
 def main(argv=None):
-    args, resume_state, settings = cli.parse_args(argv)
+    args, resume_state, settings, cfg = cli.parse_args(argv)   # every setting, resolved once, with its source
     if args.plan:   # what the run would need, built on the meta device: nothing is allocated or written
-        return plan.show(args, TrainStep)
+        return plan.show(args, cfg, TrainStep)
+    if not args.resume and latest_checkpoint(args.out, required=False):
+        fail(f"{args.out} already holds a checkpoint: continue it with --resume {args.out}, or pick another --out")
     with parallel.processes(args.device, args.fsdp) as (device, rank, world):   # torchrun's, or this one
-        train(args, resume_state, settings, set_up(args, resume_state, device, rank, world))
-    parallel.leave_rank()   # the runs that end before training (nothing to do) leave the same way
-
-
-def train(args, resume_state, settings, run: Run):
-    if run.start >= args.steps:
-        print(f"{args.resume} is already at step {run.start} of {args.steps}: nothing to do (raise --steps)")
-        return
-    comp, step_fn = build_step(args, run, latest_checkpoint(args.resume) if args.resume else None)
-    data = D.load_data(args.data, cli.sampling(args), comp, args.cache_dir or os.path.join(args.out, "cache"),
-                       args.answer_tokens)
-    if resume_state and resume_state.get("data", data.key) != data.key:   # (a checkpoint before the key: no check)
-        fail(f"cannot resume: {args.resume} was trained on another corpus than {args.data or 'the built-in corpus'} "
-             f"is now (data key {resume_state['data']}, now {data.key}): resume it on the data it was trained on, or "
-             "start a new run with another --out")
-    params = comp.trainable_parameters()   # what compressors.py leaves trainable for this method and stage
-    opt = make_optimizer(comp, args.lr, args.betas, args.weight_decay, args.mem_lr, run.device)
-    if resume_state:
-        try:   # a resumed run's optimizer moments and step counts, and every RNG where it stood
-            if args.fsdp:   # the one-process moments, cut into this rank's shards
-                resume_state["optimizer"] = parallel.shard_optimizer_state(opt, resume_state["optimizer"])
-            opt.load_state_dict(resume_state["optimizer"])
-        except (ValueError, KeyError) as e:
-            fail(f"mismatched checkpoint: its optimizer state does not fit this compressor ({e})")
-        set_rng_state(resume_state["rng"][run.rank if run.rank < len(resume_state["rng"]) else 0], run.device)
-    log = open_log(args, run, comp, data, settings, sum(p.numel() for p in params)) if run.master else None
-    every = args.eval_every if args.eval_every is not None else args.save_every
-    if args.fsdp and every > 0:   # rank 0 alone would score a model whose weights are spread over every rank
-        every = 0
-        if run.master:
-            print("no held-out check runs under --fsdp: score a checkpoint with evaluate.py --ckpt")
-    ho = held_out(comp, vars(args), every, P.on_tiny(args.model, args.decoder), run.start > 0, run.master)
-    end = loop(args, run, comp, step_fn, opt, params, data, ho, log)
-    if run.master and ho and ho.rows:
-        print(first_carrying_step(ho))
-    if run.master and end == args.steps:
-        print(f"done: {args.steps} steps; the compressor is in {args.out} (compressors.load, evaluate.py --ckpt)")
-    elif run.master and end == args.stop_after:
-        print(f"stopped after step {end} (--stop-after); continue with --resume {args.out}")
-    parallel.leave_rank()   # here, while this frame's model, optimizer and data are still alive
-
-
-def open_log(args, run: Run, comp, data: D.Data, settings: dict, n_params: int):
-    """log.jsonl (a resumed run rewrites the steps after its checkpoint), and the run's first lines: each training
-    setting with its source (presets.recipe_for), then what trains on what."""
-    os.makedirs(args.out, exist_ok=True)
-    trim_log(os.path.join(args.out, "log.jsonl"), run.start)
-    print(P.settings_line(settings))
-    read = f"{data.documents:,} documents" + (f", {data.questions:,} QA examples" if data.questions else "")
-    paper = P.PRESETS[args.method].recipe.objective
-    note = (f" (--model tiny's demo; the paper's: {paper})" if settings["objective"].source == "demo"
-            and args.objective != paper else "")
-    changes = P.objective_changes(args.method, args.objective, comp.cfg)
-    if changes and not args.init:   # (with --init, the settings are that run's)
-        note += f" (--objective {args.objective} on {args.method} also sets: {changes})"
-    print(f"{comp.cfg.method}: {args.objective} objective{note} on {read}, {n_params:,} trained parameters, batch "
-          f"{args.batch_size} ({run.accum} x {run.micro} x {run.world}), |X| in [{args.min_len}, {args.max_len}], lr "
-          f"{args.lr:g}, {args.schedule} after {args.warmup} warmup steps, steps {run.start}->{args.steps} on {run.device}")
-    return open(os.path.join(args.out, "log.jsonl"), "a")
-
-
-def loop(args, run: Run, comp, step_fn, opt, params, data: D.Data, ho, log) -> int:
-    """The training loop, from the run's start to --steps (or --stop-after K): the step, its log row, the held-out
-    check, a checkpoint on schedule. Returns the last step done."""
-    stop = {"signal": None}
-    old_handlers = catch_signals(stop)
-    end = min(args.steps, args.stop_after or args.steps)      # --stop-after K: this job ends after step K
-    bar = tqdm(total=args.steps, initial=run.start, disable=not run.master, desc=comp.cfg.method, dynamic_ncols=True)
-    try:
-        if ho and run.master and run.start == 0:
-            check_held_out(comp, ho, log, 0, run.device, run.autocast)   # at init: what an untrained memory carries
-        for step in range(run.start, end):
-            lr = lr_at(step, args.lr, args.warmup, args.steps, args.schedule)   # set by hand: a function of the step
-            row = train_step(run, comp, step_fn, opt, params, data, lr, step, stop)
+        micro, accum, frozen, autocast = set_up(device, rank, world, args.batch_size, args.micro_batch, args.seed,
+                                                args.frozen_dtype)
+        start = resume_state["step"] if resume_state else 0
+        run = Run(device, rank, world, micro, accum, start, min(args.steps, args.stop_after or args.steps), args.steps,
+                  args.lr, args.warmup, args.schedule, args.clip, cli.sampling(args), args.answer_tokens, frozen,
+                  autocast, args.out, args.save_every, args.keep_every, args.grad_ckpt, args.fsdp, vars(args))
+        if run.start >= run.steps:
+            print(f"{args.resume} is already at step {run.start} of {run.steps}: nothing to do (raise --steps)")
+            return parallel.leave_rank()
+        # the compressor (from the checkpoint when resuming), and the objective as a module, wrapped for the processes
+        try:   # a bad model name, a corrupt checkpoint: one line, not a traceback
+            comp = build_compressor(cfg, device, frozen, latest_checkpoint(args.resume) if args.resume else None,
+                                    args.init, args.warm_start, args.stage)
+        except (ValueError, OSError) as e:
+            fail(e)
+        for model in (comp.encoder, comp.decoder):   # activation checkpointing per block (model.py)
+            model.grad_ckpt = args.grad_ckpt
+        if args.compile:
+            compile_blocks(comp)
+        if args.fsdp and args.objective == "distill":   # the teacher generates outside the step, on sharded weights
+            fail("--fsdp does not run distill (its frozen teacher generates outside the training step): use DDP")
+        step_module = parallel.wrap(comp, TrainStep(comp, args.objective, args.lm_weight), args.fsdp, device, world,
+                                    bf16=not isinstance(autocast, nullcontext))
+        corpus = data.load_corpus(args.data, run.sampling, comp, args.cache_dir or os.path.join(args.out, "cache"),
+                           args.answer_tokens)
+        if resume_state and resume_state.get("data", corpus.key) != corpus.key:   # (a checkpoint before the key: no check)
+            fail(f"cannot resume: {args.resume} was trained on another corpus than {args.data or 'the built-in corpus'}"
+                 f" is now (data key {resume_state['data']}, now {corpus.key}): resume it on the data it was trained on,"
+                 " or start a new run with another --out")
+        params = comp.trainable_parameters()   # what compressors.py leaves trainable for this method and stage
+        opt = make_optimizer(comp, args.lr, args.betas, args.weight_decay, args.mem_lr, device)
+        if resume_state:
+            try:   # a resumed run's optimizer moments and step counts, and every RNG where it stood
+                if args.fsdp:   # the one-process moments, cut into this rank's shards
+                    resume_state["optimizer"] = parallel.shard_optimizer_state(opt, resume_state["optimizer"])
+                opt.load_state_dict(resume_state["optimizer"])
+            except (ValueError, KeyError) as e:
+                fail(f"mismatched checkpoint: its optimizer state does not fit this compressor ({e})")
+            set_rng_state(resume_state["rng"][rank if rank < len(resume_state["rng"]) else 0], device)
+        log = open_log(run, comp, corpus, settings, presets.demo_changes(args.method, settings),
+                       sum(p.numel() for p in params)) if run.master else None
+        every = args.eval_every if args.eval_every is not None else args.save_every
+        if args.fsdp and every > 0:   # rank 0 alone would score a model whose weights are spread over every rank
+            every = 0
             if run.master:
-                write_log(log, bar, row, args.steps, ho and ho.last)
-            done = step + 1
-            if ho and run.master and (done % ho.every == 0 or done == args.steps):
-                check_held_out(comp, ho, log, done, run.device, run.autocast)
-            # save on schedule, at the end of this job, or when asked to stop: never after a bad step (train_step)
-            if row["stop"] or done == end or done % args.save_every == 0 or (args.keep_every and done % args.keep_every == 0):
-                save(args, run, comp, opt, data, done)
-            if row["stop"]:
-                end = done
-                if run.master:
-                    print(f"\nstopped by a signal after step {done}; continue with --resume {args.out}")
-                break
-    finally:
-        bar.close()
-        for s, h in old_handlers.items():
-            signal.signal(s, h)
-        if log:
-            log.close()
-    return end
+                print("no held-out check runs under --fsdp: score a checkpoint with evaluate.py --ckpt")
+        ho = held_out(comp, run.record, every, presets.on_tiny(args.model, args.decoder), run.start > 0, run.master)
+        end = loop(run, comp, step_module, opt, params, corpus, ho, log)
+        if run.master and ho and ho.rows:
+            print(first_carrying_step(ho))
+        if run.master and end == run.steps:
+            print(f"done: {run.steps} steps; the compressor is in {run.out} (compressors.load, evaluate.py --ckpt)")
+        elif run.master and end == args.stop_after:
+            print(f"stopped after step {end} (--stop-after); continue with --resume {run.out}")
+        parallel.leave_rank()   # here, while the model, optimizer and data are still alive
 
 
 if __name__ == "__main__":

@@ -88,7 +88,9 @@ def paper_row(method, shape, batch, source, frozen="auto") -> str:
     import plan
     import train
     argv = ["--method", method, "--shape", shape, "--plan", "--batch-size", str(batch), "--frozen-dtype", frozen]
-    at = lambda *extra, micro=None: plan.make_plan(cli.parse_args(argv + list(extra))[0], train.TrainStep, micro)
+    def at(*extra, micro=None):
+        args, _, _, cfg = cli.parse_args(argv + list(extra))
+        return plan.make_plan(args, cfg, train.TrainStep, micro)
     whole, ckpt = at(), at("--grad-ckpt")
     fixed = whole.weights + whole.grads + whole.optimizer
     trained = sum(n for (kind, _), n in whole.params.items() if kind == "trained")
@@ -146,8 +148,8 @@ def main():
                     str(a.max_len), "--objective", "ae" if method in ("aoc", "gmsa") else "pretrain",
                     "--device", a.device, "--eval-every", "0", "--save-every", "1000"] + \
                 (["--grad-ckpt"] if a.grad_ckpt else [])
-            args, *_ = cli.parse_args(argv + ["--plan", "--out", tmp])
-            pl = plan.make_plan(args, train.TrainStep)
+            args, _, _, cfg = cli.parse_args(argv + ["--plan", "--out", tmp])
+            pl = plan.make_plan(args, cfg, train.TrainStep)
             counted = pl.activations / plan.OVERHEAD
             got = measure(argv)
             planned = pl.grads + pl.optimizer + pl.activations

@@ -756,7 +756,7 @@ def test_no_preset_shares_a_mutable_recipe_or_settings_object():
         with pytest.raises(dataclasses.FrozenInstanceError):
             p.recipe.lr = 1.0
         with pytest.raises(TypeError):
-            p.settings["mem"] = 1
+            p.compressor["mem"] = 1
     # icae and 500x still read the same EPL values, from frozen records
     assert P.PRESETS["icae"].recipe.values("qa")["lr"] == P.PRESETS["500x"].recipe.values("qa")["lr"] == 5e-5
 
@@ -766,7 +766,7 @@ def test_a_recipe_is_a_typed_record_whose_fields_carry_their_help():
     assert all(f.metadata.get("help") for f in dataclasses.fields(P.Recipe))
     assert all(isinstance(p.recipe, P.Recipe) for p in P.PRESETS.values())
     # the compressor settings an objective changes live apart from the recipe's values (500x's original AE setup)
-    assert P.PRESETS["500x"].settings_for("ae")["ae_token"] == "bos" and not P.PRESETS["500x"].settings_for("qa")
+    assert P.PRESETS["500x"].compressor_for("ae")["ae_token"] == "bos" and not P.PRESETS["500x"].compressor_for("qa")
     assert not set(P.PRESETS["500x"].recipe.values("ae")) & {f.name for f in dataclasses.fields(P.CompressorConfig)}
 
 

@@ -42,7 +42,7 @@ def test_the_readme_fork_it_example_trains_with_its_new_mask(tmp_path, monkeypat
     code = fork_it_block()
     assert len(code.splitlines()) <= 25, "keep the README example short"
     exec(compile(code, str(README) + ":Fork it", "exec"), {})
-    assert "aoc_bidir" in P.METHODS and P.PRESETS["aoc_bidir"].settings["mask"] == "mem_bidir"
+    assert "aoc_bidir" in P.METHODS and P.PRESETS["aoc_bidir"].compressor["mask"] == "mem_bidir"
 
     # spies: every mask the new function returns, and every mask that reaches attention
     made, seen, new_mask, sdpa = [], [], masks.ENCODER["mem_bidir"], F.scaled_dot_product_attention

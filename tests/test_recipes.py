@@ -68,7 +68,8 @@ def test_recipe_runs_end_to_end(paper, tmp_path):
         assert not list(tmp_path.rglob("*.png"))
     else:
         curves = [c for table in results["tables"] for c in table.get("curves", {}).values()]
-        assert curves and all(Path(c["png"]).is_file() for c in curves)
+        # a record names its figure portably (recipes/records.py: beside it, in the results folder)
+        assert curves and all((tmp_path / Path(c["png"]).name).is_file() for c in curves)
         assert (tmp_path / "curve.png").is_file()        # own/other along the runs (recipes/curve.py)
     if paper == "ladder":   # at SMOKE the lever arms train two at a time (JOBS), one of them under two levers
         args = json.loads((tmp_path / "aoc_memlr+curriculum_1x" / "args.json").read_text())
@@ -516,6 +517,10 @@ def test_no_json_record_names_a_machine_local_path(tmp_path):
     bad = {str(p.relative_to(REPO)): f[:2] for p in (REPO / "recipes" / "results").rglob("*.json")
            if (f := found(json.loads(p.read_text())))}
     assert not bad, f"{len(bad)} record(s) name machine-local paths (python recipes/records.py FOLDER): {bad}"
+    # the Markdown records too (evaluate.py's "wrote PATH" line, a results table's notes)
+    md = [f"{p.relative_to(REPO)}: {line.strip()[:80]}" for p in (REPO / "recipes" / "results").rglob("*.md")
+          for line in p.read_text().splitlines() if local.search(line)]
+    assert not md, md
     assert found({"a": ["~/.cache/ctxcomp/smollm2"]}) and found({"note": "model /root/x"})   # the check catches one
     assert R.portable(str(REPO / "runs" / "corpus" / "train.jsonl")) == "runs/corpus/train.jsonl"
     assert R.portable("/elsewhere/ctxcomp-copy/runs/recipes/pic/pcc_r1_s0") == "runs/recipes/pic/pcc_r1_s0"

@@ -66,8 +66,8 @@ def test_bf16_frozen_weights_train_as_fp32_within_bf16_rounding(method, tmp_path
     assert abs(fp32[0]["grad_norm"] - bf16[0]["grad_norm"]) <= 5e-2 * fp32[0]["grad_norm"], (fp32[0], bf16[0])
     assert any(a["loss"] != b["loss"] for a, b in zip(fp32, bf16))
     # what a bf16 run keeps in which dtype: frozen base weights bf16, everything trained or saved fp32
-    args, *_ = cli.parse_args(base + ["--frozen-dtype", "bf16", "--out", str(tmp_path / "x")])
-    comp = train.build_compressor(args, torch.device("cpu"), frozen=torch.bfloat16)
+    cfg = cli.parse_args(base + ["--frozen-dtype", "bf16", "--out", str(tmp_path / "x")])[3]
+    comp = train.build_compressor(cfg, torch.device("cpu"), frozen=torch.bfloat16)
     for name, p in comp.named_parameters():
         want = torch.float32 if p.requires_grad or C.saved(comp.cfg, name) else torch.bfloat16
         assert p.dtype == want, (name, p.dtype)
@@ -129,6 +129,12 @@ import plan  # noqa: E402
 from model import SHAPES  # noqa: E402
 
 
+def plan_of(argv, micro=None):
+    """train.py ARGV --plan's plan (plan.make_plan of the resolved flags and compressor config)."""
+    args, _, _, cfg = cli.parse_args([*argv, "--plan"])
+    return plan.make_plan(args, cfg, train.TrainStep, micro)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("method", P.METHODS)
 def test_plan_of_every_preset_at_every_shape_allocates_nothing(method, shape, monkeypatch, capsys):
@@ -153,9 +159,8 @@ def test_plan_counts_the_parameters_of_a_real_build(method, tmp_path):
     dtypes), and its weight, gradient and AdamW bytes follow from them."""
     for dtype in ("fp32", "bf16"):
         argv = ["--method", method, "--frozen-dtype", dtype, "--device", "cpu", "--out", str(tmp_path)]
-        args, *_ = cli.parse_args(argv + ["--plan"])
-        got = plan.make_plan(args, train.TrainStep)
-        comp = train.build_compressor(cli.parse_args(argv)[0], torch.device("cpu"),
+        got = plan_of(argv)
+        comp = train.build_compressor(cli.parse_args(argv)[3], torch.device("cpu"),
                                       frozen=torch.bfloat16 if dtype == "bf16" else torch.float32)
         want, trained = {}, 0
         for p in comp.parameters():
@@ -178,13 +183,13 @@ def test_plan_counts_the_activations_a_real_step_saves(tmp_path):
     2.79 against 2.30 MB: the meta device's attention keeps the (B, H, T, S) probabilities, the CPU's fused SDPA
     only its output and log-sum-exp), and --grad-ckpt keeps far fewer."""
     argv = ["--method", "aoc", "--device", "cpu", "--out", str(tmp_path), "--frozen-dtype", "fp32"]
-    args, *_ = cli.parse_args(argv + ["--plan"])
-    comp = train.build_compressor(args, torch.device("cpu"))
+    args, _, _, cfg = cli.parse_args(argv + ["--plan"])
+    comp = train.build_compressor(cfg, torch.device("cpu"))
     real = plan.saved_bytes(comp, args, args.batch_size, False, train.TrainStep)
-    on_meta = plan.make_plan(args, train.TrainStep).activations / plan.OVERHEAD
+    on_meta = plan_of(argv).activations / plan.OVERHEAD
     assert 0 < real <= on_meta <= 1.3 * real, (real, on_meta)
-    ckpt = plan.make_plan(cli.parse_args(argv + ["--plan", "--grad-ckpt"])[0], train.TrainStep).activations
-    assert ckpt < 0.5 * plan.make_plan(args, train.TrainStep).activations
+    ckpt = plan_of(argv + ["--grad-ckpt"]).activations
+    assert ckpt < 0.5 * plan_of(argv).activations
 
 
 def test_an_fsdp_run_that_ends_early_or_fails_closes_its_process_group(tmp_path, device):
@@ -196,8 +201,8 @@ def test_an_fsdp_run_that_ends_early_or_fails_closes_its_process_group(tmp_path,
     assert not torch.distributed.is_initialized()
     train.main(["--resume", str(tmp_path / "a"), "--fsdp", "--device", str(device)])   # already at step 1: nothing to do
     assert not torch.distributed.is_initialized()
-    with pytest.raises(SystemExit):   # refused after the group is open: --out holds a checkpoint
-        train.main(flags + ["--out", str(tmp_path / "a")])
+    with pytest.raises(SystemExit):   # refused after the group is open: --warm-start names no run
+        train.main(flags + ["--out", str(tmp_path / "c"), "--warm-start", str(tmp_path / "none")])
     assert not torch.distributed.is_initialized()
     train.main(flags + ["--out", str(tmp_path / "b")])   # and the next run starts
     assert len(rows(tmp_path / "b")) == 1
@@ -220,9 +225,8 @@ def test_plan_per_gpu_under_fsdp_and_ddp(tmp_path):
     two blocks gathered (bf16 under MixedPrecisionPolicy) and the root's gradients whole; the micro-batch is
     batch / N. Each term is checked against a real build's parameters (tiny, pcc: a fully trained encoder)."""
     argv = ["--method", "pcc", "--batch-size", "8", "--out", str(tmp_path)]
-    one, ddp, fsdp = (plan.make_plan(cli.parse_args(argv + ["--plan", *extra])[0], train.TrainStep)
-                      for extra in ([], ["--gpus", "4"], ["--gpus", "4", "--fsdp"]))
-    comp = train.build_compressor(cli.parse_args(argv + ["--frozen-dtype", "bf16"])[0], torch.device("cpu"),
+    one, ddp, fsdp = (plan_of(argv + extra) for extra in ([], ["--gpus", "4"], ["--gpus", "4", "--fsdp"]))
+    comp = train.build_compressor(cli.parse_args(argv + ["--frozen-dtype", "bf16"])[3], torch.device("cpu"),
                                   frozen=torch.bfloat16)
     in_blocks = {id(p) for b in comp.blocks() for p in b.parameters()}
     size = lambda ps: sum(p.numel() * p.element_size() for p in ps)
@@ -246,10 +250,9 @@ def test_plan_counts_autocasts_copies_of_fp32_frozen_matrices_at_each_use(tmp_pa
     real step's F.linear calls on inputs that need a gradient (counted by a TorchFunctionMode) give independently."""
     from torch.overrides import TorchFunctionMode
     argv = ["--method", "aoc", "--out", str(tmp_path)]
-    plans = {d: plan.make_plan(cli.parse_args(argv + ["--plan", "--frozen-dtype", d])[0], train.TrainStep)
-             for d in ("fp32", "bf16")}
-    args = cli.parse_args(argv + ["--frozen-dtype", "fp32", "--device", "cpu"])[0]
-    comp = train.build_compressor(args, torch.device("cpu"))
+    plans = {d: plan_of(argv + ["--frozen-dtype", d]) for d in ("fp32", "bf16")}
+    args, _, _, cfg = cli.parse_args(argv + ["--frozen-dtype", "fp32", "--device", "cpu"])
+    comp = train.build_compressor(cfg, torch.device("cpu"))
     frozen = {id(p): p.numel() for p in comp.parameters() if not p.requires_grad and p.dim() == 2}
     del frozen[id(comp.decoder.lm_head.weight)]   # the loss's lm_head runs under checkpoint: none of it is saved
     uses = []
@@ -373,10 +376,8 @@ def test_plan_of_a_model_folder_reads_only_its_config(tmp_path, capsys):
     import json
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(SHAPES["llama-3.2-1b"]))
-    by_folder = plan.make_plan(cli.parse_args(["--method", "gmsa", "--model", str(tmp_path / "m"), "--plan"])[0],
-                               train.TrainStep)
-    by_shape = plan.make_plan(cli.parse_args(["--method", "gmsa", "--shape", "llama-3.2-1b", "--plan"])[0],
-                              train.TrainStep)
+    by_folder = plan_of(["--method", "gmsa", "--model", str(tmp_path / "m")])
+    by_shape = plan_of(["--method", "gmsa", "--shape", "llama-3.2-1b"])
     assert by_folder.params == by_shape.params and by_folder.total == by_shape.total
     for argv, message in ((["--model", str(tmp_path), "--plan"], "config.json"),
                           (["--shape", "llama-3-8b"], "--plan")):
@@ -410,3 +411,11 @@ def test_gpu_check_parses_names_python3_and_each_call_fits_600_s():
     for call, sections in calls.items():
         total = sum(seconds(blocks[s]) for s in sections.split())
         assert 0 < total <= 540, f"call {call}: its timeouts add up to {total} s"
+
+
+def test_the_plans_docstring_describes_the_attention_count_it_uses():
+    """plan.py counts attention as CUDA's memory-efficient kernel saves it (CudaAttention, which saved_bytes swaps in
+    for SDPA); its docstring described the CPU's count, which it no longer used (issue 47)."""
+    doc = " ".join(plan.__doc__.split())
+    assert "CudaAttention" in doc and "as the CPU's SDPA keeps it" not in doc
+    assert plan.sdpa.__doc__ and "CudaAttention" in plan.sdpa.__doc__

@@ -245,21 +245,39 @@ def test_recipe_for_names_each_settings_value_and_source():
 
 
 def test_the_first_log_line_names_each_setting_and_its_source(tmp_path, run_train, capsys):
-    run_train(["--method", "aoc", "--steps", "1", "--eval-every", "0", "--out", str(tmp_path / "aoc")])
+    """Every setting that shapes the run, training and compressor, with where its value comes from: AOC's --mem 16
+    and its K/V carrier were never printed (issue 47)."""
+    run_train(["--method", "aoc", "--mem", "16", "--steps", "1", "--eval-every", "0", "--out", str(tmp_path / "aoc")])
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("settings: objective ae (demo), lr 0.01 (demo), betas 0.9,0.999 (code), ")
-    for part in ("steps 1 (flag)", "batch_size 16 (demo)", "max_len 16 (demo)", "schedule linear (demo)"):
+    for part in ("steps 1 (flag)", "batch_size 16 (demo)", "max_len 16 (demo)", "schedule linear (demo)",
+                 "mem 16 (flag)", "carrier kv (preset)", "encoder full (preset)", "mask causal (default)"):
         assert part in first
     args = json.load(open(tmp_path / "aoc" / "args.json"))
-    assert all(f"{k} " in first for k in cli.SETTINGS) and args["lr"] == 1e-2
+    assert all(f"{k} " in first for k in (*cli.SETTINGS, *cli.COMPRESSOR_FLAGS)) and args["lr"] == 1e-2
+    # --resume names the checkpoint as the source of each
+    run_train(["--resume", str(tmp_path / "aoc"), "--steps", "2", "--eval-every", "0"])
+    again = capsys.readouterr().out.splitlines()[0]
+    assert f"mem 16 (--resume {tmp_path / 'aoc'})" in again and f"carrier kv (--resume {tmp_path / 'aoc'})" in again
+
+
+def test_each_run_makes_its_compressor_config_once(tmp_path, run_train, monkeypatch):
+    """One resolution (cli.parse_args) takes the flags, the preset, the demo and the paper to the compressor's
+    config, and the run builds exactly that one: make_config runs once per run (it ran three times), --plan too."""
+    calls, make = [], P.make_config
+    monkeypatch.setattr(P, "make_config", lambda *a, **kw: calls.append(a) or make(*a, **kw))
+    run_train(["--method", "pic", "--steps", "1", "--eval-every", "0", "--out", str(tmp_path / "pic")])
+    assert len(calls) == 1
+    train.main(["--method", "pcc", "--shape", "llama-3.2-1b", "--plan", "--micro-batch", "1"])
+    assert len(calls) == 2
 
 
 def test_mem_on_tiny_compllm_is_a_fixed_budget_as_documented(device):
     """make_config's rule, on tiny too: --mem without --ratio sets the ratio to 0 (a fixed budget). The demo row's
     ratio 1 is a default, not a typed --ratio: --mem 2 gives 2 slots for an 8-byte text, not one per byte."""
     for argv, slots in ((["--mem", "2"], 2), ([], 8)):
-        args, *_ = cli.parse_args(["--method", "compllm", *argv])
-        comp = train.build_compressor(args, device)
+        cfg = cli.parse_args(["--method", "compllm", *argv])[3]
+        comp = train.build_compressor(cfg, device)
         assert sum(comp.compress([list(b"8 bytes!")]).mem_counts[0]) == slots, argv
     args, *_ = cli.parse_args(["--method", "compllm", "--mem", "2", "--ratio", "4"])   # both typed: the ratio
     assert (args.mem, args.ratio) == (2, 4.0)
@@ -275,8 +293,8 @@ def test_the_tiny_demo_table_states_each_presets_n_m_and_steps(device):
     assert {m.split()[0] for m in rows} == set(P.TINY) and "aoc --mem 4" in rows
     for command, (n, m, steps) in rows.items():
         method, *flags = command.split()
-        args, *_ = cli.parse_args(["--method", method, *flags])
-        comp = train.build_compressor(args, device)
+        args, _, _, cfg = cli.parse_args(["--method", method, *flags])
+        comp = train.build_compressor(cfg, device)
         x = list(D.BUILTIN_TEXTS[0].encode())[:args.max_len]
         ratios = [comp.cfg.ratios[0]] if comp.cfg.source == "group_mean" else None
         assert (args.max_len, sum(comp.compress([comp.encoder_ids(x)], ratios=ratios).mem_counts[0]), args.steps) \
@@ -299,7 +317,9 @@ def test_head_crop_min_len_is_an_error_and_evaluate_lm_cuts_at_the_checkpoints_n
 
 def test_the_log_and_help_say_where_tiny_changes_the_papers_objective(tmp_path, run_train, capsys):
     run_train(["--method", "icae", "--steps", "1", "--eval-every", "0", "--out", str(tmp_path / "icae")])
-    assert "icae: ae objective (--model tiny's demo; the paper's: pretrain) on" in capsys.readouterr().out
+    demo = capsys.readouterr().out.splitlines()[1]   # one line at the start says what the demo changes
+    assert demo.startswith("--model tiny is a CPU demo (ours), not the paper's run: it changes objective ae (the "
+                           "paper's pretrain), ") and "max_len 8 (the paper's 2040)" in demo and "mem 16 (the paper's 102)" in demo
     with pytest.raises(SystemExit):
         train.main(["--help"])
     text = capsys.readouterr().out
@@ -313,12 +333,12 @@ def test_help_and_the_first_log_line_say_where_the_objective_changes_the_archite
     run's first log line name them (issue 31: that switch was hidden in an untyped recipe row)."""
     run_train(["--method", "500x", "--objective", "ae", "--mem", "4", "--chunk-len", "16", *LORA, "--steps", "1",
                "--eval-every", "0", "--out", str(tmp_path / "x")])
-    first = capsys.readouterr().out.splitlines()[1]   # (after the settings line)
+    first = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("500x: "))
     assert first.startswith("500x: ae objective") and "(--objective ae on 500x also sets: ae_token=bos, " \
         "lm_token=bos, mem_init=normal, bos=False, lora_dropout=0.05, template=plain)" in first   # LORA: flags
     run_train(["--method", "500x", "--objective", "pretrain", "--mem", "4", "--chunk-len", "16", *LORA, "--steps",
                "1", "--eval-every", "0", "--out", str(tmp_path / "y")])
-    assert "also sets" not in capsys.readouterr().out.splitlines()[1]
+    assert "also sets" not in next(line for line in capsys.readouterr().out.splitlines() if line.startswith("500x: "))
     with pytest.raises(SystemExit):
         train.main(["--help"])
     text = capsys.readouterr().out
@@ -547,7 +567,7 @@ def test_pretrain_held_out_check_takes_the_short_texts_training_takes(tmp_path, 
     with pytest.raises(SystemExit) as e:
         run_train(["--method", "icae", "--objective", "pretrain", "--mem", "2", "--batch-size", "2", "--steps", "1",
                    "--eval-data", str(tmp_path / "held.jsonl"), "--out", str(tmp_path / "empty")])
-    assert "no text of at least 8 tokens" in str(e.value) and "\n" not in str(e.value)   # tiny's icae: n = 8
+    assert "no held-out text of at least 8 tokens" in str(e.value) and "\n" not in str(e.value)   # tiny's icae: n = 8
 
 
 def test_a_real_model_without_eval_data_says_no_check_runs(files, tmp_path, run_train, capsys):
@@ -1106,3 +1126,58 @@ def test_no_sdpa_call_gets_a_mask_together_with_enable_gqa(method, tmp_path, run
     assert masked, f"{method}: no masked attention call was seen"
     assert not [c for c in masked if c[1]], f"{method}: {sum(c[1] for c in masked)} masked calls with enable_gqa"
     assert all(h == hkv for _, _, h, hkv in masked)   # with a mask, each query head gets its K/V head repeated
+
+
+# ---- defects found reading the run (issue 47): each a test that failed first ----
+
+
+def test_a_held_out_set_too_short_for_the_run_says_how_to_fix_the_check(tmp_path, capsys, device):
+    """No held-out text reaches the run's --min-len: the check's advice is the check's flags (--eval-data FILE,
+    --eval-every 0), not --data or --min-len, which would change the training itself."""
+    short = tmp_path / "short.jsonl"
+    short.write_text("".join(json.dumps({"text": t[:12]}) + "\n" for t in D.EVAL_TEXTS[:4]))
+    argv = ["--method", "aoc", "--mem", "4", "--crop", "window", "--min-len", "16", "--max-len", "16", "--steps", "1",
+            "--eval-data", str(short), "--out", str(tmp_path / "x")]
+    assert_one_line_error(argv, "pass --eval-data FILE with longer texts, or --eval-every 0", capsys, device)
+    with pytest.raises(SystemExit) as e:
+        train.main([*argv, "--device", str(device)])
+    assert "--min-len N" not in str(e.value.code) and "--data with" not in str(e.value.code)
+
+
+def test_an_unanswerable_squad_record_is_text_for_ae_and_no_qa_example(tmp_path, run_train):
+    """SQuAD 2.0 holds questions with no answer ("answers": {"text": [], "answer_start": []}): one refused a whole
+    file, even for ae, which reads only the contexts. Its context is a text; it is no QA example."""
+    squad = tmp_path / "squad.jsonl"
+    rows = [{"context": D.BUILTIN_TEXTS[0], "question": "Which?", "answers": {"text": ["the"], "answer_start": [0]}},
+            {"context": D.BUILTIN_TEXTS[1], "question": "Why?", "answers": {"text": [], "answer_start": []}}]
+    squad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    texts, qa, _ = D.read_corpus(str(squad))
+    assert texts == [D.BUILTIN_TEXTS[1]] and [q for _, q, _ in qa] == ["Which?"]
+    for objective in ("ae", "qa"):
+        run_train(["--method", "icae", "--mem", "4", "--chunk-len", "16", *LORA, "--objective", objective, "--data",
+                   str(squad), "--crop", "window", "--batch-size", "2", "--steps", "1", "--eval-every", "0",
+                   "--out", str(tmp_path / objective)])
+        assert len(log_rows(tmp_path / objective)) == 1
+
+
+def test_the_help_and_notes_say_which_held_out_texts_are_scored(capsys):
+    """--eval-n and evaluate.py's --n take the first N texts of at least --min-len tokens (ae, lm), and texts shorter
+    than a head crop's n are left out, not padded: the help and evaluate.py's notes say so."""
+    for main in (train.main, E.main):
+        with pytest.raises(SystemExit):
+            main(["--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "the first N of at least" in text
+    assert "padded as in training" not in E.TASKS_NOTES and "left out, not padded" in " ".join(E.TASKS_NOTES.split())
+
+
+def test_train_py_reads_in_the_order_it_runs_with_main_last():
+    """train.py is one run on one page (issue 47): main() is its last definition, and no other function takes the
+    parsed flags (`args`): each takes what it uses, resolved once by cli.parse_args."""
+    import ast
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "train.py").read_text())
+    defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert defs[-1].name == "main"
+    takes_args = [f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name != "main"
+                  and "args" in [a.arg for a in f.args.args + f.args.kwonlyargs]]
+    assert not takes_args, takes_args
