@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import compressors
 from presets import fail
 
 
@@ -31,7 +32,7 @@ def save_checkpoint(out, step, comp, opt, record: dict, rng, data_key, keep_ever
     tmp, final = os.path.join(out, f".tmp-ckpt-{step:06d}"), os.path.join(out, f"ckpt-{step:06d}")
     shutil.rmtree(tmp, ignore_errors=True)
     # compressor.json + compressor.safetensors; whole: the trained tensors and AdamW state gathered from FSDP's shards
-    comp.save(tmp, extra={"step": step, "train_args": record}, state=whole and whole[0])
+    compressors.save(comp, tmp, extra={"step": step, "train_args": record}, state=whole and whole[0])
     torch.save(dict(step=step, optimizer=whole[1] if whole else opt.state_dict(), rng=rng, args=record,
                     data=data_key, config=asdict(comp.cfg)), os.path.join(tmp, "train_state.pt"))
     # the schedule is a function of the step and the data of (seed, step): step + RNG states are their state
@@ -82,22 +83,19 @@ def read_train_state(run_dir):
 
 
 def gather_rng_states(world, device):
-    """One RNG state per rank (rank r resumes with entry r), gathered so that rank 0 can save them all."""
+    """One RNG state per rank (rank r resumes with entry r), gathered so that rank 0 can save them all: every global
+    RNG a run draws from, torch's (the init and dropout), on the host, and on CUDA when the run is there (never asked
+    of a CPU run: a machine's GPU is not the run's)."""
+    state = dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if device.type == "cuda" else [])
     if world == 1:
-        return [rng_state(device)]
+        return [state]
     states = [None] * world
-    dist.all_gather_object(states, rng_state(device))
+    dist.all_gather_object(states, state)
     return states
 
 
-def rng_state(device):
-    """Every global RNG a run draws from: torch's (the init and dropout), on the host, and on CUDA when the run is
-    there (never asked of a CPU run: a machine's GPU is not the run's)."""
-    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if device.type == "cuda" else [])
-
-
 def set_rng_state(state, device):
-    """rng_state's generators back (a checkpoint saved before also holds numpy's and random's: nothing draws from
+    """gather_rng_states's generators back (a checkpoint saved before also holds numpy's and random's: nothing draws from
     them, so they are left alone)."""
     torch.set_rng_state(state["torch"])
     if state["cuda"] and device.type == "cuda":

@@ -42,11 +42,18 @@ EXAMPLES = """examples:
 COMPRESSOR_FLAGS = tuple(f.name for f in presets.FLAG_FIELDS)
 
 
+class Parser(argparse.ArgumentParser):
+    """train.py's parser: its epilog, every method's defaults (presets.defaults_table), is made when --help prints
+    it, not for every run."""
+
+    def format_help(self):
+        self.epilog = presets.defaults_table() + "\n\n" + EXAMPLES
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="train.py", usage="python train.py --method METHOD [options]   (--help lists every flag)",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__.split("\n\n")[0].strip(),
-        epilog=presets.defaults_table() + "\n\n" + EXAMPLES)
+    p = Parser(prog="train.py", usage="python train.py --method METHOD [options]   (--help lists every flag)",
+               formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__.split("\n\n")[0].strip())
     g = p.add_argument_group("what to train")
     g.add_argument("--method", choices=presets.METHODS, help="the compressor preset (presets.PRESETS); "
                    "optional with --resume")
@@ -99,11 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lm-weight", type=float, help="α (EPL) / λ (PIC Eq. 8): weight of the LM loss in "
                    "pretrain; AE gets 1 - α (default 0.5)")
 
-    add_data_and_run_flags(p)
+    add_training_flags(p)
     return p
 
 
-def add_data_and_run_flags(p: argparse.ArgumentParser):
+def add_training_flags(p: argparse.ArgumentParser):
+    """How it trains: the levers (ours), the data, the run, the held-out check."""
     g = p.add_argument_group("levers: ours, for a memory that carries nothing at this scale "
                              "(recipes/README.md, 'The ladder')")
     g.add_argument("--mem-lr", type=float, help="peak learning rate of the learned memory tokens alone (the same "

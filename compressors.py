@@ -117,7 +117,7 @@ class Embeds:
     @staticmethod
     def memory(comp, padded: list, valid: torch.Tensor) -> dict:
         """[hidden states (B, M, d_enc)] -> the Memory's embeds (B, M, d_dec), through the bridge."""
-        return dict(embeds=comp.to_decoder(padded[0], valid), kv=None)
+        return dict(embeds=comp.bridge(padded[0], valid), kv=None)
 
     @staticmethod
     def decoder_rows(comp, memory: Memory, b: int) -> list:
@@ -240,50 +240,84 @@ def build_encoder(cfg: CompressorConfig, decoder: Transformer, encoder: Transfor
     return enc
 
 
-def build_bridge(comp, cfg: CompressorConfig, decoder: Transformer, d_enc: int):
-    """The map from the encoder's output space to the decoder's input space: registers its weights on `comp`
-    (as `bridge` or `lsa`) and returns the function (h (B, M, d_enc), valid (B, M) on the host) -> (B, M, d_dec)."""
+# ---- bridges: the encoder's output space to the decoder's input space (CompressorConfig.bridge), each a module
+# whose forward takes the memory vectors h (B, M, d_enc) and which of them are real (valid (B, M), on the host)
+
+class NoBridge(nn.Module):
+    """bridge none: the encoder's output is what the decoder reads (ICAE, 500x, AOC)."""
+
+    def forward(self, h, valid):
+        return h
+
+
+class LinearBridge(nn.Linear):
+    """CompLLM §3: "one linear layer" on the CE outputs; identity init (ours) starts from ICAE."""
+
+    def __init__(self, d_enc, d_dec, device=None, dtype=None):
+        super().__init__(d_enc, d_dec, device=device, dtype=dtype)
+        with torch.no_grad():
+            self.weight.copy_(torch.eye(d_dec, d_enc))
+            self.bias.zero_()
+
+    def forward(self, h, valid):
+        return super().forward(h)
+
+
+class MLPBridge(nn.Sequential):
+    """PCC code's converter: RMSNorm (weight 1, eps 1e-6) -> Linear -> GELU (exact) -> Linear, PyTorch init."""
+
+    def __init__(self, d_enc, d_dec):
+        super().__init__(RMSNorm(d_enc, 1e-6), nn.Linear(d_enc, d_dec), nn.GELU(), nn.Linear(d_dec, d_dec))
+
+    def forward(self, h, valid):
+        return super().forward(h)
+
+
+class LSABridge(nn.Module):
+    """GMSA §3.3, Eq. (3): j Transformer blocks initialised from the decoder's first j layers, fully trained, an
+    independent copy (training them never touches the decoder). The copy borrows the decoder's embedding, final norm
+    and lm_head, which it never uses: the decoder's layer 0 reads the LSA's raw residual stream."""
+
+    def __init__(self, decoder: Transformer, j: int):
+        super().__init__()
+        self.lsa = copy_model(decoder, share=SHARED + ("model.norm",), num_hidden_layers=j)
+        train_own_weights(self.lsa, decoder)
+
+    def forward(self, h, valid):   # causal over the summary vectors, positions 0..M-1; the output residual stream
+        attn = masks.with_padding(masks.causal(h.shape[1]), valid).to(h.device)
+        out = self.lsa(inputs_embeds=h, attn_mask=attn, output_hidden_states=True, compute_logits=False)
+        return out.hidden_states[-1]
+
+
+class Rescaled(nn.Module):
+    """--mem-norm (ours, a diagnostic): the bridge, then each memory vector scaled to the mean L2 norm of the (frozen)
+    token embeddings, as the decoder reads them (embed_scale)."""
+
+    def __init__(self, bridge: nn.Module, decoder: Transformer):
+        super().__init__()
+        self.inner = bridge
+        self.target = decoder.model.embed_tokens.weight.detach().float().norm(dim=-1).mean().item() * \
+            embed_scale(decoder)
+
+    def forward(self, h, valid):
+        m = self.inner(h, valid)
+        return m * (self.target / m.float().norm(dim=-1, keepdim=True).clamp_min(1e-6)).to(m.dtype)
+
+
+def build_bridge(cfg: CompressorConfig, decoder: Transformer, d_enc: int) -> nn.Module:
+    """The bridge module cfg.bridge names, between an encoder d_enc wide and `decoder`."""
     d_dec, w = decoder.config.hidden_size, decoder.model.embed_tokens.weight
     if cfg.bridge == "none":
         if cfg.carrier == "embeds" and d_enc != d_dec:
             raise ValueError(f"the encoder is {d_enc} wide and the decoder {d_dec}: use --bridge mlp or linear")
-        return lambda h, valid: h
+        return NoBridge()
     if cfg.bridge == "linear":
-        # CompLLM §3: "one linear layer" on the CE outputs; identity init (ours) starts from ICAE
-        comp.bridge = nn.Linear(d_enc, d_dec, device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            comp.bridge.weight.copy_(torch.eye(d_dec, d_enc))
-            comp.bridge.bias.zero_()
-        return lambda h, valid: comp.bridge(h)
+        return LinearBridge(d_enc, d_dec, device=w.device, dtype=w.dtype)
     if cfg.bridge == "mlp":
-        # PCC code's converter: RMSNorm (weight 1, eps 1e-6) -> Linear -> GELU (exact) -> Linear, PyTorch init
-        comp.bridge = nn.Sequential(RMSNorm(d_enc, 1e-6), nn.Linear(d_enc, d_dec), nn.GELU(),
-                                    nn.Linear(d_dec, d_dec)).to(w.device, w.dtype)
-        return lambda h, valid: comp.bridge(h)
-    # GMSA §3.3, Eq. (3): j Transformer blocks initialised from the decoder's first j layers, fully trained, an
-    # independent copy (training them never touches the decoder). It borrows the decoder's embedding, final norm and
-    # lm_head, which it never uses (the decoder's layer 0 reads the LSA's raw residual stream)
+        return MLPBridge(d_enc, d_dec).to(w.device, w.dtype)
     if d_enc != d_dec:
         raise ValueError(f"LSA blocks are decoder layers ({d_dec} wide) and the encoder is {d_enc} wide")
-    comp.lsa = copy_model(decoder, share=SHARED + ("model.norm",), num_hidden_layers=cfg.lsa_layers)
-    train_own_weights(comp.lsa, decoder)
-
-    def lsa(h, valid):   # causal over the summary vectors, positions 0..M-1; the output residual stream, no norm
-        attn = masks.with_padding(masks.causal(h.shape[1]), valid).to(h.device)
-        out = comp.lsa(inputs_embeds=h, attn_mask=attn, output_hidden_states=True, compute_logits=False)
-        return out.hidden_states[-1]
-    return lsa
-
-
-def rescaled(to_decoder, decoder: Transformer):
-    """to_decoder, then each memory vector scaled to the mean L2 norm of the (frozen) token embeddings, as the
-    decoder reads them (embed_scale)."""
-    target = decoder.model.embed_tokens.weight.detach().float().norm(dim=-1).mean().item() * embed_scale(decoder)
-
-    def to_decoder_rescaled(h, valid):
-        m = to_decoder(h, valid)
-        return m * (target / m.float().norm(dim=-1, keepdim=True).clamp_min(1e-6)).to(m.dtype)
-    return to_decoder_rescaled
+    return LSABridge(decoder, cfg.lsa_layers)
 
 
 def special_token(cfg: CompressorConfig, task: str) -> str:
@@ -358,16 +392,16 @@ class Compressor(nn.Module):
         # the id in each memory slot of the encoder input: CompLLM §3's EOS, else padding that the memory tokens
         # replace (learned memory tokens are embeddings, not vocabulary)
         self.slot_id = self.enc_tok.eos_id if cfg.source == "eos" else self.enc_pad_id
-        self.to_decoder = build_bridge(self, cfg, decoder, self.encoder.config.hidden_size)
+        self.bridge = build_bridge(cfg, decoder, self.encoder.config.hidden_size)   # encoder -> decoder space
         if cfg.mem_norm:   # ours (diagnostic): the memory at the scale of the decoder's own token embeddings
-            self.to_decoder = rescaled(self.to_decoder, decoder)
-        self.carrier = CARRIERS[cfg.carrier]
+            self.bridge = Rescaled(self.bridge, decoder)
+        self.carrier = CARRIERS[cfg.carrier]   # Embeds or KV (above)
         # decoder-side special tokens, drawn like the memory tokens (draw, --mem-init); PCC code keeps them frozen
         for name, wanted in zip(SPECIALS, (cfg.ae_token == "learned", cfg.lm_token == "learned", cfg.delimiters,
                                            cfg.delimiters)):
             if wanted:
                 setattr(self, name, nn.Parameter(draw(cfg.mem_init, 1, decoder)[0], requires_grad=cfg.train_specials))
-        self.encoder_mask = masks.ENCODER[cfg.mask]   # PIC Eq. (5) or causal
+        self.encoder_mask = masks.ENCODER[cfg.mask]   # masks.causal, or masks.pic (PIC Eq. 5)
         # the range UPL spreads a chunk's memory over: EPL code, the nominal chunk length L even for a shorter last
         # chunk; cap_mem (ours, None): the chunk's own length (positions.encoder_positions' `span`)
         self.nominal_len = None if cfg.cap_mem else cfg.chunk_len
@@ -774,49 +808,59 @@ class Compressor(nn.Module):
                 p.data = p.data.to(want)   # in place of the tensor: every module holding p sees the new dtype
         return self
 
-    def blocks(self) -> list:
-        """Every distinct transformer block the compressor runs: the encoder's, the decoder's, GMSA's LSA blocks (a
-        LoRA encoder that IS the decoder once). FSDP's units (parallel.shard), and what --plan --fsdp divides."""
-        seen = {}
-        for model in (self.encoder, self.decoder, getattr(self, "lsa", None)):
-            for block in model.model.layers if model is not None else ():
-                seen.setdefault(id(block), block)
-        return list(seen.values())
 
-    def trained_state(self) -> dict:
-        return {n: p.detach().contiguous() for n, p in self.named_parameters() if saved(self.cfg, n)}
+# -----------------------------------------------------------------------------
+# the parts of a compressor that training and its checkpoints use
 
-    def save(self, out_dir: str, extra: dict | None = None, state: dict | None = None):
-        """Write compressor.safetensors (exactly the trained tensors) and compressor.json (the config),
-        each atomically (temp file + rename), so an interrupted save never leaves a broken checkpoint.
-        state: the trained tensors, when they were gathered already (train.py --fsdp: parallel.gathered_state)."""
-        os.makedirs(out_dir, exist_ok=True)
-        tmp = os.path.join(out_dir, "compressor.safetensors.tmp")
-        state = state or self.trained_state()
-        save_file({k: v.cpu() for k, v in state.items()}, tmp)
-        os.replace(tmp, os.path.join(out_dir, "compressor.safetensors"))
-        # the size of what was trained, special-token vectors aside, kept with the config (a record without weights)
-        trained = sum(v.numel() for k, v in state.items() if k not in SPECIALS)
-        meta = {"config": asdict(self.cfg), "trained_parameters": trained, **(extra or {})}
-        tmp = os.path.join(out_dir, "compressor.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(meta, f, indent=2)
-        os.replace(tmp, os.path.join(out_dir, "compressor.json"))
+def blocks(comp: Compressor) -> list:
+    """Every distinct transformer block the compressor runs: the encoder's, the decoder's, GMSA's LSA blocks (a
+    LoRA encoder that IS the decoder once). FSDP's units (parallel.shard), and what --plan --fsdp divides."""
+    seen = {}
+    for model in (comp.encoder, comp.decoder, getattr(comp.bridge, "lsa", None)):
+        for block in model.model.layers if model is not None else ():
+            seen.setdefault(id(block), block)
+    return list(seen.values())
 
-    def load_trained(self, state: dict):
-        """Load exactly the tensors `save` wrote; list whatever is missing, unexpected or misshapen."""
-        own = {n: p for n, p in self.named_parameters() if saved(self.cfg, n)}
-        if self.encoder.lm_head is None:   # a PCC/PIC checkpoint before issue 45 kept the unused lm_head: left out
-            state = {n: t for n, t in state.items() if not n.startswith("encoder.lm_head.")}
-        missing = sorted(set(own) - set(state))
-        unexpected = sorted(set(state) - set(own))
-        shapes = sorted(n for n in set(own) & set(state) if own[n].shape != state[n].shape)
-        if missing or unexpected or shapes:
-            raise ValueError(f"checkpoint does not match the compressor: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}, wrong shape {shapes[:5]}")
-        with torch.no_grad():
-            for n, p in own.items():
-                p.copy_(state[n])
+
+def trained_state(comp: Compressor) -> dict:
+    """The tensors a checkpoint holds (saved), by name."""
+    return {n: p.detach().contiguous() for n, p in comp.named_parameters() if saved(comp.cfg, n)}
+
+
+def save(comp: Compressor, out_dir: str, extra: dict | None = None, state: dict | None = None):
+    """Write compressor.safetensors (exactly the trained tensors) and compressor.json (the config),
+    each atomically (temp file + rename), so an interrupted save never leaves a broken checkpoint.
+    state: the trained tensors, when they were gathered already (train.py --fsdp: parallel.gathered_state)."""
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, "compressor.safetensors.tmp")
+    state = state or trained_state(comp)
+    save_file({k: v.cpu() for k, v in state.items()}, tmp)
+    os.replace(tmp, os.path.join(out_dir, "compressor.safetensors"))
+    # the size of what was trained, special-token vectors aside, kept with the config (a record without weights)
+    trained = sum(v.numel() for k, v in state.items() if k not in SPECIALS)
+    meta = {"config": asdict(comp.cfg), "trained_parameters": trained, **(extra or {})}
+    tmp = os.path.join(out_dir, "compressor.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=2)
+    os.replace(tmp, os.path.join(out_dir, "compressor.json"))
+
+
+def load_trained(comp: Compressor, state: dict):
+    """Load exactly the tensors `save` wrote; list whatever is missing, unexpected or misshapen."""
+    own = {n: p for n, p in comp.named_parameters() if saved(comp.cfg, n)}
+    if comp.encoder.lm_head is None:   # a PCC/PIC checkpoint before issue 45 kept the unused lm_head: left out
+        state = {n: t for n, t in state.items() if not n.startswith("encoder.lm_head.")}
+    # GMSA's LSA blocks were `lsa.*` before the bridges became modules (issue 47): now `bridge.lsa.*`
+    state = {("bridge." + n if n.startswith("lsa.") else n): t for n, t in state.items()}
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = sorted(n for n in set(own) & set(state) if own[n].shape != state[n].shape)
+    if missing or unexpected or shapes:
+        raise ValueError(f"checkpoint does not match the compressor: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}, wrong shape {shapes[:5]}")
+    with torch.no_grad():
+        for n, p in own.items():
+            p.copy_(state[n])
 
 
 def read_checkpoint_config(ckpt_dir: str) -> dict:
@@ -870,7 +914,7 @@ def load(ckpt_dir: str, dtype=torch.float32, device="cpu", trained=True, for_tra
         state = load_file(os.path.join(ckpt_dir, "compressor.safetensors"))
     except Exception as e:
         raise ValueError(f"'{ckpt_dir}/compressor.safetensors' cannot be read ({e}): restore it or retrain") from None
-    comp.load_trained(state)
+    load_trained(comp, state)
     return comp
 
 

@@ -161,22 +161,23 @@ def hub_file(url):
         fail(f"cannot fetch {url}: {type(e).__name__} (offline or not on the hub; pass a local path instead)")
 
 
-def tokenize_corpus(texts, qa, identity, comp, cache_dir):
+def tokenize_corpus(texts, qa, identity, comp, cache_dir, with_qa=True):
     """Tokenise every document once and cache the ids, keyed by the data, the tokenizers and the QA template.
     Texts become one flat tensor of decoder ids plus offsets (document d is tokens[offsets[d]:offsets[d + 1]]);
     QA triples become the template's pieces (Compressor.qa_parts): prefix, the context for the decoder and for
-    the compressor, the prompt after it, and the answer."""
+    the compressor, the prompt after it, and the answer. with_qa=False (ae, pretrain: they read texts only): no
+    pieces, in a cache file of its own; the key, which a checkpoint keeps, is the data's either way."""
     tok, enc_tok = comp.tok, comp.enc_tok
     vocab = tok.tk.to_str() + ("" if enc_tok is tok else enc_tok.tk.to_str())
     key = hashlib.sha256((identity + vocab + json.dumps(comp.template())).encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir, f"tokens-{key}.pt")
+    path = os.path.join(cache_dir, f"tokens-{key}{'' if with_qa else '-texts'}.pt")
     if os.path.exists(path):
         return torch.load(path, weights_only=True), key
     as_ids = lambda s, t=tok: torch.tensor(t.encode(s), dtype=torch.int32)
     docs = [d for d in map(as_ids, tqdm(texts, desc="tokenizing", disable=len(texts) < 1000)) if len(d) >= 2]
     offsets = torch.tensor([0] + [len(d) for d in docs], dtype=torch.int64).cumsum(0)   # (n_docs + 1,)
     pieces = [{**{k: torch.tensor(v, dtype=torch.int32) for k, v in comp.qa_parts(c, q).items()},
-               "answer": as_ids(a)} for c, q, a in qa]
+               "answer": as_ids(a)} for c, q, a in (qa if with_qa else [])]
     tensors = {"tokens": torch.cat(docs) if docs else torch.zeros(0, dtype=torch.int32), "offsets": offsets,
                "qa": pieces}
     os.makedirs(cache_dir, exist_ok=True)
@@ -215,7 +216,8 @@ def load_corpus(path, sampling: Sampling, comp, cache_dir: str, answer_tokens: i
                  f"{sampling.batch_size}: give a .jsonl with one document per line, a folder of files, or use --crop window")
     if sampling.objective == "distill" and comp.enc_tok is not comp.tok:
         fail("distill runs the teacher and the student on the same ids: it needs one tokenizer for both models")
-    tensors, key = tokenize_corpus(texts, qa, identity, comp, cache_dir)
+    tensors, key = tokenize_corpus(texts, qa, identity, comp, cache_dir,
+                                   with_qa=sampling.objective in ("qa", "distill"))
     if sampling.objective in ("pretrain", "ae") and len(tensors["tokens"]) == 0:   # (documents of < 2 tokens are dropped)
         fail(f"no text of 2 tokens or more in {path}")
     answers_path = os.path.join(cache_dir, f"answers-{key}-{answer_tokens}.pt")
@@ -393,9 +395,9 @@ def batch_shape(batch: Batch) -> str:
 # ---- built-in corpus ----
 # So that the quickstart runs offline with no --data and shows real compression: thousands of short documents from
 # a small seeded grammar (ours), many enough that a run trains on many texts and is scored on others it never saw
-# (held_out_texts: the same grammar, another seed, any text also drawn here left out); and a few paragraphs of plain
+# (unseen_texts: the same grammar, another seed, any text also drawn here left out); and a few paragraphs of plain
 # English (written for this repository) with questions about them, for QA. evaluate.py reads its built-in examples
-# from here too (EVAL_TEXTS, EVAL_QA, held_out_texts): one place for every built-in text.
+# from here too (EVAL_TEXTS, EVAL_QA, unseen_texts): one place for every built-in text.
 
 NAMES = ("Mira", "Tom", "Anna", "Jonas", "Lena", "Omar", "Sara", "Pedro", "Yuki", "Ivan", "Nora", "Felix", "Hana",
          "Leo", "Ada", "Karim", "Ines", "Oskar", "Rosa", "Theo", "Vera", "Emil", "Lucia", "Amir")
@@ -437,7 +439,7 @@ def generated_texts(n: int, seed: int) -> list:
     return docs
 
 
-BUILTIN_GENERATED = 3000   # documents of the built-in training corpus (seed 0); held_out_texts draws seed 1's
+BUILTIN_GENERATED = 3000   # documents of the built-in training corpus (seed 0); unseen_texts draws seed 1's
 
 BUILTIN_TEXTS = [
     "The river starts as a thin stream high in the hills, where snow melts slowly through the spring. It runs "
@@ -525,7 +527,7 @@ EVAL_QA = [
 ]
 
 
-def held_out_texts(n=32):
+def unseen_texts(n=32):
     """The built-in texts of evaluate.py's ae and lm tasks (and of a tiny run's held-out check): n documents of the
     grammar above drawn with another seed, none of them in the built-in corpus (so a quickstart run is scored on
     texts it never saw)."""

@@ -64,7 +64,7 @@ def load_examples(path, task, n=None):
     (train.py reads a whole .txt file as one document to draw windows from; an evaluation needs fixed examples).
     n: keep the first n."""
     if path is None:
-        rows = [dict(r) for r in data.EVAL_QA] if task == "qa" else [{"text": t} for t in data.held_out_texts()]
+        rows = [dict(r) for r in data.EVAL_QA] if task == "qa" else [{"text": t} for t in data.unseen_texts()]
     elif not os.path.isfile(path):
         raise FileNotFoundError(f"--data {path}: no such file")
     elif path.endswith((".jsonl", ".parquet")):   # data.py's reader (train.py's), and its checks of a QA record

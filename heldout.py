@@ -26,7 +26,8 @@ PROMPT_LIKE, PROMPT_EVALS = 0.95, 3   # warn when this many evaluations in a row
 
 
 @dataclass
-class HeldOut:
+class Check:
+    """The held-out check of a run: what it scores, how often, and what it has logged."""
     examples: list      # the held-out examples (evaluate.load_examples), the same every time
     task: str           # "ae" (ae, pretrain) or "qa" (qa, distill: the loss of the reference answer)
     every: int          # steps between evaluations
@@ -41,7 +42,7 @@ class HeldOut:
         return self.rows[-1]["eval"]["own_other"] if self.rows else None
 
 
-def held_out(comp, train_args: dict, every: int, tiny: bool, resumed: bool, master: bool) -> HeldOut | None:
+def prepare(comp, train_args: dict, every: int, tiny: bool, resumed: bool, master: bool) -> Check | None:
     """The held-out examples of the check (train_args: the run's eval_data, eval_n, objective, out), or None, with
     one line saying why and how to turn it on. tiny: the built-in tiny model, whose held-out texts are built in."""
     task = "qa" if train_args["objective"] in ("qa", "distill") else "ae"
@@ -65,56 +66,56 @@ def held_out(comp, train_args: dict, every: int, tiny: bool, resumed: bool, mast
     # a resumed run's log (trimmed to its checkpoint) holds its earlier evaluations
     out = train_args["out"]
     rows = read_log(out)[1] if resumed and os.path.exists(os.path.join(out, "log.jsonl")) else []
-    return HeldOut(examples, task, every, rows, train_args, warned=any(r.get("warned") for r in rows),
+    return Check(examples, task, every, rows, train_args, warned=any(r.get("warned") for r in rows),
                    bleu=bool(train_args.get("eval_bleu")) and task == "ae")
 
 
 @torch.no_grad()
-def held_out_losses(comp, ho: HeldOut, device, autocast) -> dict:
+def score(comp, check: Check, device, autocast) -> dict:
     """own, other, none, own_other and n on the held-out examples; for pretrain the LM loss beside them."""
-    max_len = ho.train_args["max_len"]
+    max_len = check.train_args["max_len"]
     modes = {m: m.training for m in comp.modules()}   # restored exactly afterwards: the check must not touch training
     comp.eval()
     # no RNG is drawn in eval mode; forked anyway, so that nothing the check does can move the training's streams
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast:
         ratio = {}   # ae: the compression the texts were scored at
-        if ho.task == "qa":
-            L = evaluate.run_qa(comp, ho.examples, max_len=max_len, generate=False)["loss"]
+        if check.task == "qa":
+            L = evaluate.run_qa(comp, check.examples, max_len=max_len, generate=False)["loss"]
         else:
-            proto = evaluate.protocol(comp, max_len=max_len, train_args=ho.train_args)
+            proto = evaluate.protocol(comp, max_len=max_len, train_args=check.train_args)
             # --eval-bleu (ours): each text regenerated greedily from its memory too, as evaluate.py --task ae does
-            ae = evaluate.run_ae(comp, ho.examples, proto=proto, generate=ho.bleu, modes=("compressed",))
+            ae = evaluate.run_ae(comp, check.examples, proto=proto, generate=check.bleu, modes=("compressed",))
             L, ratio = ae["loss"], {"tokens_per_slot": ae["tokens_per_slot"]}
-            if ho.bleu:
+            if check.bleu:
                 scores = ae["scores"]["compressed"]
                 ratio.update(bleu4_words=scores["bleu4_words"], rougeL=scores["rougeL"])
-        lm = evaluate.run_lm(comp, ho.examples, max_len=max_len)["loss"] if ho.train_args["objective"] == "pretrain" else None
+        lm = evaluate.run_lm(comp, check.examples, max_len=max_len)["loss"] if check.train_args["objective"] == "pretrain" else None
     for m, training in modes.items():
         m.train(training)
     point = lambda L: dict(own=L["own"], other=L["other"], none=L["none"], own_other=L["own_other_ratio"])
-    return {**point(L), "n": len(ho.examples), **ratio, **({"lm": point(lm)} if lm else {})}
+    return {**point(L), "n": len(check.examples), **ratio, **({"lm": point(lm)} if lm else {})}
 
 
-def check_held_out(comp, ho: HeldOut, log, step: int, device, autocast):
+def run_check(comp, check: Check, log, step: int, device, autocast):
     """Score the held-out examples at `step`, log the row, and warn once when the memory acts as a constant prompt."""
     t0 = time.time()
     try:   # e.g. an empty held-out text, or no memory left for it: one line, not a traceback
-        row = {"step": step, "eval": held_out_losses(comp, ho, device, autocast)}
+        row = {"step": step, "eval": score(comp, check, device, autocast)}
     except ValueError as e:
-        fail(f"the held-out check at step {step}: {e} (--eval-data {ho.train_args['eval_data'] or 'the built-in set'})")
+        fail(f"the held-out check at step {step}: {e} (--eval-data {check.train_args['eval_data'] or 'the built-in set'})")
     except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
         if not is_out_of_memory(e):
             raise
         fail(f"out of memory in the held-out check at step {step} on {device}: use a smaller --eval-n, or "
-             f"--eval-every 0 (no check); the last good checkpoint in {ho.train_args['out']} is kept")
+             f"--eval-every 0 (no check); the last good checkpoint in {check.train_args['out']} is kept")
     row["eval"]["seconds"] = time.time() - t0   # what the check cost (the training steps' dt leaves it out)
     row["eval"]["accelerator"] = evaluate.accelerator(device)   # where it ran (a resumed run may move machines)
-    ho.rows.append(row)
+    check.rows.append(row)
     ratio = row["eval"]["own_other"]
-    recent = [r["eval"]["own_other"] for r in ho.rows if r["step"] > ho.train_args["warmup"]][-PROMPT_EVALS:]
-    warn = not ho.warned and len(recent) == PROMPT_EVALS and all(x is not None and x >= PROMPT_LIKE for x in recent)
-    if warn:   # saved with the row: a resumed run (held_out reads its log) does not warn again
-        ho.warned = row["warned"] = True
+    recent = [r["eval"]["own_other"] for r in check.rows if r["step"] > check.train_args["warmup"]][-PROMPT_EVALS:]
+    warn = not check.warned and len(recent) == PROMPT_EVALS and all(x is not None and x >= PROMPT_LIKE for x in recent)
+    if warn:   # saved with the row: a resumed run (prepare reads its log) does not warn again
+        check.warned = row["warned"] = True
     log.write(json.dumps(row) + "\n")
     log.flush()
     if ratio is None:   # a single held-out example has no other
@@ -131,11 +132,11 @@ def check_held_out(comp, ho: HeldOut, log, step: int, device, autocast):
                    f"recipes/README.md, 'The ladder' (what the decoder sees of each memory, recipes/diagnosis.py)")
 
 
-def first_carrying_step(ho: HeldOut, threshold=0.5) -> str:
+def first_carrying_step(check: Check, threshold=0.5) -> str:
     """The closing line: the first step at which held-out own/other was <= threshold, or that it never was."""
-    hit = next((r["step"] for r in ho.rows if r["eval"]["own_other"] is not None
+    hit = next((r["step"] for r in check.rows if r["eval"]["own_other"] is not None
                 and r["eval"]["own_other"] <= threshold), None)
-    last = ho.rows[-1]
+    last = check.rows[-1]
     if hit is not None:
         return (f"held-out own/other first <= {threshold} at step {hit} ({last['eval']['own_other']:.3f} at step "
                 f"{last['step']})")

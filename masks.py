@@ -6,9 +6,8 @@ which is what `F.scaled_dot_product_attention(attn_mask=...)` expects for a bool
 What is here, and where it comes from:
 
     causal(n)                     the ordinary decoder mask, i ≥ j.
-    full_causal(L, M)             the baseline compressor mask of PCC / ICAE / 500xCompressor / AOC:
-                                  ordinary causal attention over [context, memory]
-                                  (PIC paper §3.1, Eq. 2, Figure 4(a)).
+    causal(L, M)                  the same over [context, memory]: the baseline compressor mask of PCC / ICAE /
+                                  500xCompressor / AOC (PIC paper §3.1, Eq. 2, Figure 4(a)).
     pic(L, M)                     PIC's block-wise causal mask (PIC paper §3.3, Eq. 4–5, Figure 4(c)).
     block_bounds(L, N)            how pic() cuts the context into N blocks, one per memory token.
     segments(lens, mems)          block-diagonal mask: each segment and its memory tokens form one
@@ -54,20 +53,13 @@ def _check_int(name, value, minimum):
 
 # ---- the masks ----
 
-def causal(n):
-    """Ordinary causal mask [n, n]: query i sees keys 0 … i."""
+def causal(n, num_mem=0):
+    """Ordinary causal mask [n+M, n+M]: query i sees keys 0 … i. With num_mem = M, the baseline compressor mask over
+    [context, memory] (PCC / ICAE / 500xCompressor / AOC, PIC Figure 4(a)): every memory token m_t sees the whole
+    context and m_1 … m_t (PIC Eq. 2: h_t = Compressor(X, m_<t)); the encoder mask setting "causal"."""
     _check_int("n", n, 0)
-    return torch.ones(n, n, dtype=torch.bool).tril()
-
-
-def full_causal(context_len, num_mem):
-    """Baseline compressor mask [L+M, L+M] over [context, memory] (PCC / ICAE, PIC Figure 4(a)).
-
-    Every memory token m_t sees the whole context and m_1 … m_t (PIC Eq. 2: h_t = Compressor(X, m_<t)).
-    """
-    _check_int("context_len", context_len, 1)
-    _check_int("num_mem", num_mem, 1)
-    return causal(context_len + num_mem)
+    _check_int("num_mem", num_mem, 0)
+    return torch.ones(n + num_mem, n + num_mem, dtype=torch.bool).tril()
 
 
 def block_bounds(context_len, num_blocks):
@@ -114,8 +106,8 @@ def pic(context_len, num_mem):
 
 # The encoder masks over [chunk, memory] that a compressor config's `mask` names; CompressorConfig.mask's choices
 # are these keys, so a new mask is a function above and its entry here
-ENCODER = {"causal": full_causal,   # PCC / ICAE, PIC Figure 4(a)
-           "pic": pic}              # PIC Eq. (5)
+ENCODER = {"causal": causal,   # PCC / ICAE, PIC Figure 4(a)
+           "pic": pic}         # PIC Eq. (5)
 
 
 def segments(segment_lens, mems_per_segment):
@@ -269,37 +261,37 @@ def _pic_labels(context_len, num_mem):
 
 
 def main(argv=None):
-    """`python masks.py pic 8 2` | `full_causal 8 2` | `segments 3,2 1` | `causal 6`."""
+    """`python masks.py pic 8 2` | `causal 8 2` | `segments 3,2 1` | `causal 6`."""
     import argparse
 
     parser = argparse.ArgumentParser(description="Print an attention mask as a ■ / · grid.")
     sub = parser.add_subparsers(dest="kind", required=True)
-    p = sub.add_parser("causal", help="ordinary causal mask")
-    p.add_argument("n", type=int)
-    for kind in ("pic", "full_causal"):
-        p = sub.add_parser(kind, help="compressor mask over [context, memory]")
-        p.add_argument("context_len", type=int)
-        p.add_argument("num_mem", type=int)
+    p = sub.add_parser("causal", help="ordinary causal mask, over [context, memory] with a second number")
+    p.add_argument("context_len", type=int)
+    p.add_argument("num_mem", type=int, nargs="?", default=0)
+    p = sub.add_parser("pic", help="PIC's compressor mask over [context, memory]")
+    p.add_argument("context_len", type=int)
+    p.add_argument("num_mem", type=int)
     p = sub.add_parser("segments", help="block-diagonal mask, e.g. `segments 3,2 1` or `segments 4,3 2,1`")
     p.add_argument("segment_lens", help="comma-separated segment lengths")
     p.add_argument("mems_per_segment", help="one int, or comma-separated, one per segment")
     args = parser.parse_args(argv)
 
     legend = "■ = row (query) may attend column (key)"
-    if args.kind == "causal":
-        print(f"causal mask, n={args.n}; {legend}")
-        print(render(causal(args.n)))
-    elif args.kind in ("pic", "full_causal"):
+    if args.kind == "causal" and not args.num_mem:
+        print(f"causal mask, n={args.context_len}; {legend}")
+        print(render(causal(args.context_len)))
+    elif args.kind in ("pic", "causal"):
         L, M = args.context_len, args.num_mem
         if args.kind == "pic":
             mask = pic(L, M)
             print(f"PIC block-wise causal mask (PIC Eq. 5, Figure 4(c)), L={L}, N={M} blocks, one memory token "
                   f"per block; {legend}")
         else:
-            mask = full_causal(L, M)
-            print(f"full causal mask over [context, memory] (PCC / ICAE, PIC Figure 4(a)), L={L}, M={M}; {legend}")
+            mask = causal(L, M)
+            print(f"causal mask over [context, memory] (PCC / ICAE, PIC Figure 4(a)), L={L}, M={M}; {legend}")
         # lines between blocks, and between the context and the memory
-        # (full_causal has no blocks of its own: PIC's are drawn, for comparison)
+        # (the causal mask has no blocks of its own: PIC's are drawn, for comparison)
         cuts = [start for start, _ in block_bounds(L, M)] + [L]
         print(render(mask, cuts, _pic_labels(L, M)))
     else:

@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from compressors import saved
+from compressors import blocks, saved, trained_state
 from presets import fail
 
 
@@ -112,7 +112,7 @@ def shard(comp, step_fn, device, bf16):
     # not cast (cast_forward_inputs=False): RoPE's cos/sin stay fp32, as under autocast
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False) \
         if bf16 else MixedPrecisionPolicy()
-    for block in comp.blocks():   # (a LoRA encoder is the decoder: its blocks are sharded once)
+    for block in blocks(comp):   # (a LoRA encoder is the decoder: its blocks are sharded once)
         fully_shard(block, mesh=mesh, mp_policy=mixed)
     fully_shard(step_fn, mesh=mesh)   # the root: embeddings, memory tokens, bridge, gathered whole for the step
     return step_fn
@@ -128,7 +128,7 @@ def gathered_state(comp, opt, master: bool):
         if isinstance(t, DTensor):
             t = t.full_tensor()
         return t.cpu() if master else None
-    state = {n: whole(t) for n, t in comp.trained_state().items()}
+    state = {n: whole(t) for n, t in trained_state(comp).items()}
     live = opt.state_dict()
     moments = {i: {k: whole(v) if torch.is_tensor(v) else v for k, v in per_param.items()}
                for i, per_param in live["state"].items()}

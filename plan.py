@@ -209,7 +209,7 @@ def make_plan(args, cfg, step_cls, micro: int | None = None) -> Plan:
     gpus, fsdp = args.gpus or 1, bool(args.fsdp)
     micro = micro or args.micro_batch or max(1, args.batch_size // gpus)
     comp = build_on_meta(args, cfg, frozen)
-    blocks = comp.blocks()
+    blocks = compressors.blocks(comp)
     sharded = {id(p) for b in blocks for p in b.parameters()} if fsdp else set()
     params, weights, trained, root, root_trained = {}, 0, 0, 0, 0
     for p in comp.parameters():   # distinct tensors: a tied or shared one counts once

@@ -163,6 +163,9 @@ def readonly(**kw) -> MappingProxyType:
     return MappingProxyType(dict(kw))
 
 
+NOTHING = readonly()   # an objective that changes no compressor setting
+
+
 class Preset(NamedTuple):
     """One method: the compressor settings its paper's code uses, its training recipe, and the sources both follow.
     "ours" marks a value the paper and its code do not give."""
@@ -175,7 +178,7 @@ class Preset(NamedTuple):
 
     def compressor_for(self, objective: str) -> Mapping:
         """The compressor fields --objective `objective` sets on top of `compressor` (empty for most)."""
-        return self.objective_compressor.get(objective, readonly())
+        return self.objective_compressor.get(objective, NOTHING)
 
 
 def derive(base: Preset, cite: str, compressor=readonly(), objective_compressor=readonly(), recipe=None) -> Preset:

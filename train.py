@@ -49,7 +49,7 @@ import plan
 import presets
 from checkpoint import gather_rng_states, is_out_of_memory, latest_checkpoint, save_checkpoint, set_rng_state, \
     trim_log, write_log
-from heldout import check_held_out, first_carrying_step, held_out
+from heldout import first_carrying_step, prepare, run_check
 from model import load_pretrained
 from presets import fail
 
@@ -122,7 +122,8 @@ def build_compressor(cfg, device, frozen=torch.float32, ckpt_dir=None, init=None
         decoder, tok = load_pretrained(cfg.model, dtype=frozen, device=device)
         encoder, enc_tok = load_pretrained(cfg.compressor_model, dtype=frozen, device=device) \
             if cfg.compressor_model else (None, None)
-        comp = compressors.Compressor(cfg, decoder, tok, encoder, enc_tok).set_dtypes(frozen)   # before any load_trained
+        # its dtypes set before any load_trained
+        comp = compressors.Compressor(cfg, decoder, tok, encoder, enc_tok).set_dtypes(frozen)
         if warm:
             warm_start(comp, warm, device)
     if stage == "keft" and comp.cfg.decoder_train != "keft":
@@ -144,7 +145,8 @@ def check_warm_start(run_dir, init):
 def warm_start(comp, run_dir, device):
     """--warm-start RUN (ours): another run's trained tensors, this run's settings (load_trained checks they fit)."""
     try:
-        comp.load_trained(load_file(os.path.join(run_dir, "compressor.safetensors"), device=str(device)))
+        state = load_file(os.path.join(run_dir, "compressor.safetensors"), device=str(device))
+        compressors.load_trained(comp, state)
     except ValueError as e:
         raise ValueError(f"--warm-start {run_dir}: {e} (it must be the same preset with the same --mem, LoRA and "
                          "model)") from None
@@ -153,7 +155,7 @@ def warm_start(comp, run_dir, device):
 def compile_blocks(comp):
     """torch.compile every transformer block (the heavy part); the glue around them stays eager.
     dynamic=True: lengths change every step, and a recompile per shape would cost more than it saves."""
-    for block in comp.blocks():   # (a LoRA encoder is the decoder: once)
+    for block in compressors.blocks(comp):   # (a LoRA encoder is the decoder: once)
         block.compile(dynamic=True)
 
 # ---- optimizer ----
@@ -181,7 +183,7 @@ def make_optimizer(comp, lr, betas, weight_decay, mem_lr, device):
 # ---- the log ----
 
 
-def open_log(run: Run, comp, corpus: data.Corpus, settings: dict, demo: str, n_params: int):
+def open_log(run: Run, comp, corpus: data.Corpus, settings: dict, demo: str, n_params: int, from_init: bool):
     """log.jsonl (a resumed run rewrites the steps after its checkpoint), and the run's first lines: every setting
     with its source (cli.parse_args), what the tiny demo changes, then what trains on what."""
     os.makedirs(run.out, exist_ok=True)
@@ -192,8 +194,8 @@ def open_log(run: Run, comp, corpus: data.Corpus, settings: dict, demo: str, n_p
     objective, method = settings["objective"].value, comp.cfg.method
     read = f"{corpus.documents:,} documents" + (f", {corpus.questions:,} QA examples" if corpus.questions else "")
     changes = presets.objective_changes(method, objective, comp.cfg)
-    note = f" (--objective {objective} on {method} also sets: {changes})" if changes and not \
-        settings["objective"].source.startswith("--") else ""
+    # (with --init, the compressor settings are that run's)
+    note = f" (--objective {objective} on {method} also sets: {changes})" if changes and not from_init else ""
     print(f"{method}: {objective} objective{note} on {read}, {n_params:,} trained parameters, batch "
           f"{run.sampling.batch_size} ({run.accum} x {run.micro} x {run.world}), |X| in [{run.sampling.min_len}, "
           f"{run.sampling.max_len}], lr {run.lr:g}, {run.schedule} after {run.warmup} warmup steps, steps "
@@ -203,24 +205,30 @@ def open_log(run: Run, comp, corpus: data.Corpus, settings: dict, demo: str, n_p
 # ---- the loop ----
 
 
-def loop(run: Run, comp, step_module, opt, params, corpus: data.Corpus, ho, log) -> int:
+def loop(run: Run, comp, step_module, opt, params, corpus: data.Corpus, check, log) -> int:
     """The training loop, from the run's start to its end (--steps, or --stop-after K): the step, its log row, the
     held-out check, a checkpoint on schedule. Returns the last step done."""
+    # Ctrl-C / SIGTERM: finish the step, save, stop (a second Ctrl-C stops at once)
     stop = {"signal": None}
-    old_handlers = catch_signals(stop)
+
+    def on_signal(signum, frame):
+        if stop["signal"] is not None:
+            raise KeyboardInterrupt
+        stop["signal"] = signal.Signals(signum).name
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     end = run.end
     bar = tqdm(total=run.steps, initial=run.start, disable=not run.master, desc=comp.cfg.method, dynamic_ncols=True)
     try:
-        if ho and run.master and run.start == 0:
-            check_held_out(comp, ho, log, 0, run.device, run.autocast)   # at init: what an untrained memory carries
+        if check and run.master and run.start == 0:
+            run_check(comp, check, log, 0, run.device, run.autocast)   # at init: what an untrained memory carries
         for step in range(run.start, end):
             lr = lr_at(step, run.lr, run.warmup, run.steps, run.schedule)   # set by hand: a function of the step
             row = train_step(run, comp, step_module, opt, params, corpus, lr, step, stop)
             if run.master:
-                write_log(log, bar, row, run.steps, ho and ho.last)
+                write_log(log, bar, row, run.steps, check and check.last)
             done = step + 1
-            if ho and run.master and (done % ho.every == 0 or done == run.steps):
-                check_held_out(comp, ho, log, done, run.device, run.autocast)
+            if check and run.master and (done % check.every == 0 or done == run.steps):
+                run_check(comp, check, log, done, run.device, run.autocast)
             # save on schedule, at the end of this job, or when asked to stop: never after a bad step (train_step)
             if row["stop"] or done == end or done % run.save_every == 0 or (run.keep_every and
                                                                             done % run.keep_every == 0):
@@ -360,7 +368,7 @@ def loss_distill(comp, batch: data.Batch):
     return l, {"distill": l}
 
 
-# ---- checkpoints and signals ----
+# ---- checkpoints ----
 
 
 def save(run: Run, comp, opt, corpus: data.Corpus, done: int):
@@ -370,16 +378,9 @@ def save(run: Run, comp, opt, corpus: data.Corpus, done: int):
     whole = parallel.gathered_state(comp, opt, run.master) if run.fsdp else None
     if run.master:
         save_checkpoint(run.out, done, comp, opt, run.record, rng, corpus.key, run.keep_every, whole)
-        data.save_answers(corpus)
+        if corpus.answers:   # distill: the teacher's answers so far
+            data.save_answers(corpus)
 
-
-def catch_signals(stop: dict) -> dict:
-    """Ctrl-C / SIGTERM: finish the step, save, stop (a second Ctrl-C stops at once). Returns the old handlers."""
-    def on_signal(signum, frame):
-        if stop["signal"] is not None:
-            raise KeyboardInterrupt
-        stop["signal"] = signal.Signals(signum).name
-    return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
 # ---- main ----
 
@@ -415,11 +416,11 @@ def main(argv=None):
         step_module = parallel.wrap(comp, TrainStep(comp, args.objective, args.lm_weight), args.fsdp, device, world,
                                     bf16=not isinstance(autocast, nullcontext))
         corpus = data.load_corpus(args.data, run.sampling, comp, args.cache_dir or os.path.join(args.out, "cache"),
-                           args.answer_tokens)
-        if resume_state and resume_state.get("data", corpus.key) != corpus.key:   # (a checkpoint before the key: no check)
+                                  args.answer_tokens)
+        if resume_state and resume_state.get("data", corpus.key) != corpus.key:   # (an old checkpoint has no key)
             fail(f"cannot resume: {args.resume} was trained on another corpus than {args.data or 'the built-in corpus'}"
-                 f" is now (data key {resume_state['data']}, now {corpus.key}): resume it on the data it was trained on,"
-                 " or start a new run with another --out")
+                 f" is now (data key {resume_state['data']}, now {corpus.key}): resume it on the data it was trained "
+                 "on, or start a new run with another --out")
         params = comp.trainable_parameters()   # what compressors.py leaves trainable for this method and stage
         opt = make_optimizer(comp, args.lr, args.betas, args.weight_decay, args.mem_lr, device)
         if resume_state:
@@ -431,16 +432,17 @@ def main(argv=None):
                 fail(f"mismatched checkpoint: its optimizer state does not fit this compressor ({e})")
             set_rng_state(resume_state["rng"][rank if rank < len(resume_state["rng"]) else 0], device)
         log = open_log(run, comp, corpus, settings, presets.demo_changes(args.method, settings),
-                       sum(p.numel() for p in params)) if run.master else None
+                       sum(p.numel() for p in params), bool(args.init)) if run.master else None
         every = args.eval_every if args.eval_every is not None else args.save_every
         if args.fsdp and every > 0:   # rank 0 alone would score a model whose weights are spread over every rank
             every = 0
             if run.master:
                 print("no held-out check runs under --fsdp: score a checkpoint with evaluate.py --ckpt")
-        ho = held_out(comp, run.record, every, presets.on_tiny(args.model, args.decoder), run.start > 0, run.master)
-        end = loop(run, comp, step_module, opt, params, corpus, ho, log)
-        if run.master and ho and ho.rows:
-            print(first_carrying_step(ho))
+        check = prepare(comp, run.record, every, presets.on_tiny(args.model, args.decoder), run.start > 0,
+                        run.master) if every > 0 else None
+        end = loop(run, comp, step_module, opt, params, corpus, check, log)
+        if run.master and check and check.rows:
+            print(first_carrying_step(check))
         if run.master and end == run.steps:
             print(f"done: {run.steps} steps; the compressor is in {run.out} (compressors.load, evaluate.py --ckpt)")
         elif run.master and end == args.stop_after:

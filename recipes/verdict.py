@@ -133,6 +133,8 @@ def main(argv=None):
                    "time to first token), decided whatever the memories hold")
     p.add_argument("--note", default="")
     a = p.parse_args(argv)
+    if not os.path.isdir(a.out):   # (a traceback before, issue 47)
+        raise SystemExit(f"verdict.py: --out {a.out} is no folder: pass the recipe's OUT, which holds the runs")
     arms = {g[0]: g[1:] for g in a.arm}
     seeds = {label: seeds_of(a.out, runs) for label, runs in arms.items()}   # each arm's distinct seeds
     carry_runs = {**arms, **{g[0]: g[1:] for g in a.carry_runs}}

@@ -35,12 +35,13 @@ def worker(all_ranks):
     sys.path.insert(0, REPO)
     import torch
     from torch.distributed.tensor import DTensor
+    import compressors as C
     import parallel
     import train
     gather = parallel.gathered_state
 
     def measured(comp, opt, master):
-        trained = list(comp.trained_state().values()) + [v for s in opt.state.values() for k, v in s.items()
+        trained = list(C.trained_state(comp).values()) + [v for s in opt.state.values() for k, v in s.items()
                                                          if k != "step" and torch.is_tensor(v)]
         local = lambda t: t.to_local() if isinstance(t, DTensor) else t
         shard = sum(local(t).numel() * t.element_size() for t in trained)

@@ -12,7 +12,9 @@ rather than what it does. The config conditions are the `if`s and conditional ex
 config (cfg.x, self.cfg.x) and that run in the forward pass (compress and decoder_batch): what construction chose
 once is not counted again. The training column counts, the same way, the lines of train.py and data.py that one
 training step of the preset runs (train.main with the tiny demo's settings, one step, no held-out check: arguments,
-data, the step, the checkpoint).
+data, the step, the checkpoint). The last column is the whole run that step sits in (whole_run): the distinct
+functions of the project, and the files they are in, that `python train.py --method METHOD --steps 1 --eval-every 0`
+calls, settings, build, data, step and save.
 """
 
 import ast
@@ -126,6 +128,28 @@ def training_lines(method) -> int:
     return sum(len(read(f, lines)) for (f, name), lines in runs.items() if name not in CHECKS)
 
 
+def whole_run(method) -> tuple:
+    """(distinct project functions, files) that a one-step run of `method` calls, from train.main to its checkpoint:
+    `python train.py --method METHOD --steps 1 --eval-every 0` on the tiny demo, traced by call events over every
+    top-level module (a comprehension, lambda or generator is part of its function; a nested def counts)."""
+    import train
+    modules = {str(p): p.name for p in ROOT.glob("*.py")}
+    seen = set()
+
+    def tracer(frame, event, arg):
+        f = frame.f_code.co_filename
+        if event == "call" and f in modules and "<" not in frame.f_code.co_qualname.rpartition(".")[2]:
+            seen.add((modules[f], frame.f_code.co_qualname))
+    with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        sys.settrace(tracer)
+        try:
+            train.main(["--method", method, "--steps", "1", "--eval-every", "0", "--device", "cpu", "--out", out])
+        finally:
+            sys.settrace(None)
+    return len(seen), len({f for f, _ in seen}), sorted(seen)
+
+
 def guide():
     import presets as P
     parsed = {f: statements(ROOT / f) for f in FILES.values()}
@@ -148,10 +172,12 @@ def guide():
             total += len(lines)
         conds = sum(1 for f, line in forward if parsed[f][1].get(line))
         totals[method] = (total, conds)
-        rows.append(f"| `{method}` | {', '.join(parts)} | {total} | {conds} | {training_lines(method)} |")
+        functions, files, _ = whole_run(method)
+        rows.append(f"| `{method}` | {', '.join(parts)} | {total} | {conds} | {training_lines(method)} | "
+                    f"{functions} in {files} |")
     return "\n".join(["| method | functions it runs, in order (lines of each it runs) | lines | config conditions "
-                      "in its forward pass | training: lines of train.py + data.py one step runs |",
-                      "|---|---|---|---|---|"] + rows), totals
+                      "in its forward pass | training: lines of train.py + data.py one step runs | a one-step run: "
+                      "project functions in files |", "|---|---|---|---|---|---|"] + rows), totals
 
 
 if __name__ == "__main__":

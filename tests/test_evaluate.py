@@ -45,7 +45,7 @@ def ckpt(tmp_path_factory):
     out = {}
     for method, kw in settings.items():
         torch.manual_seed(0)
-        C.build(method, *build_tiny(), **kw).save(str(root / method))
+        C.save(C.build(method, *build_tiny(), **kw), str(root / method))
         out[method] = str(root / method)
     return out
 
@@ -155,7 +155,7 @@ def test_lm_perplexity_is_exp_of_the_summed_nll(ckpt, capsys, device):
         assert result["scores"][mode]["perplexity"] == pytest.approx(math.exp(nll / n))
         # EPL: the second half, from p = ⌊|X|/2⌋, and its EOS (the LM target of the EPL and PCC code) are scored
         # in full in every row (ICAE puts [LM] before it)
-        lens = [len(tok.encode(t)) for t in D.held_out_texts()[:3]]
+        lens = [len(tok.encode(t)) for t in D.unseen_texts()[:3]]
         assert [r["tokens"] for r in rows] == [n - n // 2 + 1 for n in lens]
     # the byte-level model's vocabulary is 259: a random model sits near uniform, nowhere near 0 or 10^4
     assert 50 < result["scores"]["none"]["perplexity"] < 2000
@@ -167,7 +167,7 @@ def test_full_context_beats_no_context_on_smollm2(tmp_path, device):
     first half than after BOS alone (the compressed row of an untrained compressor is not checked)."""
     from model import load_pretrained
     decoder, tok = load_pretrained(str(SMOLLM2))
-    C.build("icae", decoder, tok, model=str(SMOLLM2), mem=4, chunk_len=64, lora_r=2, lora_alpha=4).save(str(tmp_path))
+    C.save(C.build("icae", decoder, tok, model=str(SMOLLM2), mem=4, chunk_len=64, lora_r=2, lora_alpha=4), str(tmp_path))
     result, _ = run(["--ckpt", tmp_path, "--task", "lm", "--n", 3], device)
     assert result["scores"]["full"]["perplexity"] < 0.8 * result["scores"]["none"]["perplexity"]
 
@@ -464,7 +464,7 @@ def test_speed_bad_input_is_a_one_line_error(ckpt, one_line_error):
 def test_checkpoint_of_another_base_model(ckpt, tmp_path, one_line_error):
     """A checkpoint trained on a narrower model but labelled "tiny": the tensor shapes give it away."""
     cfg = ModelConfig.from_hf({**TINY_CONFIG, "hidden_size": 32, "head_dim": 8})
-    C.build("icae", Transformer(cfg), build_tiny()[1], mem=4, chunk_len=64, lora_r=4).save(str(tmp_path))
+    C.save(C.build("icae", Transformer(cfg), build_tiny()[1], mem=4, chunk_len=64, lora_r=4), str(tmp_path))
     msg = one_line_error(["--ckpt", tmp_path, "--task", "ae"])
     assert "on its base model 'tiny'" in msg and "wrong shape" in msg
     Path(tmp_path, "compressor.json").write_text("{not json")
@@ -666,9 +666,9 @@ def test_gmsa_ratio_and_baselines_from_the_original_llm_after_keft(tmp_path, dev
     with torch.no_grad():
         for p in comp.trainable_parameters():
             p.add_(torch.randn_like(p))                   # what KEFT training would do to q/k/v
-    comp.save(str(tmp_path))
+    C.save(comp, str(tmp_path))
     result, _ = run(["--ckpt", tmp_path, "--task", "lm", "--ratio", 8, "--n", 2], device)
-    text = D.held_out_texts()[0]
+    text = D.unseen_texts()[0]
     first_half = len(comp.tok.encode(text)) // 2
     assert result["examples"][0]["memory_slots"] == math.ceil(first_half / 8) and result["ratio"] == 8
     base, tok = build_tiny()
@@ -690,7 +690,7 @@ def test_a_bare_evaluation_scores_what_the_runs_own_check_scored(tmp_path, devic
     trained 4 tokens per slot (16 tokens, 4 slots), and the score says so."""
     out = tmp_path / "run"
     data = tmp_path / "held.jsonl"   # two texts shorter than the trained length among longer ones
-    texts = ["ab", "short text", *D.held_out_texts(6)]
+    texts = ["ab", "short text", *D.unseen_texts(6)]
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     train.main(["--method", "500x", "--objective", "ae", "--model", "tiny", "--mem", "4", "--chunk-len", "16",
                 "--crop", "window", "--min-len", "16", "--max-len", "16", "--batch-size", "2", "--steps", "2",

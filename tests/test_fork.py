@@ -67,6 +67,6 @@ def test_the_readme_fork_it_example_trains_with_its_new_mask(tmp_path, monkeypat
     assert made, "the encoder never called the new mask"
     L = 16   # the tiny demo's AOC texts: 16 bytes, 16 memory slots
     mask = made[0]
-    assert mask.shape == (L + 16, L + 16) and not mask.equal(masks.full_causal(L, 16))   # it is a new mask
+    assert mask.shape == (L + 16, L + 16) and not mask.equal(masks.causal(L, 16))   # it is a new mask
     # it reached attention: a batched (R, 1, T, T) encoder mask whose first row holds it top-left
     assert any(m.dim() == 4 and m.shape[-2:] == mask.shape and m[0, 0].equal(mask) for m in seen)

@@ -27,9 +27,10 @@ def test_causal_literal():
     assert masks.causal(4).dtype == torch.bool
 
 
-def test_full_causal_is_plain_causal_over_context_and_memory():
-    # PCC / ICAE baseline (PIC Figure 4(a)): m_t sees the whole context, unlike PIC
-    m = masks.full_causal(8, 2)
+def test_causal_over_context_and_memory_is_the_encoder_mask_causal():
+    # PCC / ICAE baseline (PIC Figure 4(a)): m_t sees the whole context, unlike PIC; one name for one mask (issue 47)
+    assert masks.ENCODER["causal"] is masks.causal and masks.ENCODER["pic"] is masks.pic
+    m = masks.causal(8, 2)
     assert m.shape == (10, 10) and torch.equal(m, masks.causal(10))
     assert m[8, 4:8].all()  # m_1 sees chunk c_2 too: exactly what PIC forbids
     assert not masks.pic(8, 2)[8, 4:8].any()
@@ -192,7 +193,7 @@ def test_more_memory_than_context_leaves_chunks_empty():
     mem_sees_context = m[2:, :2].tolist()
     assert mem_sees_context == [[False, False], [True, False], [False, False], [False, True]]
     assert torch.equal(m[2:, 2:], masks.causal(4))        # rule 2 unchanged: memory sees earlier memory
-    assert torch.equal(masks.full_causal(4, 5), masks.causal(9))
+    assert torch.equal(masks.causal(4, 5), masks.causal(9))
 
 
 # ---- malformed arguments ----
@@ -200,7 +201,7 @@ def test_more_memory_than_context_leaves_chunks_empty():
 @pytest.mark.parametrize("call, name", [
     (lambda: masks.pic(8, 0), "num_mem"),
     (lambda: masks.pic(-1, 1), "context_len"),
-    (lambda: masks.full_causal(4, 0), "num_mem"),
+    (lambda: masks.causal(4, -1), "num_mem"),
     (lambda: masks.block_bounds(4, 0), "num_blocks"),
     (lambda: masks.causal(-1), "n"),
     (lambda: masks.segments([3, -1], 1), "segment_lens"),
@@ -278,7 +279,7 @@ def test_pic_leaks_nothing_through_attention_stack():
     mask = masks.pic(L, N)
     check_no_leak(lambda inp: model(inp, mask), x, L, N, deep_enough=True)
     # the check can fail: under the full causal baseline m_1 sees chunk c_3
-    g = grad_rows(lambda inp: model(inp, masks.full_causal(L, N)), x, L)
+    g = grad_rows(lambda inp: model(inp, masks.causal(L, N)), x, L)
     assert (g[2 * (L // N):L] != 0).all()
 
 

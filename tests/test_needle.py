@@ -61,7 +61,7 @@ def test_cli_grid_and_where_each_needle_landed(run, tmp_path, capsys, device):
     assert len(examples) == 5 * len(lengths) * n and all(cells.count(c) == n for c in set(cells))
     assert "loss" not in result and all("loss" not in ex for ex in examples)
     tok = C.load(run).tok
-    longest = max(len(tok.encode(" " + s)) for t in D.held_out_texts() for s in re.split(r"(?<=[.!?]) ", t))
+    longest = max(len(tok.encode(" " + s)) for t in D.unseen_texts() for s in re.split(r"(?<=[.!?]) ", t))
     for ex in examples:
         context, needle = ex["context"], E.NEEDLE.format(key=ex["answer"])
         assert re.fullmatch(r"\d{5}", ex["answer"]) and context.count(needle) == 1
@@ -86,7 +86,7 @@ def test_cli_grid_and_where_each_needle_landed(run, tmp_path, capsys, device):
                 for d in result["depths"]]
         assert mean == sorted(mean) and (mean[0], mean[-1]) == (0.0, 1.0)
     # the CLI's haystacks and passkeys are those of --seed 0 (its default)
-    again = E.needle_examples(tok, D.held_out_texts(), lengths, n, seed=0)
+    again = E.needle_examples(tok, D.unseen_texts(), lengths, n, seed=0)
     assert [(s["context"], s["answer"]) for s in again] == [(ex["context"], ex["answer"]) for ex in examples]
 
 
@@ -106,14 +106,14 @@ def test_grid_counts_the_reader_that_finds_the_needle(run, monkeypatch, device):
     comp = C.load(run, device=device).eval()
     monkeypatch.setattr(E.PlainLLM, "generate", reader)
     monkeypatch.setattr(comp, "generate", lambda memory, task, **kw: [comp.tok.encode(" 00000")] * len(memory.valid))
-    result = E.run_needle(comp, [{"text": t} for t in D.held_out_texts()], [256], n=2, batch_size=4)
+    result = E.run_needle(comp, [{"text": t} for t in D.unseen_texts()], [256], n=2, batch_size=4)
     assert result["grid"]["full"] == [[1.0]] * 5
     assert result["grid"]["none"] == result["grid"]["compressed"] == [[0.0]] * 5
     assert all(ex["full"]["text"] == f" The pass key is {ex['answer']}." for ex in result["examples"])
 
 
 def test_same_seed_same_haystacks_and_passkeys(run):
-    tok, texts = C.load(run).tok, D.held_out_texts()
+    tok, texts = C.load(run).tok, D.unseen_texts()
     a, b = (E.needle_examples(tok, texts, [256, 384], 2, seed=0) for _ in range(2))
     c = E.needle_examples(tok, texts, [256, 384], 2, seed=1)
     assert a == b
@@ -127,7 +127,7 @@ def test_default_lengths_fit_the_models_positions(run, monkeypatch, device):
     monkeypatch.setattr(comp.decoder.config, "max_position_embeddings", 600)
     monkeypatch.setattr(E.PlainLLM, "generate", reader)
     monkeypatch.setattr(comp, "generate", lambda memory, task, **kw: [[]] * len(memory.valid))
-    texts = [{"text": t} for t in D.held_out_texts()]
+    texts = [{"text": t} for t in D.unseen_texts()]
     assert E.run_needle(comp, texts, n=1)["lengths"] == [256, 512]   # 1024 and up need more than 600 positions
     with pytest.raises(ValueError, match="beyond the model's 600 positions"):
         E.run_needle(comp, texts, [256, 1024], n=1)

@@ -258,6 +258,10 @@ def test_verdict_counts_distinct_seeds_and_refuses_a_duplicated_run(tmp_path):
     assert two["seeds"] == {"PIC": [0, 1], "PCC": [0, 1]} and two["verdicts"]["loss"] == "contradicted"
     # one run in both arms stays allowed: CompLLM's CEs and no context are two rows of one run's evaluation
     assert verdict(["pic", "pic_s1"], ["pic", "pic_s1"])["seeds"]["PCC"] == [0, 1]
+    # an --out that is no folder: one line, not a traceback (issue 47)
+    with pytest.raises(SystemExit, match=r"^verdict.py: --out .*nowhere is no folder"):
+        V.main(["--out", str(tmp_path / "nowhere"), "--claim", "c", "--arm", "PIC", "pic", "--arm", "PCC", "pcc",
+                "--expect", "PIC", "PCC", "--metric", "loss=ae:loss.own:lower"])
 
 
 def test_curve_scores_texts_cut_as_the_arm_was_trained(tmp_path):
@@ -364,7 +368,7 @@ def test_diagnosis_says_when_no_held_out_text_is_long_enough(tmp_path):
     sys.path.insert(0, str(REPO / "recipes"))
     import diagnosis
     from model import build_tiny
-    C.build("500x", *build_tiny(), mem=4, chunk_len=64, lora_r=2, lora_alpha=4).save(str(tmp_path))
+    C.save(C.build("500x", *build_tiny(), mem=4, chunk_len=64, lora_r=2, lora_alpha=4), str(tmp_path))
     texts = ["A short one.", "Another short text.", "And a third."]         # 12-19 byte tokens, under the 64 asked
     with pytest.raises(SystemExit, match=r"0 held-out text\(s\) of 64 tokens or more, 2 needed: pass --data"):
         diagnosis.diagnose(str(tmp_path), texts, 8, length=64)
@@ -404,10 +408,10 @@ def test_capacity_optimizes_each_texts_own_memory(tmp_path):
     sys.path.insert(0, str(REPO / "recipes"))
     import diagnosis
     from model import build_tiny
-    texts = [t for t in __import__("data").held_out_texts(6)]
+    texts = [t for t in __import__("data").unseen_texts(6)]
     for method in ("500x", "icae"):
         run = tmp_path / method
-        C.build(method, *build_tiny(), mem=16, chunk_len=17, lora_r=2, lora_alpha=4).save(str(run))
+        C.save(C.build(method, *build_tiny(), mem=16, chunk_len=17, lora_r=2, lora_alpha=4), str(run))
         r = diagnosis.capacity(str(run), texts, 4, 16, steps=60, every=30)
         assert [c["step"] for c in r["curve"]] == [0, 30, 60] and r["texts"] == 4
         assert r["curve"][-1]["loss"] < 0.8 * r["curve"][0]["loss"] and r["own_other"] < 0.9, (method, r)

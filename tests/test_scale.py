@@ -228,12 +228,12 @@ def test_plan_per_gpu_under_fsdp_and_ddp(tmp_path):
     one, ddp, fsdp = (plan_of(argv + extra) for extra in ([], ["--gpus", "4"], ["--gpus", "4", "--fsdp"]))
     comp = train.build_compressor(cli.parse_args(argv + ["--frozen-dtype", "bf16"])[3], torch.device("cpu"),
                                   frozen=torch.bfloat16)
-    in_blocks = {id(p) for b in comp.blocks() for p in b.parameters()}
+    in_blocks = {id(p) for b in C.blocks(comp) for p in b.parameters()}
     size = lambda ps: sum(p.numel() * p.element_size() for p in ps)
     root = size(p for p in comp.parameters() if id(p) not in in_blocks)
     root_trained = sum(p.numel() for p in comp.parameters() if p.requires_grad and id(p) not in in_blocks)
     trained = sum(p.numel() for p in comp.parameters() if p.requires_grad)
-    block = max(sum(p.numel() * 2 for p in b.parameters()) for b in comp.blocks())
+    block = max(sum(p.numel() * 2 for p in b.parameters()) for b in C.blocks(comp))
     assert (one.micro, ddp.micro, fsdp.micro) == (8, 2, 2)
     assert (ddp.weights, ddp.grads, ddp.optimizer) == (one.weights, 2 * one.grads, one.optimizer)
     assert fsdp.weights == -(-size(comp.parameters()) // 4) + root + 2 * block

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -127,7 +128,7 @@ def test_every_method_learns_memories_that_carry_their_own_text(method, tmp_path
     assert L["own"] < L["none"]
     # the run directory is a compressor checkpoint (evaluate.py's entry point) holding the trained tensors
     final = load_file(os.path.join(out, "ckpt-000300", "compressor.safetensors"), device=str(device))
-    for name, t in comp.trained_state().items():
+    for name, t in C.trained_state(comp).items():
         torch.testing.assert_close(t, final[name], rtol=0, atol=0)
 
 
@@ -424,7 +425,7 @@ X500 = ["--method", "500x", "--mem", "16", "--chunk-len", "16", *LORA, "--lora-d
 def held_texts(tmp_path_factory):
     """12 held-out texts in a file of their own (evaluate.py's built-in set, so nothing here trains on them)."""
     path = tmp_path_factory.mktemp("held") / "held.jsonl"
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in D.held_out_texts(12)))
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in D.unseen_texts(12)))
     return str(path)
 
 
@@ -464,7 +465,7 @@ def test_eval_bleu_logs_what_evaluate_scores_the_regenerations(held_texts, tmp_p
                   "--dtype", "float32", "--task", "ae", "--out", str(tmp_path / "eval.json")])["scores"]["compressed"]
     assert (last["bleu4_words"], last["rougeL"]) == pytest.approx((got["bleu4_words"], got["rougeL"]), abs=1e-9)
     comp = C.load(out, device=device).eval()
-    ho = heldout.held_out(comp, json.load(open(os.path.join(out, "args.json"))), 1, True, False, True)
+    ho = heldout.prepare(comp, json.load(open(os.path.join(out, "args.json"))), 1, True, False, True)
     refs = {}
     real = E.texts_as_trained
 
@@ -475,9 +476,9 @@ def test_eval_bleu_logs_what_evaluate_scores_the_regenerations(held_texts, tmp_p
     monkeypatch.setattr(E, "texts_as_trained", remember)
     monkeypatch.setattr(type(comp), "generate", lambda self, memory, task, max_new_tokens: [
         list(refs.values())[i] for i in range(len(memory.mem_counts))])
-    perfect = heldout.held_out_losses(comp, ho, device, nullcontext())
+    perfect = heldout.score(comp, ho, device, nullcontext())
     monkeypatch.setattr(type(comp), "generate", lambda self, memory, task, max_new_tokens: [[]] * len(memory.mem_counts))
-    empty = heldout.held_out_losses(comp, ho, device, nullcontext())
+    empty = heldout.score(comp, ho, device, nullcontext())
     # 1.0 but for BLEU's smoothing of texts under 4 words (16 bytes: 0.85 here)
     assert perfect["rougeL"] == 1.0 and perfect["bleu4_words"] > 0.8 and empty["bleu4_words"] == empty["rougeL"] == 0.0
 
@@ -849,9 +850,9 @@ def test_gmsa_keft_trains_only_decoder_qkv_from_the_stage_1_run(files, tmp_path,
                "2", "--steps", "20", "--lr", "1e-3", "--out", keft])
     losses = [r["loss"] for r in log_rows(keft)]
     assert sum(losses[-3:]) / 3 < 0.9 * losses[0]                 # measured 5.75 -> 3.89
-    before, after = C.load(stage1).trained_state(), C.load(keft)
+    before, after = C.trained_state(C.load(stage1)), C.load(keft)
     assert after.cfg.decoder_train == "keft"
-    for name, t in after.trained_state().items():
+    for name, t in C.trained_state(after).items():
         if name in before:     # encoder LoRA, LSA, [AE]: frozen in stage 2
             torch.testing.assert_close(t, before[name], rtol=0, atol=0)
         else:
@@ -1023,7 +1024,7 @@ def test_a_run_with_relative_paths_resumes_from_another_directory(tmp_path, run_
     relative to its directory resumes from anywhere (--eval-data was kept relative: 'no such file')."""
     (tmp_path / "start").mkdir()
     (tmp_path / "elsewhere").mkdir()
-    (tmp_path / "start" / "held.txt").write_text("\n".join(D.held_out_texts()[:3]) + "\n")
+    (tmp_path / "start" / "held.txt").write_text("\n".join(D.unseen_texts()[:3]) + "\n")
     (tmp_path / "start" / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in D.BUILTIN_TEXTS))
     monkeypatch.chdir(tmp_path / "start")
     out = str(tmp_path / "run")
@@ -1181,3 +1182,22 @@ def test_train_py_reads_in_the_order_it_runs_with_main_last():
     takes_args = [f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name != "main"
                   and "args" in [a.arg for a in f.args.args + f.args.kwonlyargs]]
     assert not takes_args, takes_args
+
+
+def test_install_in_two_commands_runs_the_readmes_quickstart():
+    """README's Install is two commands: .ci/quickstart sets up and runs the Quickstart, .ci/run the tests. The first
+    runs exactly the Quickstart's commands (python3 for python), and both keep a CUDA build of torch >= 2.7."""
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    install = re.search(r"## Install\n\n```bash\n(.*?)```", readme, re.S).group(1)
+    assert [line.split()[:2] for line in install.splitlines()] == [["bash", ".ci/quickstart"], ["bash", ".ci/run"]]
+    quick = re.search(r"## Quickstart.*?```bash\n(.*?)```", readme, re.S).group(1)
+    script = (root / ".ci" / "quickstart").read_text()
+    for command in (line.split("#")[0].strip() for line in quick.splitlines()):
+        assert command.replace("python ", "python3 ", 1) in script, command
+    for name in ("quickstart", "run"):
+        text = (root / ".ci" / name).read_text()
+        assert subprocess.run(["bash", "-n", str(root / ".ci" / name)]).returncode == 0
+        assert "< (2, 7)" in text and "pip install -q torch==2.13.0" in text
+    assert "python3 -m pytest -q -n 2 tests" in (root / ".ci" / "run").read_text() and \
+        "python -m pytest -q -n 2 tests" in readme
