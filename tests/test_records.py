@@ -28,7 +28,6 @@ READMES = ("README.md", "recipes/README.md")
 NOT_RESULTS = {
     "| method | follows |": "presets.py's method table (`python presets.py` prints it)",
     "| method | functions it runs": "tests/reading_guide.py's measure of the code a preset runs, not a result",
-    "| preset | n (bytes) |": "the tiny demo: each row is two commands in a fresh clone, no record kept (its text says so)",
     "| claim | the paper's number |": "the papers' numbers, our setups and verdicts: our numbers are in the tables with records",
     "| preset | lever |": "the lever table: test_the_lever_table_matches_its_records",
     "| full context: depth": "the needle grid: test_the_needle_grid_matches_its_record",
@@ -36,7 +35,8 @@ NOT_RESULTS = {
 # columns that name, describe or judge rather than measure (a "seed N" in them is checked against args.json)
 LABELS = {"claim (paper)", "verdict at this scale (rule: 2 seeds per arm, every run ≤ 0.5)", "preset", "carrier",
           "carries at a measured 4x", "run", "state", "preset at m = n = 16", 'preset at n = 64, 16 slots ("4x")',
-          "run (memory optimized per text, 8 texts)", "tokens"}
+          "run (memory optimized per text, 8 texts)", "tokens", "n (bytes)", "m",
+          "other settings that differ from the preset's"}
 RATIO = r"\d+\.\d\d(?: \(\d+\.\d\d-\d+\.\d\d\))?"       # tokens per slot as the tables print it: "3.79 (2.94-4.00)"
 LINK = re.compile(r"\[s(\d+)\]\(([^)\s]+)\)")
 
@@ -113,6 +113,8 @@ SPECS = {
     "ROUGE-L (AOC's script)": lambda run, row: [scored(run)["scores"]["compressed"]["aoc_rougeL"]],
     "trained parameters": lambda run, row: [record(run, "compressor")["trained_parameters"] / 1e6],
     "s/step": lambda run, row: [record(run, "eval_curve")["s_per_step"]],
+    "wall time, s: both / train / evaluate": lambda run, row: [(w := record(run, "wall_time"))["train_s"] + w["evaluate_s"],
+                                                     w["train_s"], w["evaluate_s"]],
     "steps": lambda run, row: [last_step(run)],
     "steps × batch": lambda run, row: [last_step(run), record(run, "args")["batch_size"]],
     "steps to DPL's final loss": lambda run, row: [record(run, "eval_curve")["first_at_loss"]],
