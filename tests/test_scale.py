@@ -419,3 +419,16 @@ def test_the_plans_docstring_describes_the_attention_count_it_uses():
     doc = " ".join(plan.__doc__.split())
     assert "CudaAttention" in doc and "as the CPU's SDPA keeps it" not in doc
     assert plan.sdpa.__doc__ and "CudaAttention" in plan.sdpa.__doc__
+
+
+def test_torchrun_with_more_processes_than_gpus_is_one_line(monkeypatch):
+    """Under torchrun a rank takes the GPU of its LOCAL_RANK: rank 1 on a machine with one GPU asked for cuda:1 and
+    failed deep in CUDA (issue 45). It stops first, with the fix, before any process group is made."""
+    import parallel
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as e:
+        with parallel.processes("cuda", False):
+            pass
+    assert "--nproc_per_node 1, or --device cpu" in str(e.value) and not torch.distributed.is_initialized()
