@@ -95,8 +95,8 @@ def gather_rng_states(world, device):
 
 
 def set_rng_state(state, device):
-    """gather_rng_states's generators back (a checkpoint saved before also holds numpy's and random's: nothing draws from
-    them, so they are left alone)."""
+    """gather_rng_states's generators back (a checkpoint saved before also holds numpy's and random's: nothing draws
+    from them, so they are left alone)."""
     torch.set_rng_state(state["torch"])
     if state["cuda"] and device.type == "cuda":
         torch.cuda.set_rng_state_all(state["cuda"])

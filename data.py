@@ -213,12 +213,14 @@ def load_corpus(path, sampling: Sampling, comp, cache_dir: str, answer_tokens: i
             # train on the same few texts (a .txt file is one document)
             fail(f"--crop head trains on the first {sampling.max_len} tokens of each document, and "
                  f"{path or 'the built-in corpus'} holds {len(texts)} document(s) for a batch of "
-                 f"{sampling.batch_size}: give a .jsonl with one document per line, a folder of files, or use --crop window")
+                 f"{sampling.batch_size}: give a .jsonl with one document per line, a folder of files, or use "
+                 "--crop window")
     if sampling.objective == "distill" and comp.enc_tok is not comp.tok:
         fail("distill runs the teacher and the student on the same ids: it needs one tokenizer for both models")
     tensors, key = tokenize_corpus(texts, qa, identity, comp, cache_dir,
                                    with_qa=sampling.objective in ("qa", "distill"))
-    if sampling.objective in ("pretrain", "ae") and len(tensors["tokens"]) == 0:   # (documents of < 2 tokens are dropped)
+    # (documents of < 2 tokens are dropped)
+    if sampling.objective in ("pretrain", "ae") and len(tensors["tokens"]) == 0:
         fail(f"no text of 2 tokens or more in {path}")
     answers_path = os.path.join(cache_dir, f"answers-{key}-{answer_tokens}.pt")
     answers = torch.load(answers_path, weights_only=True) if os.path.exists(answers_path) else {}

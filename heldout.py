@@ -67,7 +67,7 @@ def prepare(comp, train_args: dict, every: int, tiny: bool, resumed: bool, maste
     out = train_args["out"]
     rows = read_log(out)[1] if resumed and os.path.exists(os.path.join(out, "log.jsonl")) else []
     return Check(examples, task, every, rows, train_args, warned=any(r.get("warned") for r in rows),
-                   bleu=bool(train_args.get("eval_bleu")) and task == "ae")
+                 bleu=bool(train_args.get("eval_bleu")) and task == "ae")
 
 
 @torch.no_grad()
@@ -89,7 +89,8 @@ def score(comp, check: Check, device, autocast) -> dict:
             if check.bleu:
                 scores = ae["scores"]["compressed"]
                 ratio.update(bleu4_words=scores["bleu4_words"], rougeL=scores["rougeL"])
-        lm = evaluate.run_lm(comp, check.examples, max_len=max_len)["loss"] if check.train_args["objective"] == "pretrain" else None
+        pretrain = check.train_args["objective"] == "pretrain"
+        lm = evaluate.run_lm(comp, check.examples, max_len=max_len)["loss"] if pretrain else None
     for m, training in modes.items():
         m.train(training)
     point = lambda L: dict(own=L["own"], other=L["other"], none=L["none"], own_other=L["own_other_ratio"])
@@ -102,7 +103,8 @@ def run_check(comp, check: Check, log, step: int, device, autocast):
     try:   # e.g. an empty held-out text, or no memory left for it: one line, not a traceback
         row = {"step": step, "eval": score(comp, check, device, autocast)}
     except ValueError as e:
-        fail(f"the held-out check at step {step}: {e} (--eval-data {check.train_args['eval_data'] or 'the built-in set'})")
+        fail(f"the held-out check at step {step}: {e} (--eval-data "
+             f"{check.train_args['eval_data'] or 'the built-in set'})")
     except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
         if not is_out_of_memory(e):
             raise

@@ -422,7 +422,8 @@ def sdpa(q, k, v, mask, is_causal: bool, scale):
     place. The two give the same numbers (tests/test_model.py)."""
     group = q.shape[1] // k.shape[1]
     if mask is not None and group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)   # (B, H, S, D): head h reads h // group
+        # (B, H, S, D): query head h reads K/V head h // group
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                           enable_gqa=group > 1 and mask is None)
 

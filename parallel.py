@@ -121,8 +121,8 @@ def shard(comp, step_fn, device, bf16):
 def gathered_state(comp, opt, master: bool):
     """(trained tensors by name, optimizer state_dict) in the one-process format, whole, in rank 0's CPU memory; None
     on the other ranks. A collective: every rank calls it. Tensor by tensor: each is gathered from its shards, copied
-    to the CPU on rank 0 and dropped, so a save adds to a rank's device at most one whole tensor (tests/bench_save.py
-    measures it). The optimizer's state is read, never written: its state_dict() hands out the live per-parameter
+    to the CPU on rank 0 and dropped, so a save adds to a rank's device one whole tensor at a time (two copies of it
+    where the shards are uneven: 125 MiB for a 62.5 MiB tensor in tests/bench_save.py). The optimizer's state is read, never written: its state_dict() hands out the live per-parameter
     states, and a gathered tensor written into them broke the next step (issue 45)."""
     def whole(t):
         if isinstance(t, DTensor):

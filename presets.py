@@ -222,8 +222,9 @@ PRESETS = {
     # steps, texts cut to their first 500 tokens
     "500x": derive(ICAE, "EPL's 500xCompressor branch (EPL App. C); --objective ae: the 500xCompressor code",
                    compressor=readonly(carrier="kv"),
-                   objective_compressor=readonly(ae=readonly(ae_token="bos", lm_token="bos", mem_init="normal", bos=False,
-                                                       lora_r=64, lora_alpha=32, lora_dropout=0.05, template="plain")),
+                   objective_compressor=readonly(ae=readonly(ae_token="bos", lm_token="bos", mem_init="normal",
+                                                             bos=False, lora_r=64, lora_alpha=32, lora_dropout=0.05,
+                                                             template="plain")),
                    recipe=replace(EPL_RECIPE, per_objective=readonly(
                        qa=readonly(lr=5e-5),
                        ae=readonly(betas=(0.9, 0.999), weight_decay=0.0, clip=1.0, lengths=(500, 500), crop="head")),

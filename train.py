@@ -395,9 +395,11 @@ def main(argv=None):
         micro, accum, frozen, autocast = set_up(device, rank, world, args.batch_size, args.micro_batch, args.seed,
                                                 args.frozen_dtype)
         start = resume_state["step"] if resume_state else 0
-        run = Run(device, rank, world, micro, accum, start, min(args.steps, args.stop_after or args.steps), args.steps,
-                  args.lr, args.warmup, args.schedule, args.clip, cli.sampling(args), args.answer_tokens, frozen,
-                  autocast, args.out, args.save_every, args.keep_every, args.grad_ckpt, args.fsdp, vars(args))
+        run = Run(device=device, rank=rank, world=world, micro=micro, accum=accum, start=start,
+                  end=min(args.steps, args.stop_after or args.steps), steps=args.steps, lr=args.lr, warmup=args.warmup,
+                  schedule=args.schedule, clip=args.clip, sampling=cli.sampling(args), answer_tokens=args.answer_tokens,
+                  frozen=frozen, autocast=autocast, out=args.out, save_every=args.save_every,
+                  keep_every=args.keep_every, grad_ckpt=args.grad_ckpt, fsdp=args.fsdp, record=vars(args))
         if run.start >= run.steps:
             print(f"{args.resume} is already at step {run.start} of {run.steps}: nothing to do (raise --steps)")
             return parallel.leave_rank()

@@ -70,7 +70,8 @@ def main():
     from bench_plan import random_checkpoint
     mib = lambda b: f"{b / 2**20:,.1f}"
     with tempfile.TemporaryDirectory() as tmp:
-        config = dict(model_type="llama", vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.hidden * 11 // 4,
+        config = dict(model_type="llama", vocab_size=a.vocab, hidden_size=a.hidden,
+                      intermediate_size=a.hidden * 11 // 4,
                       num_hidden_layers=a.layers, num_attention_heads=8, num_key_value_heads=4,
                       head_dim=a.hidden // 8, rms_norm_eps=1e-5, tie_word_embeddings=True)
         folder = random_checkpoint(os.path.join(tmp, "model"), config)
