@@ -17,7 +17,6 @@ from dataclasses import asdict
 import compressors
 import presets
 from checkpoint import latest_checkpoint, read_train_state
-from data import Sampling, check_len_curriculum
 from model import SHAPES
 from presets import fail
 
@@ -183,7 +182,12 @@ def parse_args(argv=None):
     run's))."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    given = typed_flags(argv)
+    # the flags typed on the command line (dests), whatever their values: argv parsed again with every default
+    # suppressed, so a flag typed with its default value counts too (--resume DIR --eval-n 32 after --eval-n 4)
+    probe = build_parser()
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    given = set(vars(probe.parse_args(argv)))
     # local paths become absolute, so --resume and compressors.load(--out) work from any directory
     for k in PATH_FLAGS:
         v = getattr(args, k)
@@ -206,9 +210,9 @@ def parse_args(argv=None):
             cfg = compressors.saved_config(latest_checkpoint(args.resume))
         except (ValueError, OSError) as e:
             fail(f"cannot resume: {e}")
-        given = f"--resume {args.resume}"
-        settings = {k: presets.Setting(merged[k], given) for k in SETTINGS if k in merged}
-        return args, state, settings | presets.compressor_settings(args.method, cfg, {}, {}, given), cfg
+        source = f"--resume {args.resume}"
+        settings = {k: presets.Setting(merged[k], source) for k in SETTINGS if k in merged}
+        return args, state, settings | presets.compressor_settings(args.method, cfg, {}, {}, source), cfg
     if args.method is None:
         parser.error("--method is required (or --resume DIR)")
     if args.gpus is not None and (not args.plan or args.gpus < 1):
@@ -221,15 +225,6 @@ def parse_args(argv=None):
         args.model = args.shape
     args, settings, cfg = resolve_defaults(args)
     return args, None, settings, cfg
-
-
-def typed_flags(argv=None) -> set:
-    """The flags typed on the command line (dests), whatever their values: argv parsed again with every default
-    suppressed, so a flag typed with its default value counts too (--resume DIR --eval-n 32 after --eval-n 4)."""
-    probe = build_parser()
-    for action in probe._actions:
-        action.default = argparse.SUPPRESS
-    return set(vars(probe.parse_args(argv)))
 
 
 # the training settings a run's first log line names (presets.recipe_for returns them, and the compressor settings
@@ -284,12 +279,12 @@ def resolve_defaults(args):
     settings |= presets.compressor_settings(args.method, cfg, typed, settings, init and f"--init {args.init}")
     if not 2 <= args.min_len <= args.max_len:
         fail(f"need 2 <= --min-len <= --max-len, got {args.min_len} and {args.max_len}")
-    check_len_curriculum(sampling(args))
+    if args.len_curriculum:   # (ours) it grows the windows of --crop window texts
+        start, k = args.len_curriculum
+        if args.crop == "head" or args.objective not in ("ae", "pretrain"):
+            fail("--len-curriculum grows the windows of --crop window texts (ae or pretrain): drop it, or use "
+                 "--crop window")
+        if not (1 <= start <= args.min_len and k >= 1):
+            fail(f"--len-curriculum N K needs 1 <= N <= --min-len ({args.min_len}) and K >= 1, got {start} {k}")
     args.out = args.out or os.path.join("runs", args.method)
     return args, settings, cfg
-
-
-def sampling(args) -> Sampling:
-    """How the run draws its examples (data.Sampling): its flags of the same names."""
-    return Sampling(args.objective, args.crop, args.min_len, args.max_len, args.batch_size, args.seed,
-                    tuple(args.len_curriculum) if args.len_curriculum else None)

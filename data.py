@@ -253,18 +253,6 @@ def draw_qa(tensors, sampling: Sampling, rng, comp):
                 n_answer=len(ex["answer"]) + 1)
 
 
-def check_len_curriculum(sampling: Sampling):
-    """--len-curriculum N K (ours) grows the windows of --crop window texts: a one-line error where it cannot."""
-    if not sampling.len_curriculum:
-        return
-    start, k = sampling.len_curriculum
-    if sampling.crop == "head" or sampling.objective not in ("ae", "pretrain"):
-        fail("--len-curriculum grows the windows of --crop window texts (ae or pretrain): drop it, or use "
-             "--crop window")
-    if not (1 <= start <= sampling.min_len and k >= 1):
-        fail(f"--len-curriculum N K needs 1 <= N <= --min-len ({sampling.min_len}) and K >= 1, got {start} {k}")
-
-
 def text_lengths(sampling: Sampling, step):
     """The range [lo, hi + 1) a text's length is drawn from at `step`: --min-len..--max-len, or, under
     --len-curriculum N K (ours), a range that starts at N tokens and grows linearly to it over the first K steps."""

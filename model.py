@@ -153,7 +153,7 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
-            rope_scaling=_rope_scaling(scaling, hf.get("max_position_embeddings", 2048)),
+            rope_scaling=scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             # Qwen2's q/k/v biases are hard-wired in HF (no config field); the others read attention_bias.
@@ -211,8 +211,9 @@ def gemma_text_config(hf: dict) -> dict:
 
 
 def _rope_parameters(hf: dict, gemma: bool) -> tuple:
-    """(rope_theta, the rope_scaling dict or None, Gemma 3's local-layer base or None) from either config layout:
-    transformers v5 keeps theta and scaling together in rope_parameters; v4 has rope_theta + rope_scaling."""
+    """(rope_theta, the rope_scaling dict: None for plain RoPE, else the linear, llama3 or yarn parameters, Gemma 3's
+    local-layer base or None) from either config layout: transformers v5 keeps theta and scaling together in
+    rope_parameters; v4 has rope_theta + rope_scaling. An unsupported RoPE is a clear error."""
     rope = hf.get("rope_parameters")
     local_theta = None
     if rope is not None and "full_attention" in rope:
@@ -225,31 +226,30 @@ def _rope_parameters(hf: dict, gemma: bool) -> tuple:
     elif gemma:
         local_theta = float(hf["rope_local_base_freq"])  # v4 layout (HF Gemma3TextConfig)
     if rope is not None:
-        return rope.get("rope_theta", 10000.0), {k: v for k, v in rope.items() if k != "rope_theta"}, local_theta
-    return hf.get("rope_theta", 10000.0), hf.get("rope_scaling"), local_theta
-
-
-def _rope_scaling(scaling: dict | None, max_position_embeddings: int) -> dict | None:
-    """Normalise an HF rope_scaling dict: None for plain RoPE, the linear, llama3 or yarn parameters, or a clear
-    error."""
+        theta, scaling = rope.get("rope_theta", 10000.0), {k: v for k, v in rope.items() if k != "rope_theta"}
+    else:
+        theta, scaling = hf.get("rope_theta", 10000.0), hf.get("rope_scaling")
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))  # v4 configs may say "type"
     if rope_type == "default":
-        return None
-    if rope_type == "linear":  # Gemma 3 4B/12B/27B's global layers: factor 8 (report §2, positional interpolation)
-        return {"rope_type": "linear", "factor": scaling["factor"]}
-    if rope_type == "llama3":
+        scaling = None
+    elif rope_type == "linear":  # Gemma 3 4B/12B/27B's global layers: factor 8 (report §2, positional interpolation)
+        scaling = {"rope_type": "linear", "factor": scaling["factor"]}
+    elif rope_type == "llama3":
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        return {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
-    if rope_type == "yarn":
+        scaling = {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+    elif rope_type == "yarn":
         # HF's defaults (standardize_rope_params, _compute_yarn_parameters): the original context is
         # max_position_embeddings, and a missing factor is the ratio of the two lengths
-        old_len = scaling.get("original_max_position_embeddings") or max_position_embeddings
-        factor = scaling.get("factor") or max_position_embeddings / old_len
+        max_len = hf.get("max_position_embeddings", 2048)
+        old_len = scaling.get("original_max_position_embeddings") or max_len
         optional = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
-        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": old_len,
-                **{k: scaling[k] for k in optional if scaling.get(k) is not None}}
-    raise ValueError(f"unsupported rope_type {rope_type!r}: only 'default', 'linear', 'llama3' and 'yarn' RoPE are "
-                     f"implemented")
+        scaling = {"rope_type": "yarn", "factor": scaling.get("factor") or max_len / old_len,
+                   "original_max_position_embeddings": old_len,
+                   **{k: scaling[k] for k in optional if scaling.get(k) is not None}}
+    else:
+        raise ValueError(f"unsupported rope_type {rope_type!r}: only 'default', 'linear', 'llama3' and 'yarn' RoPE "
+                         f"are implemented")
+    return theta, scaling, local_theta
 
 
 # ---------------------------------------------------------------------------- RoPE
@@ -325,16 +325,12 @@ def rope_attention_factor(config: ModelConfig) -> float:
     return get_mscale(factor)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    # HF's layout pairs dimension i with i + D/2 (not 2i with 2i+1 like Meta's complex-number RoPE);
-    # checkpoints converted to HF have their q/k rows permuted to match, so we must pair the same way.
-    x1, x2 = x.chunk(2, dim=-1)  # (..., D/2) each
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # the 2-D rotation of each pair (x_i, x_{i+D/2}) by angle pos * inv_freq[i], in real arithmetic
-    return x * cos + rotate_half(x) * sin
+    # the 2-D rotation of each pair (x_i, x_{i+D/2}) by angle pos * inv_freq[i], in real arithmetic. HF's layout pairs
+    # dimension i with i + D/2 (not 2i with 2i+1 like Meta's complex-number RoPE); checkpoints converted to HF have
+    # their q/k rows permuted to match, so we must pair the same way (HF rotate_half)
+    x1, x2 = x.chunk(2, dim=-1)  # (..., D/2) each
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 # ---------------------------------------------------------------------------- blocks

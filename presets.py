@@ -125,6 +125,11 @@ def recipe_field(help):
     return field(metadata=dict(help=help))
 
 
+class Setting(NamedTuple):
+    value: object
+    source: str     # "paper", "code" (its public code), "ours", "demo" (ours: --model tiny), "flag", or how derived
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A paper's training recipe: train.py's defaults for the flags of the same names (any flag overrides them).
@@ -146,16 +151,13 @@ class Recipe:
     sources: Mapping = recipe_field("where a value comes from when it is not the paper's: field (or objective.field, "
                                     "for a per_objective value) -> 'code' (the paper's public code) or 'ours'")
 
-    def values(self, objective: str) -> dict:
-        """Every value of this recipe, with what changes for `objective` applied."""
-        base = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("per_objective", "sources")}
-        return {**base, **self.per_objective.get(objective, {})}
-
-    def source(self, name: str, objective: str) -> str:
-        """Where the value of `name` under `objective` comes from: "paper", "code" or "ours"."""
-        if name in self.per_objective.get(objective, {}):
-            return self.sources.get(f"{objective}.{name}", "paper")
-        return self.sources.get(name, "paper")
+    def settings(self, objective: str) -> dict:
+        """Every value of this recipe under `objective` (what changes for it applied), with where it comes from:
+        "paper", or as `sources` says, "code" or "ours"."""
+        changed = self.per_objective.get(objective, {})
+        return {f.name: Setting(changed.get(f.name, getattr(self, f.name)),
+                                self.sources.get(f"{objective}.{f.name}" if f.name in changed else f.name, "paper"))
+                for f in fields(self) if f.name not in ("per_objective", "sources")}
 
 
 def readonly(**kw) -> MappingProxyType:
@@ -380,11 +382,6 @@ def on_tiny(model, decoder=None) -> bool:
     return model == "tiny" and decoder is None
 
 
-class Setting(NamedTuple):
-    value: object
-    source: str     # "paper", "code" (its public code), "ours", "demo" (ours: --model tiny), "flag", or how derived
-
-
 def recipe_for(method: str, model: str = "tiny", decoder: str | None = None, stage: str = "ae",
                flags: Mapping = readonly(), init: Mapping | None = None) -> dict:
     """Every training setting of a run and where its value comes from: a flag typed on the command line (`flags`:
@@ -398,10 +395,9 @@ def recipe_for(method: str, model: str = "tiny", decoder: str | None = None, sta
     objective = (Setting(flags["objective"], "flag") if "objective" in flags else
                  Setting("qa", "--stage keft") if stage == "keft" else
                  Setting(demo["objective"], "demo") if demo else
-                 Setting(recipe.objective, recipe.source("objective", "")))
+                 recipe.settings("")["objective"])
     out = {"objective": objective}
-    out |= {k: Setting(v, recipe.source(k, objective.value)) for k, v in recipe.values(objective.value).items()
-            if k != "objective"}
+    out |= {k: s for k, s in recipe.settings(objective.value).items() if k != "objective"}
     out |= {k: Setting(v, "code") for k, v in preset.compressor_for(objective.value).items()}   # the objective's code
     out |= {k: Setting(v, "demo") for k, v in demo.items() if k != "objective"}
     compressor = {f.name for f in FLAG_FIELDS}
@@ -445,24 +441,22 @@ def compressor_settings(method: str, cfg: CompressorConfig, typed: Mapping, sett
     return out
 
 
-def demo_changes(method: str, settings: Mapping) -> str:
-    """The line a --model tiny run prints at its start: what the demo (ours) changes of the paper's recipe, each value
-    beside the paper's ("" on any other model, or where the demo changes nothing)."""
+def first_lines(method: str, settings: Mapping) -> list:
+    """A run's first log lines: every setting with its source ("settings: objective ae (demo), lr 0.003 (demo), ..."),
+    then on --model tiny what the demo (ours) changes of the paper's recipe, each value beside the paper's (no such
+    line on any other model, or where the demo changes nothing)."""
+    show = lambda v: ",".join(map(str, v)) if isinstance(v, (tuple, list)) else f"{v:g}" if isinstance(v, float) else v
+    lines = ["settings: " + ", ".join(f"{k} {show(s.value)} ({s.source})" for k, s in settings.items())]
     paper = PRESETS[method].recipe
-    values = paper.values(paper.objective)
+    values = {k: s.value for k, s in paper.settings(paper.objective).items()}
     was = {**values, "min_len": values["lengths"][0], "max_len": values["lengths"][1],
            **{f.name: f.default for f in FLAG_FIELDS}, **PRESETS[method].compressor}
-    show = lambda v: ",".join(map(str, v)) if isinstance(v, (tuple, list)) else f"{v:g}" if isinstance(v, float) else v
     changed = [f"{k} {show(s.value)} (the paper's {show(was[k])})" for k, s in settings.items()
                if s.source == "demo" and was[k] != s.value]
-    return ("--model tiny is a CPU demo (ours), not the paper's run: it changes " + ", ".join(changed)
-            + "; any other --model trains the paper's recipe") if changed else ""
-
-
-def settings_line(settings: Mapping) -> str:
-    """recipe_for's settings as a run's first log line: "settings: objective ae (demo), lr 0.003 (demo), ..."."""
-    show = lambda v: ",".join(map(str, v)) if isinstance(v, (tuple, list)) else f"{v:g}" if isinstance(v, float) else v
-    return "settings: " + ", ".join(f"{k} {show(s.value)} ({s.source})" for k, s in settings.items())
+    if changed:
+        lines.append("--model tiny is a CPU demo (ours), not the paper's run: it changes " + ", ".join(changed)
+                     + "; any other --model trains the paper's recipe")
+    return lines
 
 
 def objective_changes(method, objective, cfg=None) -> str:

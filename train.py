@@ -61,7 +61,8 @@ class Run:
     """Everything the loop needs, fixed for the run: where it runs (one process per GPU under torchrun), how a step's
     batch is split, the schedule, and where it saves. main() makes it from the resolved settings."""
     device: torch.device
-    rank: int               # this process (0 logs and writes)
+    rank: int               # this process
+    master: bool            # rank 0: it logs and writes
     world: int              # processes
     micro: int              # examples per forward pass and process
     accum: int              # micro-batches per step and process
@@ -83,27 +84,6 @@ class Run:
     fsdp: bool
     record: dict            # every resolved flag, as each checkpoint and args.json save them
 
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-
-def set_up(device, rank, world, batch_size, micro_batch, seed, frozen_dtype) -> tuple:
-    """(micro, accum, frozen dtype, autocast): the batch split over the processes (parallel.processes), the seed."""
-    micro = micro_batch or batch_size // world
-    if micro < 1 or batch_size % (micro * world):
-        fail(f"--batch-size {batch_size} must be a multiple of --micro-batch {micro} x {world} GPU(s)")
-    # torch's RNG draws the init of memory tokens / LoRA / bridges (one stream per process: DDP then copies rank
-    # 0's weights to every process) and LoRA dropout; the data, GMSA's rates included, has generators of its own
-    # (step_examples), so torch's is the only global generator a run draws from
-    torch.manual_seed(seed + rank)
-    # --frozen-dtype auto: bf16 on CUDA (the EPL and AOC code's dtype), fp32 elsewhere. bf16 weights need autocast
-    # on the CPU too (a matmul of fp32 activations with bf16 weights is an error outside it)
-    frozen = torch.bfloat16 if frozen_dtype == "bf16" or (frozen_dtype == "auto" and device.type == "cuda") \
-        else torch.float32
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" or \
-        frozen == torch.bfloat16 else nullcontext()
-    return micro, batch_size // (micro * world), frozen, autocast
 
 # ---- the compressor ----
 
@@ -183,14 +163,12 @@ def make_optimizer(comp, lr, betas, weight_decay, mem_lr, device):
 # ---- the log ----
 
 
-def open_log(run: Run, comp, corpus: data.Corpus, settings: dict, demo: str, n_params: int, from_init: bool):
+def open_log(run: Run, comp, corpus: data.Corpus, settings: dict, n_params: int, from_init: bool):
     """log.jsonl (a resumed run rewrites the steps after its checkpoint), and the run's first lines: every setting
     with its source (cli.parse_args), what the tiny demo changes, then what trains on what."""
     os.makedirs(run.out, exist_ok=True)
     trim_log(os.path.join(run.out, "log.jsonl"), run.start)
-    print(presets.settings_line(settings))
-    if demo:
-        print(demo)
+    print("\n".join(presets.first_lines(comp.cfg.method, settings)))
     objective, method = settings["objective"].value, comp.cfg.method
     read = f"{corpus.documents:,} documents" + (f", {corpus.questions:,} QA examples" if corpus.questions else "")
     changes = presets.objective_changes(method, objective, comp.cfg)
@@ -392,12 +370,26 @@ def main(argv=None):
     if not args.resume and latest_checkpoint(args.out, required=False):
         fail(f"{args.out} already holds a checkpoint: continue it with --resume {args.out}, or pick another --out")
     with parallel.processes(args.device, args.fsdp) as (device, rank, world):   # torchrun's, or this one
-        micro, accum, frozen, autocast = set_up(device, rank, world, args.batch_size, args.micro_batch, args.seed,
-                                                args.frozen_dtype)
+        micro = args.micro_batch or args.batch_size // world   # the batch split over the processes
+        if micro < 1 or args.batch_size % (micro * world):
+            fail(f"--batch-size {args.batch_size} must be a multiple of --micro-batch {micro} x {world} GPU(s)")
+        # torch's RNG draws the init of memory tokens / LoRA / bridges (one stream per process: DDP then copies rank
+        # 0's weights to every process) and LoRA dropout; the data, GMSA's rates included, has generators of its own
+        # (step_examples), so torch's is the only global generator a run draws from
+        torch.manual_seed(args.seed + rank)
+        # --frozen-dtype auto: bf16 on CUDA (the EPL and AOC code's dtype), fp32 elsewhere. bf16 weights need
+        # autocast on the CPU too (a matmul of fp32 activations with bf16 weights is an error outside it)
+        frozen = torch.bfloat16 if args.frozen_dtype == "bf16" or (args.frozen_dtype == "auto" and
+                                                                   device.type == "cuda") else torch.float32
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" or \
+            frozen == torch.bfloat16 else nullcontext()
         start = resume_state["step"] if resume_state else 0
-        run = Run(device=device, rank=rank, world=world, micro=micro, accum=accum, start=start,
+        sampling = data.Sampling(args.objective, args.crop, args.min_len, args.max_len, args.batch_size, args.seed,
+                                 tuple(args.len_curriculum) if args.len_curriculum else None)
+        run = Run(device=device, rank=rank, master=rank == 0, world=world, micro=micro,
+                  accum=args.batch_size // (micro * world), start=start,
                   end=min(args.steps, args.stop_after or args.steps), steps=args.steps, lr=args.lr, warmup=args.warmup,
-                  schedule=args.schedule, clip=args.clip, sampling=cli.sampling(args), answer_tokens=args.answer_tokens,
+                  schedule=args.schedule, clip=args.clip, sampling=sampling, answer_tokens=args.answer_tokens,
                   frozen=frozen, autocast=autocast, out=args.out, save_every=args.save_every,
                   keep_every=args.keep_every, grad_ckpt=args.grad_ckpt, fsdp=args.fsdp, record=vars(args))
         if run.start >= run.steps:
@@ -433,8 +425,8 @@ def main(argv=None):
             except (ValueError, KeyError) as e:
                 fail(f"mismatched checkpoint: its optimizer state does not fit this compressor ({e})")
             set_rng_state(resume_state["rng"][rank if rank < len(resume_state["rng"]) else 0], device)
-        log = open_log(run, comp, corpus, settings, presets.demo_changes(args.method, settings),
-                       sum(p.numel() for p in params), bool(args.init)) if run.master else None
+        log = open_log(run, comp, corpus, settings, sum(p.numel() for p in params), bool(args.init)) if run.master \
+            else None
         every = args.eval_every if args.eval_every is not None else args.save_every
         if args.fsdp and every > 0:   # rank 0 alone would score a model whose weights are spread over every rank
             every = 0

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 FILES = {str(ROOT / f): f for f in ("presets.py", "compressors.py", "positions.py", "masks.py")}
 TRAINING = {str(ROOT / f): f for f in ("train.py", "data.py")}   # the training column's files
-CHECKS = {"validate", "_check_int", "_check_choice", "_check_mem", "check_len_curriculum"}   # input checks
+CHECKS = {"validate", "_check_int", "_check_choice", "_check_mem"}   # input checks
 
 
 def is_check(node) -> bool:

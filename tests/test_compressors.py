@@ -7,6 +7,7 @@ import inspect
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -733,9 +734,16 @@ def test_every_preset_reads_in_200_lines_and_aoc_with_at_most_4_config_condition
     # each preset's path from its record to the decoder's input, measured as the README's reading guide measures it
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import reading_guide
-    totals = reading_guide.guide()[1]
+    table, totals = reading_guide.guide()
     assert all(lines <= 200 for lines, _ in totals.values()), totals
     assert totals["aoc"][1] <= 4, totals["aoc"]
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    assert table in readme, "README's reading guide is out of date: paste the output of python tests/reading_guide.py"
+    # issue 47: a one-step AOC run called 131 project functions in 11 files when it was filed; the README says how
+    # many it calls now, and they are markedly fewer
+    functions, files = map(int, re.search(r"^\| `aoc` .* \| (\d+) in (\d+) \|$", table, re.M).groups())
+    assert functions <= 120 and files <= 11, (functions, files)
+    assert f"AOC's {functions} in {files} files" in readme.replace("\n", " ")
 
 
 # ---------------------------------------------------------------------------- issue 31: one word, one meaning
@@ -758,7 +766,8 @@ def test_no_preset_shares_a_mutable_recipe_or_settings_object():
         with pytest.raises(TypeError):
             p.compressor["mem"] = 1
     # icae and 500x still read the same EPL values, from frozen records
-    assert P.PRESETS["icae"].recipe.values("qa")["lr"] == P.PRESETS["500x"].recipe.values("qa")["lr"] == 5e-5
+    qa_lr = {m: P.PRESETS[m].recipe.settings("qa")["lr"].value for m in ("icae", "500x")}
+    assert qa_lr == {"icae": 5e-5, "500x": 5e-5}
 
 
 def test_a_recipe_is_a_typed_record_whose_fields_carry_their_help():
@@ -767,7 +776,7 @@ def test_a_recipe_is_a_typed_record_whose_fields_carry_their_help():
     assert all(isinstance(p.recipe, P.Recipe) for p in P.PRESETS.values())
     # the compressor settings an objective changes live apart from the recipe's values (500x's original AE setup)
     assert P.PRESETS["500x"].compressor_for("ae")["ae_token"] == "bos" and not P.PRESETS["500x"].compressor_for("qa")
-    assert not set(P.PRESETS["500x"].recipe.values("ae")) & {f.name for f in dataclasses.fields(P.CompressorConfig)}
+    assert not set(P.PRESETS["500x"].recipe.settings("ae")) & {f.name for f in dataclasses.fields(P.CompressorConfig)}
 
 
 def test_memory_has_no_dead_encoder_positions():

@@ -231,7 +231,7 @@ def test_recipe_for_names_each_settings_value_and_source():
         assert all(s.source != "paper" or k not in demo for k, s in tiny.items())
         real = P.recipe_for(method, "org/model")
         recipe = P.PRESETS[method].recipe
-        assert real["lr"].value == recipe.values(real["objective"].value)["lr"] and "demo" not in {
+        assert real["lr"].value == recipe.settings(real["objective"].value)["lr"].value and "demo" not in {
             s.source for s in real.values()}
     aoc = P.recipe_for("aoc", "org/model")
     assert aoc["lr"] == (2e-4, "paper") and aoc["betas"] == ((0.9, 0.999), "code") and aoc["steps"].source == "ours"
