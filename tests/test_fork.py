@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

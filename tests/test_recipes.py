@@ -270,7 +270,6 @@ def test_curve_scores_texts_cut_as_the_arm_was_trained(tmp_path):
     import sys
     import compressors as C
     import evaluate as E
-    import checkpoint
     import train
     sys.path.insert(0, str(REPO / "recipes"))
     import curve

@@ -19,7 +19,6 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 READMES = ("README.md", "recipes/README.md")
@@ -36,7 +35,7 @@ NOT_RESULTS = {
 LABELS = {"claim (paper)", "verdict at this scale (rule: 2 seeds per arm, every run ≤ 0.5)", "preset", "carrier",
           "carries at a measured 4x", "run", "state", "preset at m = n = 16", 'preset at n = 64, 16 slots ("4x")',
           "run (memory optimized per text, 8 texts)", "tokens", "n (bytes)", "m",
-          "other settings that differ from the preset's"}
+          "other settings that differ from the preset's", "lever", "starts from"}
 RATIO = r"\d+\.\d\d(?: \(\d+\.\d\d-\d+\.\d\d\))?"       # tokens per slot as the tables print it: "3.79 (2.94-4.00)"
 LINK = re.compile(r"\[s(\d+)\]\(([^)\s]+)\)")
 
@@ -69,6 +68,11 @@ def checks(run):
     if curve:
         return [(p["step"], p["ratio"]) for p in curve["points"]]
     return [(r["step"], r["eval"]["own_other"]) for r in log_rows(run) if "eval" in r]
+
+
+def last_check(run):
+    """The last held-out check train.py logged (with --eval-bleu: BLEU-4 and ROUGE-L beside own/other)."""
+    return [r for r in log_rows(run) if "eval" in r][-1]["eval"]
 
 
 def first_at_half(run):
@@ -116,6 +120,9 @@ SPECS = {
     "wall time, s: both / train / evaluate": lambda run, row: [(w := record(run, "wall_time"))["train_s"] + w["evaluate_s"],
                                                      w["train_s"], w["evaluate_s"]],
     "steps": lambda run, row: [last_step(run)],
+    "tokens per slot at the check": lambda run, row: [ratio_text(last_check(run)["tokens_per_slot"])],
+    "last check: own/other / BLEU-4 / ROUGE-L": lambda run, row: [(c := last_check(run))["own_other"],
+                                                                  c["bleu4_words"], c["rougeL"]],
     "steps × batch": lambda run, row: [last_step(run), record(run, "args")["batch_size"]],
     "steps to DPL's final loss": lambda run, row: [record(run, "eval_curve")["first_at_loss"]],
     "AE loss own / other": lambda run, row: [scored(run)["loss"][k] for k in ("own", "other")],
