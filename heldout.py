@@ -43,11 +43,12 @@ class Check:
 
 
 def prepare(comp, train_args: dict, every: int, tiny: bool, resumed: bool, master: bool) -> Check | None:
-    """The held-out examples of the check (train_args: the run's eval_data, eval_n, objective, out), or None, with
-    one line saying why and how to turn it on. tiny: the built-in tiny model, whose held-out texts are built in."""
+    """The held-out examples of the check every `every` (> 0) steps (train_args: the run's eval_data, eval_n,
+    objective, out), or None, with one line saying why and how to turn it on. tiny: the built-in tiny model, whose
+    held-out texts are built in. (train.main prepares none with --eval-every 0.)"""
     task = "qa" if train_args["objective"] in ("qa", "distill") else "ae"
-    if every <= 0 or (train_args["eval_data"] is None and not tiny):
-        if master and every > 0:
+    if train_args["eval_data"] is None and not tiny:
+        if master:
             what = "QA triples" if task == "qa" else "texts"
             print(f"no held-out check runs: pass --eval-data FILE (held-out {what}) to see every {every} steps "
                   "whether the memory carries its own text")

@@ -61,8 +61,7 @@ class Run:
     """Everything the loop needs, fixed for the run: where it runs (one process per GPU under torchrun), how a step's
     batch is split, the schedule, and where it saves. main() makes it from the resolved settings."""
     device: torch.device
-    rank: int               # this process
-    master: bool            # rank 0: it logs and writes
+    rank: int               # this process (0 logs and writes)
     world: int              # processes
     micro: int              # examples per forward pass and process
     accum: int              # micro-batches per step and process
@@ -83,6 +82,10 @@ class Run:
     grad_ckpt: bool         # activation checkpointing (an out-of-memory error suggests it when off)
     fsdp: bool
     record: dict            # every resolved flag, as each checkpoint and args.json save them
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
 
 
 # ---- the compressor ----
@@ -386,7 +389,7 @@ def main(argv=None):
         start = resume_state["step"] if resume_state else 0
         sampling = data.Sampling(args.objective, args.crop, args.min_len, args.max_len, args.batch_size, args.seed,
                                  tuple(args.len_curriculum) if args.len_curriculum else None)
-        run = Run(device=device, rank=rank, master=rank == 0, world=world, micro=micro,
+        run = Run(device=device, rank=rank, world=world, micro=micro,
                   accum=args.batch_size // (micro * world), start=start,
                   end=min(args.steps, args.stop_after or args.steps), steps=args.steps, lr=args.lr, warmup=args.warmup,
                   schedule=args.schedule, clip=args.clip, sampling=sampling, answer_tokens=args.answer_tokens,
