@@ -33,3 +33,6 @@ python train.py "${ARM[@]}" --lora-r 128 --lora-alpha 64 --steps 400 --out "$OUT
 # the paper batch + lr together: batch 16 and a linear decay to 0 over 100 steps from the step-1,500 weights
 python train.py "${ARM[@]}" --warm-start "$OUT/at1500" --batch-size 16 --schedule linear --steps 100 --eval-every 25 \
   --out "$OUT/lora_b16decay_4x"
+# longer at the paper batch: 400 more steps at batch 16 from the paper batch's run, a linear decay to 0
+python train.py "${ARM[@]}" --warm-start "$OUT/lora_b16_4x" --batch-size 16 --schedule linear --steps 400 \
+  --eval-every 50 --save-every 25 --keep-every 100 --out "$OUT/lora_b16long_4x"
