@@ -120,6 +120,7 @@ SPECS = {
     "wall time, s: both / train / evaluate": lambda run, row: [(w := record(run, "wall_time"))["train_s"] + w["evaluate_s"],
                                                      w["train_s"], w["evaluate_s"]],
     "steps": lambda run, row: [last_step(run)],
+    "held-out texts": lambda run, row: [len(scored(run)["examples"])],
     "tokens per slot at the check": lambda run, row: [ratio_text(last_check(run)["tokens_per_slot"])],
     "last check: own/other / BLEU-4 / ROUGE-L": lambda run, row: [(c := last_check(run))["own_other"],
                                                                   c["bleu4_words"], c["rougeL"]],
