@@ -50,7 +50,8 @@ def join(pieces: str, dest: str) -> list:
     path = os.path.join(pieces, MANIFEST)
     if not os.path.isfile(path):
         sys.exit(f"{pieces} has no {MANIFEST}: give the folder `recipes/pieces.py split` wrote")
-    files = json.load(open(path))["files"]
+    with open(path) as f:
+        files = json.load(f)["files"]
     missing = [f"{name}.{i:03d}" for name, m in files.items() for i in range(m["pieces"])
                if not os.path.isfile(os.path.join(pieces, f"{name}.{i:03d}"))]
     if missing:
@@ -61,7 +62,8 @@ def join(pieces: str, dest: str) -> list:
         joined[name], digest = os.path.join(dest, f".{name}.joining"), hashlib.sha256()
         with open(joined[name], "wb") as out:
             for i in range(m["pieces"]):
-                chunk = open(os.path.join(pieces, f"{name}.{i:03d}"), "rb").read()
+                with open(os.path.join(pieces, f"{name}.{i:03d}"), "rb") as f:
+                    chunk = f.read()
                 digest.update(chunk)
                 out.write(chunk)
         if digest.hexdigest() != m["sha256"] or os.path.getsize(joined[name]) != m["bytes"]:

@@ -375,7 +375,7 @@ def test_stop_after_then_resume_equals_an_uninterrupted_run(method, flags, tmp_p
         torch.testing.assert_close(w_part[name], w_full[name], rtol=0, atol=1e-6)
 
 
-def test_a_checkpoint_that_travels_in_pieces_resumes_exactly(tmp_path, run_train, capsys):
+def test_a_checkpoint_that_travels_in_pieces_resumes_exactly(tmp_path, run_train):
     """recipes/pieces.py (issue 46): a checkpoint cut into pieces (as a lent GPU returns it, 16 MiB a file), joined
     elsewhere, resumes as if it had never left; a missing or damaged piece stops join with one line, writing nothing."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
