@@ -22,7 +22,9 @@ so and compare within a bf16 tolerance on CUDA only.
 """
 
 import copy
+import inspect
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -47,7 +49,21 @@ def pytest_addoption(parser):
                      "(default, what CI runs) or cuda")
 
 
+def pytest_report_header(config):
+    # which vector kernels ATen runs (AVX-512 or AVX2 on x86: ATEN_CPU_CAPABILITY picks one), since reduced-precision
+    # results round differently on each
+    return f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
+
+
+# A test whose code names a reduced precision is marked `reduced_precision` at collection, so no test can be left
+# out of the second CI step: .ci/run runs them again on AVX2's kernels (ATEN_CPU_CAPABILITY=avx2, and oneDNN's own
+# switch ONEDNN_MAX_CPU_ISA=AVX2 for its bf16 matmuls), where bf16 rounds differently than on AVX-512
+REDUCED_PRECISION = re.compile(r"bf16|bfloat16|float16|autocast")
+
+
 def pytest_configure(config):
+    config.addinivalue_line("markers", "reduced_precision: the test runs bf16 or fp16 arithmetic (marked at collection "
+                            "from its code); .ci/run runs these on AVX2 kernels too")
     try:
         device = torch.device(config.getoption("--device"))
     except RuntimeError as e:
@@ -67,12 +83,15 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n 2`, its default --dist load), the SMOKE recipe runs (tests/test_recipes.py, minutes
+    """Marks the reduced-precision tests (REDUCED_PRECISION), then orders the slow ones. Under pytest-xdist (`-n 2`, its default --dist load), the SMOKE recipe runs (tests/test_recipes.py, minutes
     each) start first, dealt longest first to the least loaded worker: each at the head of the first batch xdist's
     load scheduler hands that worker (LoadScheduling.schedule: worker k gets items [k c, (k + 1) c) with
     c = max(2, items per worker // 4)), the rest of the batch and the common queue filling in behind. Without it, one
     batch could hold several of them and one worker end the suite alone. Only the order changes: without xdist, or
     if the scheduler ever batches otherwise, every test still runs."""
+    for item in items:
+        if isinstance(item, pytest.Function) and REDUCED_PRECISION.search(inspect.getsource(item.function)):
+            item.add_marker(pytest.mark.reduced_precision)
     workers = getattr(config, "workerinput", {}).get("workercount", 1)   # (a worker's own option.dist reads "no")
     if workers < 2:
         return
