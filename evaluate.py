@@ -849,7 +849,10 @@ def main(argv=None):
         result = task.run(args, comp, examples, proto, os.path.splitext(out)[0])
     except (FileNotFoundError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
-    result = {"task": args.task, "checkpoint": args.ckpt, "config": asdict(comp.cfg), "ratio": args.ratio,
+    # the training step of the weights scored, as their checkpoint's compressor.json says (train.py writes it with each
+    # checkpoint; None for a compressor saved outside a run): recipes/verdict.py refuses a score of an earlier step
+    step = compressors.read_checkpoint_config(args.ckpt).get("step")
+    result = {"task": args.task, "checkpoint": args.ckpt, "step": step, "config": asdict(comp.cfg), "ratio": args.ratio,
               "device": args.device, "accelerator": accelerator(args.device), "dtype": args.dtype, **result}
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
