@@ -1,0 +1,218 @@
+"""Style and reading guards of the code base, apart from the tests of behaviour (STYLE.md rule 17).
+
+From each paper item to its test: the code names its source next to the line (rule 2: `# PIC Eq. (5), rule 3`,
+`EPL Table 13`, `AOC §2`), and tests/README.md opens with a table that leads from each item so cited to the test
+that checks it. Here the citations are read again from the top-level *.py files on every run (comments, docstrings
+and help strings alike), and the table must hold exactly one row for each, every test a row names must exist, and no
+row may name an item the code does not cite. A row whose test cell is "—" (no test checks the item) is reported
+too: every item the code cites has a test.
+
+An item is a paper, a kind and a number: `PIC Eq. (5)`, `PIC Eq. 5` and `PIC, Eq. (5)` are one item, "PIC Eq. 5".
+The paper's name opens the citation; what follows it, joined by ",", "and" or "/", belongs to the same paper
+(`PIC paper §3.1, Eq. 2, Figure 4(a)`: three items), and a range names every number in it (`CompLLM Eq. (1)-(3)`,
+`EPL Tables 13–15`). A number cited without its paper's name in front (`Table 6` inside positions.py) is not read.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "tests" / "README.md"
+HEADING = "## From each paper item to its test"
+NO_TEST = "—"
+
+PAPERS = ("PIC", "EPL", "CompLLM", "GMSA", "AOC", "ICAE", "500xCompressor", "500x", "PCC")   # 500xCompressor: "500x"
+KINDS = (  # (how the code writes it, the one name of the kind)
+    (r"Eqs?\.|Equations?", "Eq."),
+    (r"Fig(?:ure)?s?\.?", "Fig."),
+    (r"Tables?", "Table"),
+    (r"Algorithms?|Alg\.", "Algorithm"),
+    (r"App\.|Appendix", "App."),
+    (r"§", "§"),
+)
+PAPER_RE = re.compile(r"\b(%s)(?:\s+paper)?,?\s+" % "|".join(PAPERS))
+KIND_RE = re.compile(r"(?:%s)\s*" % "|".join(f"({pattern})" for pattern, _ in KINDS))
+NUM = r"\(?\d+(?:\.\d+)*(?:\(?[a-z]\))?\)?"                    # 5, (5), 3.3.1, 4c, 4(c)
+NUM_RE = re.compile(rf"({NUM})(?:\s*[-–]\s*({NUM}))?")          # and a range: 6-8, (1)-(3), 13–15
+APPENDIX_RE = re.compile(r"([A-Z](?:\.\d+)*)\b()")              # App. C, App. A.1
+JOIN_RE = re.compile(r",\s*|\s+and\s+|\s*/\s*")                 # another number or kind of the same paper follows
+SPACE_RE = re.compile(r"\s+")
+# a comment or a string literal that goes on on the next line, blanked to spaces of the same length (so that offsets,
+# and with them line numbers, stay those of the file): "PIC Table\n# 2" reads as "PIC Table   2"
+WRAP_RE = re.compile(r"\n\s*#|[\"']\s*\n\s*f?[\"']")
+
+
+def _numbers(first: str, last: str | None) -> list:
+    """The numbers a citation names: "(5)" -> ["5"], "4(c)" -> ["4c"], "6", "8" -> ["6", "7", "8"],
+    "3.2", "3.5" -> ["3.2", "3.3", "3.4", "3.5"]."""
+    first = first.replace("(", "").replace(")", "")
+    if not last:
+        return [first]
+    last = last.replace("(", "").replace(")", "")
+    head, _, a = first.rpartition(".")
+    head_b, _, b = last.rpartition(".")
+    if head != head_b or not (a.isdigit() and b.isdigit()):
+        return [first, last]
+    return [f"{head}.{i}" if head else str(i) for i in range(int(a), int(b) + 1)]
+
+
+def cited_items(text: str) -> list:
+    """[((paper, kind, number), line)] for every paper item `text` cites, in order, repeats kept."""
+    flat = WRAP_RE.sub(lambda m: " " * len(m.group()), text)
+    found = []
+    for paper in PAPER_RE.finditer(flat):
+        pos, kind = paper.end(), None
+        while True:
+            k = KIND_RE.match(flat, pos)
+            if k:
+                kind, pos = next(name for (_, name), g in zip(KINDS, k.groups()) if g), k.end()
+            elif kind is None:
+                break
+            n = (APPENDIX_RE if kind == "App." else NUM_RE).match(flat, pos)
+            if not n:
+                break
+            line = text.count("\n", 0, paper.start()) + 1
+            name = paper.group(1).replace("500xCompressor", "500x")
+            found += [((name, kind, number), line) for number in _numbers(n.group(1), n.group(2))]
+            pos = n.end()
+            join = JOIN_RE.match(flat, pos) or SPACE_RE.match(flat, pos)
+            if not join or (join.re is SPACE_RE and not KIND_RE.match(flat, join.end())):
+                break   # a space joins a kind only ("App. C Table 3"), never a bare number
+            pos = join.end()
+    return found
+
+
+def item_name(item: tuple) -> str:
+    """("PIC", "Eq.", "5") -> "PIC Eq. 5"; ("AOC", "§", "2") -> "AOC §2"."""
+    paper, kind, number = item
+    return f"{paper} §{number}" if kind == "§" else f"{paper} {kind} {number}"
+
+
+def cited_in_code(root: Path = REPO) -> dict:
+    """{item name: ["file.py:line", ...]} over the top-level *.py files (not tests/, not recipes/)."""
+    cited = {}
+    for path in sorted(root.glob("*.py")):
+        for item, line in cited_items(path.read_text()):
+            cited.setdefault(item_name(item), []).append(f"{path.name}:{line}")
+    return cited
+
+
+def readme_rows(text: str) -> list:
+    """[(item, [test cell entries])] of the table under HEADING: | item | what the code does there (file) | test |."""
+    lines = text.splitlines()
+    start = lines.index(HEADING)
+    rows, in_table = [], False
+    for line in lines[start + 1:]:
+        if line.startswith("|"):
+            in_table = True
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]   # "\|X\|" is no border
+            if cells[0] in ("item", "") or set(cells[0]) <= set("-: "):
+                continue   # the header and its rule
+            rows.append((cells[0], [t.strip().strip("`") for t in cells[-1].split(",")]))
+        elif in_table:
+            break
+    return rows
+
+
+def functions_in(path: Path) -> set:
+    """The names of the test functions a test file defines (pytest collects those named test*)."""
+    tree = ast.parse(path.read_text())
+    return {n.name for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("test")}
+
+
+def table_problems(cited: dict, rows: list, has_test) -> list:
+    """What is wrong with the table: a cited item without a row or with several, a row for an item the code does not
+    cite, a test cell of "—" (no test checks the item), a test cell that names no test (has_test(file, name) -> bool
+    says whether tests/<file> defines it)."""
+    problems = []
+    named = [item for item, _ in rows]
+    for item, where in cited.items():
+        if item not in named:
+            problems.append(f"{item} (cited at {where[0]}) has no row in tests/README.md")
+        elif named.count(item) > 1:
+            problems.append(f"{item} has {named.count(item)} rows")
+    for item, tests in rows:
+        if item not in cited:
+            problems.append(f"{item}: a row, but the code cites it nowhere")
+        if tests == [NO_TEST]:
+            problems.append(f"{item}: no test checks it (its test cell is {NO_TEST})")
+            continue
+        for ref in tests:
+            m = re.fullmatch(r"tests/(test_\w+\.py)::(\w+)", ref)
+            if not m:
+                problems.append(f"{item}: {ref!r} is not tests/test_x.py::test_name")
+            elif not has_test(*m.groups()):
+                problems.append(f"{item}: {ref} does not exist")
+    return problems
+
+
+def has_test(file: str, name: str) -> bool:
+    path = REPO / "tests" / file
+    return path.is_file() and name in functions_in(path)
+
+
+# ---- the tests ----
+
+
+def test_the_extractor_reads_each_way_of_citing():
+    src = '''
+    x = 1  # PIC Eq. (9): and PIC Eq. 9 again, PIC, Eq. (4), rule 3; PIC Eq. 7 2 tokens
+    """EPL Tables 13–15 and CompLLM Eq. (1)-(3); PIC paper §3.1, Eq. 2, Figure 4(a);
+    GMSA §3.2-3.4, App. C Table 3"""
+    y = 2  # AOC Table
+    # 4 (a comment that goes on), EPL Table 12 / Table 1; CompLLM's App. A.1, Gemma 3 report §2, 500xCompressor §3
+    '''
+    found = cited_items(src)
+    assert found[0] == (("PIC", "Eq.", "9"), 2)
+    assert [item_name(item) for item, _ in found] == [
+        "PIC Eq. 9", "PIC Eq. 9", "PIC Eq. 4", "PIC Eq. 7",
+        "EPL Table 13", "EPL Table 14", "EPL Table 15", "CompLLM Eq. 1", "CompLLM Eq. 2", "CompLLM Eq. 3",
+        "PIC §3.1", "PIC Eq. 2", "PIC Fig. 4a", "GMSA §3.2", "GMSA §3.3", "GMSA §3.4", "GMSA App. C",
+        "GMSA Table 3", "AOC Table 4", "EPL Table 12", "EPL Table 1", "500x §3"]
+    assert dict(found)[("AOC", "Table", "4")] == 5   # the line where the citation starts
+
+
+def test_a_missing_stale_or_doubled_row_or_a_missing_test_is_reported():
+    cited = {"PIC Eq. 5": ["masks.py:99"], "EPL Table 13": ["positions.py:135"], "AOC §2": ["presets.py:272"],
+             "AOC Eq. 3": ["model.py:529"]}
+    rows = [("PIC Eq. 5", ["tests/test_masks.py::test_pic_rule_by_rule"]),
+            ("AOC §2", [NO_TEST]), ("AOC §2", [NO_TEST]),
+            ("GMSA Eq. 9", ["tests/test_compressors.py::test_no_such_test"]),
+            ("EPL Table 12", ["test_positions.py::test_table12_encoder_epl"]),
+            ("AOC Eq. 3", ["tests/test_masks.py::grid"])]
+    assert table_problems(cited, rows, has_test) == [
+        "EPL Table 13 (cited at positions.py:135) has no row in tests/README.md",
+        "AOC §2 has 2 rows",
+        "AOC §2: no test checks it (its test cell is —)",
+        "AOC §2: no test checks it (its test cell is —)",
+        "GMSA Eq. 9: a row, but the code cites it nowhere",
+        "GMSA Eq. 9: tests/test_compressors.py::test_no_such_test does not exist",
+        "EPL Table 12: a row, but the code cites it nowhere",
+        "EPL Table 12: 'test_positions.py::test_table12_encoder_epl' is not tests/test_x.py::test_name",
+        "AOC Eq. 3: tests/test_masks.py::grid does not exist",   # a helper, no test
+    ]
+    aoc_2 = "tests/test_compressors.py::test_memory_tokens_are_drawn_as_each_papers_code_draws_them"
+    full = rows[:1] + [("AOC §2", [aoc_2]), ("EPL Table 13", ["tests/test_positions.py::test_table13_decoder_ae"]),
+                       ("AOC Eq. 3", ["tests/test_model.py::test_aoc_block_is_identity_mlp"])]
+    assert table_problems(cited, full, has_test) == []
+    # the rows as readme_rows reads them from the markdown: an escaped | inside a cell, a test cell of several
+    md = "\n".join(["# Title", "", HEADING, "", "| item | what the code does there (file) | test |", "|---|---|---|",
+                    "| PIC Eq. 5 | the mask (masks.py) | tests/test_masks.py::test_pic_rule_by_rule |",
+                    "| AOC §2 | a \\|X\\| cell | — |",
+                    "| EPL Table 13 | positions | tests/test_positions.py::test_table13_decoder_ae, "
+                    "tests/test_positions.py::test_table2_chunk_boundaries |", "", "## Next", "| a | b | c |"])
+    assert readme_rows(md) == [("PIC Eq. 5", ["tests/test_masks.py::test_pic_rule_by_rule"]), ("AOC §2", [NO_TEST]),
+                               ("EPL Table 13", ["tests/test_positions.py::test_table13_decoder_ae",
+                                                 "tests/test_positions.py::test_table2_chunk_boundaries"])]
+
+
+def test_tests_readme_opens_with_the_table_from_each_paper_item_to_its_test():
+    lines = README.read_text().splitlines()
+    assert lines[0].startswith("# ") and HEADING in lines
+    assert [line for line in lines if line.startswith("## ")][0] == HEADING, "the item table must be the first section"
+    cited = cited_in_code()
+    assert len(cited) >= 30, f"the extractor found only {len(cited)} cited items: its pattern broke"
+    problems = table_problems(cited, readme_rows(README.read_text()), has_test)
+    assert not problems, "\n".join(problems)
