@@ -22,7 +22,8 @@
 # curriculum (texts from 4 tokens up over the first third of the run), memlr (the memory tokens at MEM_LR, 1e-3),
 # pretrain (AE + LM on texts of twice the rung's length: the rung's length is what is compressed), warm=ARM (start
 # from ARM's trained tensors, e.g. the 4x arm from the 1:1 arm that carries), kv (the memory written into every layer's
-# K/V, 500x's carrier, no bridge or delimiters: a labelled combination, not the paper's method), ratio=C (CompLLM's
+# K/V, 500x's carrier, no bridge or delimiters: a labelled combination, not the paper's method), nobridge (kv's other
+# changes, no bridge or delimiters, on the preset's own carrier: the arm that isolates the carrier), ratio=C (CompLLM's
 # ratio: ceil(n/C) slots per sentence segment make C = 4 a measured 3.5x, C = 5 a measured 4.3x), ae=TOKEN (the token
 # after the memory that predicts the text's first token: CompLLM has none, which the K/V carrier cannot take, so
 # compllm:kv+ae=bos+ratio=5), lr=X (the preset's learning rate replaced by X). Levers joined by + stack, in order
@@ -68,10 +69,11 @@ lever_flag() {
     warm)       echo --warm-start "$OUT/$value" ;;
     nobos)      echo --no-bos ;;   # GMSA as the ladder first ran it, before its preset started the encoder with [BOS]
     kv)         echo --carrier kv --bridge none --no-delimiters ;;   # ours: the memory written into the decoder's K/V
+    nobridge)   echo --bridge none --no-delimiters ;;   # ours: kv's other changes, the carrier kept (its control)
     ratio)      echo --ratio "$value" ;;   # CompLLM's C: on its sentence segments (S = 20) C = 4 is a measured 3.5x
     ae)         echo --ae-token "$value" ;;   # ae=bos: CompLLM on the K/V carrier needs a token after its memory
     lr)         echo --lr "$value" ;;         # lr=5e-4: the preset's learning rate, replaced
-    *)          echo "unknown lever $1 (epl lora long batch16 curriculum memlr pretrain warm=ARM nobos kv ratio=C ae=TOKEN lr=X)" >&2; exit 2 ;;
+    *)          echo "unknown lever $1 (epl lora long batch16 curriculum memlr pretrain warm=ARM nobos kv nobridge ratio=C ae=TOKEN lr=X)" >&2; exit 2 ;;
   esac
 }
 lever_flags() {   # one lever, or several joined by +: each one's flags in turn (curriculum spans long's steps)
