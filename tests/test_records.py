@@ -32,9 +32,9 @@ NOT_RESULTS = {
     "| full context: depth": "the needle grid: test_the_needle_grid_matches_its_record",
 }
 # columns that name, describe or judge rather than measure (a "seed N" in them is checked against args.json)
-LABELS = {"claim (paper)", "verdict at this scale (rule: 2 seeds per arm, every run ≤ 0.5)", "preset", "carrier",
-          "carries at a measured 4x", "run", "state", "preset at m = n = 16", 'preset at n = 64, 16 slots ("4x")',
-          "run (memory optimized per text, 8 texts)", "tokens", "n (bytes)", "m",
+LABELS = {"claim (paper)", "verdict at this scale (rule: 2 seeds per arm, every run ≤ 0.5, the interval clear of 0)",
+          "preset", "carrier", "carries at a measured 4x", "run", "state", "preset at m = n = 16",
+          'preset at n = 64, 16 slots ("4x")', "run (memory optimized per text, 8 texts)", "tokens", "n (bytes)", "m",
           "other settings that differ from the preset's", "lever", "starts from"}
 RATIO = r"\d+\.\d\d(?: \(\d+\.\d\d-\d+\.\d\d\))?"       # tokens per slot as the tables print it: "3.79 (2.94-4.00)"
 LINK = re.compile(r"\[s(\d+)\]\(([^)\s]+)\)")
