@@ -1,6 +1,7 @@
 """Training on more than one process: torchrun's process group, DDP or FSDP2 around the training step, and the
-checkpoint of a sharded run. train.py calls it in three places (processes, wrap, gathered_state and
-shard_optimizer_state); a run of one process on one device passes through each untouched.
+checkpoint of a sharded run. train.py calls it wherever a process meets the others (processes, wrap, a micro-batch's
+gradient_sync, clip_grad_norm, the step's summed numbers, gathered_state and shard_optimizer_state); a run of one
+process on one device passes through each untouched.
 
     torchrun --nproc_per_node N train.py ...           DDP: every process holds the whole compressor
     torchrun --nproc_per_node N train.py ... --fsdp     FSDP2: every weight sharded over the processes
@@ -26,7 +27,7 @@ trained tensors and the one-process optimizer layout), and shard_optimizer_state
 import copy
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ import torch.nn as nn
 # fully_shard and MixedPrecisionPolicy from torch.distributed.fsdp: torch 2.6; distribute_tensor's src_data_rank: 2.7
 # (requirements.txt's floor)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from compressors import blocks, saved, trained_state
@@ -98,6 +99,43 @@ def wrap(comp, step_fn, fsdp: bool, device: torch.device, world: int, bf16: bool
     return step_fn
 
 
+def gradient_sync(step_module, last: bool):
+    """The context of one micro-batch's forward and backward: only the last of a step's syncs the gradients. DDP
+    all-reduces after every backward outside no_sync(); FSDP2 reduce-scatters after every backward unless told not
+    to (set_requires_gradient_sync), so the earlier micro-batches' gradients accumulate unsharded and are reduced
+    once, with the last's."""
+    if last:
+        return nullcontext()
+    if isinstance(step_module, nn.parallel.DistributedDataParallel):
+        return step_module.no_sync()
+    if isinstance(step_module, FSDPModule):
+        return _without_gradient_sync(step_module)
+    return nullcontext()
+
+
+@contextmanager
+def _without_gradient_sync(step_module):
+    step_module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        step_module.set_requires_gradient_sync(True)
+
+
+def clip_grad_norm(params, clip: float) -> torch.Tensor:
+    """The gradients' total norm before clipping to `clip` (0: measured only), as a plain tensor on the device:
+    under FSDP clip_grad_norm_ returns a DTensor, whose full_tensor() is the norm over every shard."""
+    norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def summed(values: torch.Tensor, world: int) -> list:
+    """A step's numbers (a 1-D tensor), summed over the processes, read to the host in one copy."""
+    if world > 1:
+        dist.all_reduce(values)
+    return values.tolist()
+
+
 def shard(comp, step_fn, device, bf16):
     """fully_shard every transformer block of comp's models, then the step (the root unit), on a mesh of `device`'s
     kind. First every rank takes rank 0's trained tensors, as DDP does when it wraps: each rank drew its own init (its
@@ -122,8 +160,9 @@ def gathered_state(comp, opt, master: bool):
     """(trained tensors by name, optimizer state_dict) in the one-process format, whole, in rank 0's CPU memory; None
     on the other ranks. A collective: every rank calls it. Tensor by tensor: each is gathered from its shards, copied
     to the CPU on rank 0 and dropped, so a save adds to a rank's device one whole tensor at a time (two copies of it
-    where the shards are uneven: 125 MiB for a 62.5 MiB tensor in tests/bench_save.py). The optimizer's state is read, never written: its state_dict() hands out the live per-parameter
-    states, and a gathered tensor written into them broke the next step (issue 45)."""
+    where the shards are uneven: 125 MiB for a 62.5 MiB tensor in tests/bench_save.py). The optimizer's state is
+    read, never written: its state_dict() hands out the live per-parameter states, and a gathered tensor written into
+    them would break the next step."""
     def whole(t):
         if isinstance(t, DTensor):
             t = t.full_tensor()

@@ -32,11 +32,10 @@ import math
 import os
 import signal
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from safetensors.torch import load_file
 from tqdm import tqdm
@@ -240,62 +239,75 @@ def lr_at(step, lr, warmup, steps, schedule):
 
 
 def train_step(run: Run, comp, step_module, opt, params, corpus: data.Corpus, lr: float, step: int, stop: dict) -> dict:
-    """One optimizer step at learning rate `lr`, forward and backward over this process's micro-batches of the
-    step: the step's log row, with "stop" when any process was asked to stop (by now)."""
+    """One optimizer step at learning rate `lr`: forward and backward over this process's micro-batches, clip,
+    step. Returns the step's log row, with "stop" when any process was asked to stop (by now)."""
     t0 = time.time()
     for group in opt.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)   # --mem-lr's group runs at its own peak
-    examples = data.step_examples(corpus.tensors, run.sampling, comp, step)
-    norm = data.step_normalizers(comp, run.sampling.objective, examples)
-    total, parts, tokens = 0.0, {}, 0
-    for m in range(run.accum):
-        first = (m * run.world + run.rank) * run.micro   # this rank's slice of the step's examples
-        batch = data.collate(examples[first:first + run.micro])
-        batch.norm = norm
-        if run.sampling.objective == "distill":   # the frozen LLM answers first (once per example, cached)
-            data.add_teacher_answers(comp, batch, corpus.answers, run.answer_tokens, run.autocast)
-        # DDP all-reduces gradients after every backward; only the last micro-batch needs it (FSDP syncs each)
-        ddp = isinstance(step_module, nn.parallel.DistributedDataParallel)
-        sync = step_module.no_sync() if ddp and m < run.accum - 1 else nullcontext()
-        try:
-            with sync, run.autocast:
-                loss, part = step_module(batch)   # TrainStep.forward: the objective's loss (below)
-            # each loss is this micro-batch's share of the step's mean (step_normalizers): the gradients of the
-            # shares add up to the step's, as if it had been one forward pass. DDP averages the processes'
-            # gradients, so each process's share counts `world` times
-            (loss * run.world).backward()
-        except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
-            if not is_out_of_memory(e):
-                raise
-            # nothing is saved: the last checkpoint in --out stays the last good state
-            fail(f"out of memory at step {step + 1} on {run.device} with a micro-batch of {run.micro} "
-                 f"({data.batch_shape(batch)}): use --micro-batch {max(1, run.micro // 2)}"
-                 f"{'' if run.grad_ckpt else ' or --grad-ckpt'}; the last good checkpoint in {run.out} is kept")
-        total += loss.item()
-        for k, v in part.items():
-            parts[k] = parts.get(k, 0.0) + v.item()
-        tokens += batch.tokens
-    # clip_grad_norm_ returns the norm before clipping; clip 0 = measure only
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, run.clip if run.clip > 0 else float("inf"))
-    grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()   # FSDP: a DTensor
-    stats = torch.tensor([total, grad_norm, tokens, stop["signal"] is not None, *parts.values()], dtype=torch.float64,
-                         device=run.device)
-    if run.world > 1:   # the processes' shares add up to the step's loss; every rank then decides alike below
-        dist.all_reduce(stats)
-        stats[1] /= run.world   # the gradient norm is the same on every rank (DDP synced the gradients)
-    total, tokens, stopping = stats[0].item(), int(stats[2].item()), bool(stats[3].item())
-    parts = dict(zip(parts, stats[4:].tolist()))
-    if not (math.isfinite(total) and math.isfinite(grad_norm)):
-        # no optimizer step and no save: the last checkpoint in --out stays the last good state
-        fail(f"loss {total} / grad-norm {grad_norm} at step {step + 1}: stopping; "
-             f"the last good checkpoint in {run.out} is kept")
+    batches = micro_batches(run, comp, corpus, step)
+    with step_guard(run, step, batches):
+        sums = 0.0   # the loss and its parts, added up on the device in fp64 (as Python adds floats): read once
+        for m, batch in enumerate(batches):
+            with parallel.gradient_sync(step_module, last=m == len(batches) - 1):
+                with run.autocast:
+                    loss, part = step_module(batch)   # TrainStep.forward: the objective's loss (below)
+                # each loss is this micro-batch's share of the step's mean (step_normalizers): the gradients of the
+                # shares add up to the step's, as if it had been one forward pass. DDP averages the processes'
+                # gradients, so each process's share counts `world` times
+                (loss * run.world).backward()
+            sums = sums + torch.stack([loss.detach(), *part.values()]).double()
+            names = list(part)
+        grad_norm = parallel.clip_grad_norm(params, run.clip)
+        tokens = sum(batch.tokens for batch in batches)
+        # the processes' shares add up to the step's loss; every rank then decides alike (one read to the host)
+        total, grad_norm, tokens, stopping, *parts = parallel.summed(torch.cat([
+            sums[:1], grad_norm.double().view(1), torch.tensor([tokens, stop["signal"] is not None],
+                                                                            dtype=torch.float64, device=sums.device),
+            sums[1:]]), run.world)
+        grad_norm /= run.world   # the same on every rank (the gradients were synced): summed, then the mean
+        if not (math.isfinite(total) and math.isfinite(grad_norm)):
+            raise FloatingPointError(f"loss {total} / grad-norm {grad_norm} at step {step + 1}")
     opt.step()
     opt.zero_grad(set_to_none=True)
     if run.device.type == "cuda":
         torch.cuda.synchronize()     # dt measures the step, not just its kernel launches
     dt = time.time() - t0
     return dict(step=step + 1, loss=total, lr=lr, grad_norm=grad_norm, dt=dt, tokens_per_s=tokens / dt,
-                tokens=tokens, **parts, stop=stopping)
+                tokens=int(tokens), **dict(zip(names, parts)), stop=bool(stopping))
+
+
+def micro_batches(run: Run, comp, corpus: data.Corpus, step: int) -> list:
+    """This process's micro-batches of step `step`: a slice each of the step's examples (data.step_examples), with
+    the whole step's normaliser, so that the shares of every micro-batch and process add up to the step's mean."""
+    examples = data.step_examples(corpus.tensors, run.sampling, comp, step)
+    norm = data.step_normalizers(comp, run.sampling.objective, examples)
+    batches = []
+    for m in range(run.accum):
+        first = (m * run.world + run.rank) * run.micro   # this rank's slice of the step's examples
+        batch = data.collate(examples[first:first + run.micro])
+        batch.norm = norm
+        if run.sampling.objective == "distill":   # the frozen LLM answers first (once per example, cached)
+            data.add_teacher_answers(comp, batch, corpus.answers, run.answer_tokens, run.autocast)
+        batches.append(batch)
+    return batches
+
+
+@contextmanager
+def step_guard(run: Run, step: int, batches: list):
+    """A step that runs out of memory, or ends with a non-finite loss or gradient norm (FloatingPointError), ends the
+    run with one line, before any optimizer step or save: the last checkpoint in --out stays the last good state."""
+    kept = f"the last good checkpoint in {run.out} is kept"
+    try:
+        yield
+    except FloatingPointError as e:
+        fail(f"{e}: stopping; {kept}")
+    except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
+        if not is_out_of_memory(e):
+            raise
+        largest = max(batches, key=lambda b: b.tokens)
+        fail(f"out of memory at step {step + 1} on {run.device} with a micro-batch of {run.micro} "
+             f"({data.batch_shape(largest)}): use --micro-batch {max(1, run.micro // 2)}"
+             f"{'' if run.grad_ckpt else ' or --grad-ckpt'}; {kept}")
 
 # ---- the objectives ----
 # Each loss is this micro-batch's share of the step's loss: its summed NLL over the step's normaliser batch.norm
