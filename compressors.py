@@ -176,7 +176,7 @@ SHARED = ("model.embed_tokens", "lm_head")
 
 
 def embed_scale(model: Transformer) -> float:
-    """What the model multiplies its embedding rows by before block 0: sqrt(d) for Gemma 3 (model.ScaledEmbedding),
+    """What the model multiplies its embedding rows by before block 0: sqrt(d) for Gemma 3 (gemma3.ScaledEmbedding),
     else 1. Vectors handed to the decoder as inputs (memory, special tokens) live at the scaled size."""
     return getattr(model.model.embed_tokens, "scale", 1.0)
 

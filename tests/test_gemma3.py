@@ -1,4 +1,4 @@
-"""Gemma 3 in model.py against transformers (the reference) on tiny random checkpoints saved in HF format and read
+"""Gemma 3 (gemma3.py, model.py) against transformers (the reference) on tiny random checkpoints saved in HF format and read
 by load_pretrained: logits, a KV prefix, greedy generation, the multimodal checkpoint layout, bf16 embeddings, the
 config layouts and defaults, the tokenizer and chat template, and train.py on a Gemma folder.
 
