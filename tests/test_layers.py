@@ -11,7 +11,7 @@ can learn the code bottom up. recipes/ and tests/ come after every layer (they m
     presets                                what each method is: CompressorConfig, PRESETS, recipes, the tiny demo
     compressors                            the machinery the presets drive
     data                                   readers, the built-in corpus, sampling a step
-    checkpoint                             save, resume state, the log
+    checkpoint                             a compressor's files (save, load), resume state, the log
     cli                                    train.py's flags and how their defaults resolve
     evaluate                               the tasks and their scores
     heldout, plan, parallel                the held-out check a run does while training (calls evaluate); the
