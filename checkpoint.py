@@ -1,8 +1,10 @@
 """
-Checkpoints of a training run, written so that a run killed at any moment can continue exactly:
+A compressor's files, and the checkpoints of a training run, written so that a run killed at any moment can continue
+exactly:
 
+    DIR/compressor.safetensors, DIR/compressor.json     a compressor: its trained tensors and its config (save, load)
     OUT/ckpt-000200/{compressor.json, compressor.safetensors, train_state.pt}   one unit, renamed into place
-    OUT/compressor.json, OUT/compressor.safetensors     hard links to the newest unit: compressors.load(OUT)
+    OUT/compressor.json, OUT/compressor.safetensors     hard links to the newest unit: checkpoint.load(OUT)
     OUT/args.json, OUT/log.jsonl, OUT/cache/
 
 train_state.pt holds the optimizer, the step, the args and every RNG state a run draws from (one per process); the
@@ -13,15 +15,120 @@ training rows (write_log, which also prints the step's console line) and held-ou
 import json
 import os
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from glob import glob
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import compressors
-from presets import fail
+from model import load_pretrained
+from presets import CompressorConfig, fail
+
+
+# ---- the compressor's files: compressor.safetensors (its trained tensors) and compressor.json (its config) ----
+
+
+def trained_state(comp: compressors.Compressor) -> dict:
+    """The tensors a checkpoint holds (saved), by name."""
+    return {n: p.detach().contiguous() for n, p in comp.named_parameters() if compressors.saved(comp.cfg, n)}
+
+
+def save(comp: compressors.Compressor, out_dir: str, extra: dict | None = None, state: dict | None = None):
+    """Write compressor.safetensors (exactly the trained tensors) and compressor.json (the config),
+    each atomically (temp file + rename), so an interrupted save never leaves a broken checkpoint.
+    state: the trained tensors, when they were gathered already (train.py --fsdp: parallel.gathered_state)."""
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, "compressor.safetensors.tmp")
+    state = state or trained_state(comp)
+    save_file({k: v.cpu() for k, v in state.items()}, tmp)
+    os.replace(tmp, os.path.join(out_dir, "compressor.safetensors"))
+    # the size of what was trained, special-token vectors aside, kept with the config (a record without weights)
+    trained = sum(v.numel() for k, v in state.items() if k not in compressors.SPECIALS)
+    meta = {"config": asdict(comp.cfg), "trained_parameters": trained, **(extra or {})}
+    tmp = os.path.join(out_dir, "compressor.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=2)
+    os.replace(tmp, os.path.join(out_dir, "compressor.json"))
+
+
+def load_trained(comp: compressors.Compressor, state: dict):
+    """Load exactly the tensors `save` wrote; list whatever is missing, unexpected or misshapen."""
+    own = {n: p for n, p in comp.named_parameters() if compressors.saved(comp.cfg, n)}
+    if comp.encoder.lm_head is None:   # accepts encoder.lm_head.* (a head this PCC/PIC encoder lacks): dropped
+        state = {n: t for n, t in state.items() if not n.startswith("encoder.lm_head.")}
+    # accepts GMSA's LSA blocks named `lsa.*` as well as `bridge.lsa.*` (the bridge module's names)
+    state = {("bridge." + n if n.startswith("lsa.") else n): t for n, t in state.items()}
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = sorted(n for n in set(own) & set(state) if own[n].shape != state[n].shape)
+    if missing or unexpected or shapes:
+        raise ValueError(f"checkpoint does not match the compressor: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}, wrong shape {shapes[:5]}")
+    with torch.no_grad():
+        for n, p in own.items():
+            p.copy_(state[n])
+
+
+def read_checkpoint_config(ckpt_dir: str) -> dict:
+    """compressor.json of a checkpoint directory, with a one-line error when it is not one."""
+    path = os.path.join(ckpt_dir, "compressor.json")
+    if not os.path.isdir(ckpt_dir):
+        raise FileNotFoundError(f"checkpoint directory '{ckpt_dir}' does not exist")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"'{ckpt_dir}' is not a checkpoint: compressor.json is missing "
+                                "(point --ckpt at a train.py --out directory)")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"'{path}' is corrupt ({e.msg}): restore it or retrain") from None
+    if not isinstance(meta, dict):   # (a JSON list or number: every caller reads keys)
+        raise ValueError(f"'{path}' is corrupt (a JSON {type(meta).__name__}, not an object): restore it or retrain")
+    return meta
+
+
+def saved_config(ckpt_dir: str) -> CompressorConfig:
+    """The settings a checkpoint was trained with (its compressor.json); a setting the file does not name takes its
+    default, as load() and train.py --init both build it."""
+    saved = read_checkpoint_config(ckpt_dir).get("config")
+    if not isinstance(saved, dict) or not {"method", "model"} <= saved.keys():
+        raise ValueError(f"'{ckpt_dir}/compressor.json' has no compressor config (\"config\" with its method and "
+                         "model): restore it or retrain")
+    unknown = sorted(set(saved) - {f.name for f in fields(CompressorConfig)})
+    if unknown:
+        raise ValueError(f"'{ckpt_dir}/compressor.json' has settings this code does not know ({', '.join(unknown)}): "
+                         "evaluate it with the code that trained it, or retrain")
+    return CompressorConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+
+
+def load(ckpt_dir: str, dtype=torch.float32, device="cpu", trained=True,
+         for_training=False) -> compressors.Compressor:
+    """Rebuild a compressor from a checkpoint: base model(s) from the config, trained tensors on top.
+    trained=False: the same compressor as first built, untrained (seeding torch as the run did reproduces its init).
+    for_training: the base model(s) in `dtype`, the tensors that train or are saved in fp32 (Compressor.set_dtypes;
+    train.py resumes so); else every tensor in `dtype` (evaluation)."""
+    cfg = saved_config(ckpt_dir)
+    decoder, tok = load_pretrained(cfg.model, dtype=dtype, device=device)
+    encoder, enc_tok = None, None
+    if cfg.encoder == "separate" and cfg.compressor_model:
+        encoder, enc_tok = load_pretrained(cfg.compressor_model, dtype=dtype, device=device)
+    comp = compressors.Compressor(cfg, decoder, tok, encoder, enc_tok)
+    if for_training:
+        comp.set_dtypes(dtype)
+    if not trained:
+        return comp
+    try:
+        state = load_file(os.path.join(ckpt_dir, "compressor.safetensors"))
+    except Exception as e:
+        raise ValueError(f"'{ckpt_dir}/compressor.safetensors' cannot be read ({e}): restore it or retrain") from None
+    load_trained(comp, state)
+    return comp
+
+
+# ---- a training run's checkpoints, RNG states and log ----
 
 
 def save_checkpoint(out, step, comp, opt, record: dict, rng, data_key, keep_every=None, whole=None):
@@ -32,7 +139,7 @@ def save_checkpoint(out, step, comp, opt, record: dict, rng, data_key, keep_ever
     tmp, final = os.path.join(out, f".tmp-ckpt-{step:06d}"), os.path.join(out, f"ckpt-{step:06d}")
     shutil.rmtree(tmp, ignore_errors=True)
     # compressor.json + compressor.safetensors; whole: the trained tensors and AdamW state gathered from FSDP's shards
-    compressors.save(comp, tmp, extra={"step": step, "train_args": record}, state=whole and whole[0])
+    save(comp, tmp, extra={"step": step, "train_args": record}, state=whole and whole[0])
     torch.save(dict(step=step, optimizer=whole[1] if whole else opt.state_dict(), rng=rng, args=record,
                     data=data_key, config=asdict(comp.cfg)), os.path.join(tmp, "train_state.pt"))
     # the schedule is a function of the step and the data of (seed, step): step + RNG states are their state

@@ -14,9 +14,8 @@ import argparse
 import os
 from dataclasses import asdict
 
-import compressors
 import presets
-from checkpoint import latest_checkpoint, read_train_state
+from checkpoint import latest_checkpoint, read_train_state, saved_config
 from model import SHAPES
 from presets import fail
 
@@ -188,7 +187,7 @@ def parse_args(argv=None):
     for action in probe._actions:
         action.default = argparse.SUPPRESS
     given = set(vars(probe.parse_args(argv)))
-    # local paths become absolute, so --resume and compressors.load(--out) work from any directory
+    # local paths become absolute, so --resume and checkpoint.load(--out) work from any directory
     for k in PATH_FLAGS:
         v = getattr(args, k)
         if v and os.path.exists(v):
@@ -207,7 +206,7 @@ def parse_args(argv=None):
                       **{k: getattr(args, k) for k in PROCESS_FLAGS})
         args = argparse.Namespace(**merged)
         try:
-            cfg = compressors.saved_config(latest_checkpoint(args.resume))
+            cfg = saved_config(latest_checkpoint(args.resume))
         except (ValueError, OSError) as e:
             fail(f"cannot resume: {e}")
         source = f"--resume {args.resume}"
@@ -238,8 +237,8 @@ def resolve_defaults(args):
     check what the flags ask for; returns (args, recipe_for's settings)."""
     init, init_cfg = None, None
     if args.init:   # the models and compressor settings are the --init run's
-        try:   # a setting added after that run was saved has its default there, as compressors.load builds it
-            init_cfg = compressors.saved_config(args.init)
+        try:   # a setting added after that run was saved has its default there, as checkpoint.load builds it
+            init_cfg = saved_config(args.init)
         except (ValueError, OSError) as e:
             fail(e)
         init = asdict(init_cfg)

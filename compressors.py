@@ -43,21 +43,19 @@ so a forward pass never waits for the GPU to report a value (tests/test_devices.
 import hashlib
 import json
 import math
-import os
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 import masks
 import positions
 from lora import add_lora, lora_disabled
-from model import RMSNorm, Transformer, chunked_cross_entropy, copy_model, load_pretrained
+from model import RMSNorm, Transformer, chunked_cross_entropy, copy_model
 from presets import CHAT_MARKERS, TEMPLATES, CompressorConfig, make_config, validate
 
 
@@ -176,7 +174,7 @@ SHARED = ("model.embed_tokens", "lm_head")
 
 
 def embed_scale(model: Transformer) -> float:
-    """What the model multiplies its embedding rows by before block 0: sqrt(d) for Gemma 3 (model.ScaledEmbedding),
+    """What the model multiplies its embedding rows by before block 0: sqrt(d) for Gemma 3 (gemma3.ScaledEmbedding),
     else 1. Vectors handed to the decoder as inputs (memory, special tokens) live at the scaled size."""
     return getattr(model.model.embed_tokens, "scale", 1.0)
 
@@ -801,7 +799,7 @@ class Compressor(nn.Module):
         the dtype the EPL and AOC code train their frozen LLM in, and halves its memory (train.py --frozen-dtype).
         A tensor shared by two names (tied embeddings, an encoder embedding with the decoder's table) is one
         Parameter: it takes the dtype of its first name, the decoder's. Called after set_stage (KEFT unfreezes the
-        decoder's q/k/v: fp32 from then on) and before load_trained (so trained tensors load unrounded)."""
+        decoder's q/k/v: fp32 from then on) and before checkpoint.load_trained (so trained tensors load unrounded)."""
         for name, p in self.named_parameters():
             want = torch.float32 if p.requires_grad or saved(self.cfg, name) else frozen
             if p.dtype != want:
@@ -810,7 +808,7 @@ class Compressor(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# the parts of a compressor that training and its checkpoints use
+# the blocks a compressor runs (FSDP's units), and building one
 
 def blocks(comp: Compressor) -> list:
     """Every distinct transformer block the compressor runs: the encoder's, the decoder's, GMSA's LSA blocks (a
@@ -820,102 +818,6 @@ def blocks(comp: Compressor) -> list:
         for block in model.model.layers if model is not None else ():
             seen.setdefault(id(block), block)
     return list(seen.values())
-
-
-def trained_state(comp: Compressor) -> dict:
-    """The tensors a checkpoint holds (saved), by name."""
-    return {n: p.detach().contiguous() for n, p in comp.named_parameters() if saved(comp.cfg, n)}
-
-
-def save(comp: Compressor, out_dir: str, extra: dict | None = None, state: dict | None = None):
-    """Write compressor.safetensors (exactly the trained tensors) and compressor.json (the config),
-    each atomically (temp file + rename), so an interrupted save never leaves a broken checkpoint.
-    state: the trained tensors, when they were gathered already (train.py --fsdp: parallel.gathered_state)."""
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, "compressor.safetensors.tmp")
-    state = state or trained_state(comp)
-    save_file({k: v.cpu() for k, v in state.items()}, tmp)
-    os.replace(tmp, os.path.join(out_dir, "compressor.safetensors"))
-    # the size of what was trained, special-token vectors aside, kept with the config (a record without weights)
-    trained = sum(v.numel() for k, v in state.items() if k not in SPECIALS)
-    meta = {"config": asdict(comp.cfg), "trained_parameters": trained, **(extra or {})}
-    tmp = os.path.join(out_dir, "compressor.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=2)
-    os.replace(tmp, os.path.join(out_dir, "compressor.json"))
-
-
-def load_trained(comp: Compressor, state: dict):
-    """Load exactly the tensors `save` wrote; list whatever is missing, unexpected or misshapen."""
-    own = {n: p for n, p in comp.named_parameters() if saved(comp.cfg, n)}
-    if comp.encoder.lm_head is None:   # a PCC/PIC checkpoint before issue 45 kept the unused lm_head: left out
-        state = {n: t for n, t in state.items() if not n.startswith("encoder.lm_head.")}
-    # GMSA's LSA blocks were `lsa.*` before the bridges became modules (issue 47): now `bridge.lsa.*`
-    state = {("bridge." + n if n.startswith("lsa.") else n): t for n, t in state.items()}
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    shapes = sorted(n for n in set(own) & set(state) if own[n].shape != state[n].shape)
-    if missing or unexpected or shapes:
-        raise ValueError(f"checkpoint does not match the compressor: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}, wrong shape {shapes[:5]}")
-    with torch.no_grad():
-        for n, p in own.items():
-            p.copy_(state[n])
-
-
-def read_checkpoint_config(ckpt_dir: str) -> dict:
-    """compressor.json of a checkpoint directory, with a one-line error when it is not one."""
-    path = os.path.join(ckpt_dir, "compressor.json")
-    if not os.path.isdir(ckpt_dir):
-        raise FileNotFoundError(f"checkpoint directory '{ckpt_dir}' does not exist")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"'{ckpt_dir}' is not a checkpoint: compressor.json is missing "
-                                "(point --ckpt at a train.py --out directory)")
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"'{path}' is corrupt ({e.msg}): restore it or retrain") from None
-    if not isinstance(meta, dict):   # (a JSON list or number: every caller reads keys)
-        raise ValueError(f"'{path}' is corrupt (a JSON {type(meta).__name__}, not an object): restore it or retrain")
-    return meta
-
-
-def saved_config(ckpt_dir: str) -> CompressorConfig:
-    """The settings a checkpoint was trained with (its compressor.json); one added since it was saved takes its
-    default, as load() and train.py --init both build it."""
-    saved = read_checkpoint_config(ckpt_dir).get("config")
-    if not isinstance(saved, dict) or not {"method", "model"} <= saved.keys():
-        raise ValueError(f"'{ckpt_dir}/compressor.json' has no compressor config (\"config\" with its method and "
-                         "model): restore it or retrain")
-    unknown = sorted(set(saved) - {f.name for f in fields(CompressorConfig)})
-    if unknown:
-        raise ValueError(f"'{ckpt_dir}/compressor.json' has settings this code does not know ({', '.join(unknown)}): "
-                         "evaluate it with the code that trained it, or retrain")
-    return CompressorConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
-
-
-def load(ckpt_dir: str, dtype=torch.float32, device="cpu", trained=True, for_training=False) -> Compressor:
-    """Rebuild a compressor from a checkpoint: base model(s) from the config, trained tensors on top.
-    trained=False: the same compressor as first built, untrained (seeding torch as the run did reproduces its init).
-    for_training: the base model(s) in `dtype`, the tensors that train or are saved in fp32 (Compressor.set_dtypes;
-    train.py resumes so); else every tensor in `dtype` (evaluation)."""
-    cfg = saved_config(ckpt_dir)
-    decoder, tok = load_pretrained(cfg.model, dtype=dtype, device=device)
-    encoder, enc_tok = None, None
-    if cfg.encoder == "separate" and cfg.compressor_model:
-        encoder, enc_tok = load_pretrained(cfg.compressor_model, dtype=dtype, device=device)
-    comp = Compressor(cfg, decoder, tok, encoder, enc_tok)
-    if for_training:
-        comp.set_dtypes(dtype)
-    if not trained:
-        return comp
-    try:
-        state = load_file(os.path.join(ckpt_dir, "compressor.safetensors"))
-    except Exception as e:
-        raise ValueError(f"'{ckpt_dir}/compressor.safetensors' cannot be read ({e}): restore it or retrain") from None
-    load_trained(comp, state)
-    return comp
 
 
 def build(method: str, decoder: Transformer, tok, encoder_model: Transformer | None = None, encoder_tok=None,

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import compressors
+import checkpoint
 import data   # the built-in corpus and its held-out set; the one reader of .jsonl / .parquet records
 import masks
 from figures import heat_png, needle_png, render_text
@@ -95,7 +95,7 @@ def protocol(comp, ckpt=None, max_len=None, train_args=None, min_len=None):
     under a head crop), what pretraining compressed (EPL code). max_len: cut every text to its first max_len
     tokens; min_len: score only texts of at least min_len tokens (default: the run's --min-len, at_trained_length)."""
     if train_args is None:
-        train_args = (compressors.read_checkpoint_config(ckpt).get("train_args") or {}) if ckpt else {}
+        train_args = (checkpoint.read_checkpoint_config(ckpt).get("train_args") or {}) if ckpt else {}
     n = max_len or train_args.get("max_len")   # the run's own check cuts at its --max-len (any crop): so does this
     shortest = train_args.get("min_len") if n else None   # texts shorter than the run's --min-len are not scored
     return dict(crop=train_args.get("crop", "window"), n=n, min=min_len or (shortest and min(shortest, n)),
@@ -767,13 +767,13 @@ def load_compressor(args):
     """The checkpoint's compressor (args: ckpt, model, method, device, dtype); one-line errors. Also
     tests/bench_speed.py's."""
     dtype = DTYPES[args.dtype]
-    cfg = asdict(compressors.saved_config(args.ckpt))   # one-line errors for a missing or malformed compressor.json
+    cfg = asdict(checkpoint.saved_config(args.ckpt))   # one-line errors for a missing or malformed compressor.json
     if args.model is not None and args.model != cfg["model"]:
         raise ValueError(f"checkpoint '{args.ckpt}' was trained on model '{cfg['model']}', not '{args.model}'")
     if args.method is not None and args.method != cfg["method"]:
         raise ValueError(f"checkpoint '{args.ckpt}' holds method '{cfg['method']}', not '{args.method}'")
     try:
-        comp = compressors.load(args.ckpt, dtype=dtype, device=args.device)
+        comp = checkpoint.load(args.ckpt, dtype=dtype, device=args.device)
     except (ValueError, TypeError) as e:   # TypeError: a config field this code does not know
         raise ValueError(f"cannot load checkpoint '{args.ckpt}' on its base model '{cfg['model']}': {e}") from None
     return comp.eval()

@@ -1,29 +1,14 @@
 """The decoder-only transformer every method compresses with and decodes with, written from scratch.
 
-One `Transformer` covers the five Hugging Face families the papers use (Llama, Qwen2, Qwen3, Mistral, and
-Gemma 3's text model). Module names are HF's (`model.layers.3.self_attn.q_proj`, ...), so a checkpoint loads by
-identity.
+One `Transformer` covers the Hugging Face families the papers use: Llama, Qwen2, Qwen3 and Mistral, and Gemma 3's
+text model from the parts in gemma3.py (its sandwich block, (1 + w) norms, scaled embedding and sliding window).
+Module names are HF's (`model.layers.3.self_attn.q_proj`, ...), so a checkpoint loads by identity.
 
     h_0 = embed(x)                                   (or inputs_embeds: ICAE/GMSA soft tokens)
     h   = h + Attn(RMSNorm(h))                       RoPE on q, k (plain, linear, llama3, YaRN); causal or a given mask
     h   = h + SwiGLU(RMSNorm(h))                     SwiGLU(x) = down(silu(gate(x)) * up(x))
     logits = lm_head(RMSNorm(h_L))
     RMSNorm(x) = w * x / sqrt(mean(x^2) + eps)       computed in fp32, like HF
-
-Gemma 3 (Gemma 3 technical report §2; HF modeling_gemma3), switched on by model_type "gemma3_text" (gemma-3-1b)
-or "gemma3" (the text tower of the multimodal gemma-3-4b/12b/27b; the vision tower is not loaded):
-
-    h_0 = embed(x) * sqrt(d)                         the scale rounded to the embedding dtype, as HF
-    h   = h + RMSNorm(Attn(RMSNorm(h)))              norms before *and* after each sub-block ("sandwich")
-    h   = h + RMSNorm(GeGLU(RMSNorm(h)))             GeGLU(x) = down(gelu_tanh(gate(x)) * up(x))
-    RMSNorm(x) = (1 + w) * x / sqrt(mean(x^2) + eps) all in fp32, cast back last
-    Attn: q, k RMS-normed per head; scores q·k / sqrt(query_pre_attn_scalar); 5 local layers per global one:
-          a local layer sees the last `sliding_window` slots only, with RoPE base rope_local_base_freq (10k);
-          a global one sees everything, RoPE base rope_theta (1M, linearly scaled x8 on the 4B and larger)
-
-tests/test_gemma3.py checks it against transformers' Gemma3ForCausalLM on random checkpoints, past the window and
-with a KV prefix: max |Δlogit| 1.3e-5 in fp32, 2.2e-5 for a multimodal checkpoint's text tower against
-Gemma3ForConditionalGeneration (greedy generations token for token equal).
 
 Three switches serve the compression methods:
 - `mlp="aoc"`: AOC Eq. (3), the MLP becomes the identity, so  h = LN_post(h) + h  (LN_post is kept,
@@ -50,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+import gemma3
 import masks
 from hf import GEMMA_3_4B_CONFIG, LLAMA_2_7B_CONFIG, LLAMA_3_2_1B_CONFIG, LLAMA_3_8B_CONFIG, QWEN3_4B_CONFIG, \
     Tokenizer, byte_tokenizer, load_weights, read_json, resolve
@@ -61,15 +47,6 @@ HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3":
 # the MLP's gate activation, by its HF name: SwiGLU for Llama/Qwen/Mistral, GeGLU with tanh-approximated GELU for
 # Gemma (HF ACT2FN["gelu_pytorch_tanh"] is F.gelu(x, approximate="tanh"))
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
-# HF Gemma3TextConfig's defaults (tests/test_gemma3.py checks them against the installed transformers): the hub's
-# gemma-3-4b-it config.json names only a few keys of its text_config (hidden_size, intermediate_size,
-# num_hidden_layers, rope_scaling, sliding_window) and leaves every other one to these
-GEMMA3_DEFAULTS = dict(
-    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
-    rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
-    attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6,
-    rope_theta=1000000.0, rope_local_base_freq=10000.0)
 
 
 # ---------------------------------------------------------------------------- config
@@ -100,7 +77,7 @@ class ModelConfig:
     eos_token_id: int | None      # first one if config.json lists several
     pad_token_id: int | None      # padding id, if the checkpoint declares one
     hidden_act: str = "silu"      # the MLP's gate activation (ACTIVATIONS): "silu" or Gemma's "gelu_pytorch_tanh"
-    # --- Gemma 3 only (None elsewhere) ---
+    # --- Gemma 3 only (None elsewhere; gemma3.config_fields) ---
     layer_types: tuple | None = None         # per layer "sliding_attention" (local) or "full_attention" (global)
     sliding_window: int | None = None        # W: a local layer's query sees only itself and the W-1 slots before it
     rope_local_theta: float | None = None    # RoPE base of the local layers (rope_local_base_freq), never rescaled
@@ -111,7 +88,7 @@ class ModelConfig:
 
     @property
     def gemma(self) -> bool:
-        """Gemma 3's (1 + w) norms, four norms per block and sqrt(d)-scaled embeddings (HF modeling_gemma3)."""
+        """Gemma 3's (1 + w) norms, four norms per block and sqrt(d)-scaled embeddings (gemma3.py)."""
         return self.arch == "gemma3_text"
 
     @classmethod
@@ -121,33 +98,24 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHS:
             raise ValueError(f"unsupported architecture {arch!r} ({', '.join(hf.get('architectures') or [])}); "
                              f"supported model_type: {', '.join(SUPPORTED_ARCHS)}")
-        if arch in ("gemma3", "gemma3_text"):
-            hf = gemma_text_config(hf)
-            arch = "gemma3_text"
-        gemma = arch == "gemma3_text"
-        # Gemma names its activation hidden_activation (HF Gemma3TextConfig), the others hidden_act
-        act = hf.get("hidden_activation" if gemma else "hidden_act", "silu")
+        gemma = arch in gemma3.MODEL_TYPES
+        if gemma:
+            hf, arch = gemma3.text_config(hf), "gemma3_text"
+        act = hf.get("hidden_act", "silu")
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden activation {act!r}: only {', '.join(ACTIVATIONS)} gated MLPs "
                              f"are implemented")
         # Sliding-window attention of Mistral v0.1 and Qwen2 (use_sliding_window) is not implemented: it equals
         # full attention as long as a sequence fits in the window (4096+), which every setup here does.
-        theta, scaling, local_theta = _rope_parameters(hf, gemma)
-        heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
-        layer_types = None
-        if gemma:
-            # HF Gemma3TextConfig: without an explicit layer_types, layer i is global when (i + 1) is a multiple of
-            # sliding_window_pattern (6: five local layers, then one global: Gemma 3 report §2, "5:1 interleaving")
-            pattern = hf["sliding_window_pattern"]
-            layer_types = tuple(hf.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else
-                                                           "sliding_attention" for i in range(layers)])
+        theta, scaling = _rope_parameters(hf)
+        heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         return cls(
             arch=arch,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=layers,
+            num_hidden_layers=hf["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=hf.get("num_key_value_heads") or heads,  # absent = plain multi-head attention
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
@@ -163,11 +131,8 @@ class ModelConfig:
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
             pad_token_id=hf.get("pad_token_id"),
             hidden_act=act,
-            layer_types=layer_types,
-            sliding_window=hf["sliding_window"] if gemma else None,
-            rope_local_theta=local_theta,
-            query_pre_attn_scalar=hf["query_pre_attn_scalar"] if gemma else None,
             mlp=hf.get("mlp", "swiglu"),  # not an HF field: written by to_hf() for AOC encoders
+            **(gemma3.config_fields(hf) if gemma else {}),
         )
 
     def to_hf(self) -> dict:
@@ -180,9 +145,7 @@ class ModelConfig:
                   max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=self.tie_word_embeddings,
                   bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
         if self.gemma:
-            hf.update(hidden_activation=self.hidden_act, layer_types=list(self.layer_types),
-                      sliding_window=self.sliding_window, rope_local_base_freq=self.rope_local_theta,
-                      query_pre_attn_scalar=self.query_pre_attn_scalar)
+            hf.update(gemma3.hf_fields(self))
         else:
             hf["hidden_act"] = self.hidden_act
         if self.arch != "qwen2":  # Qwen2 has no such field (see from_hf)
@@ -192,39 +155,12 @@ class ModelConfig:
         return hf
 
 
-def gemma_text_config(hf: dict) -> dict:
-    """A Gemma 3 config.json as the flat text-model dict from_hf reads: a multimodal checkpoint's text_config lifted
-    up, HF Gemma3TextConfig's defaults filled in, and the Gemma variants not implemented refused."""
-    if hf["model_type"] == "gemma3":
-        # HF Gemma3Config: a multimodal checkpoint nests its text model's config under text_config; the special
-        # ids may sit at the top level (gemma-3-4b-it: eos_token_id [1, 106]), text_config's win when both exist
-        specials = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
-        hf = {**specials, **hf["text_config"], "model_type": "gemma3_text"}
-    hf = {**GEMMA3_DEFAULTS, **hf}
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2 had them, Gemma 3 sets None
-        if hf.get(key) is not None:
-            raise ValueError(f"unsupported {key}={hf[key]}: Gemma 3 checkpoints set it to null, and logit "
-                             f"soft-capping is not implemented")
-    if hf.get("use_bidirectional_attention"):
-        raise ValueError("unsupported use_bidirectional_attention=true: only causal (decoder) Gemma 3 is implemented")
-    return hf
-
-
-def _rope_parameters(hf: dict, gemma: bool) -> tuple:
-    """(rope_theta, the rope_scaling dict: None for plain RoPE, else the linear, llama3 or yarn parameters, Gemma 3's
-    local-layer base or None) from either config layout: transformers v5 keeps theta and scaling together in
-    rope_parameters; v4 has rope_theta + rope_scaling. An unsupported RoPE is a clear error."""
+def _rope_parameters(hf: dict) -> tuple:
+    """(rope_theta, the rope_scaling dict: None for plain RoPE, else the linear, llama3 or yarn parameters) from either
+    config layout: transformers v5 keeps theta and scaling together in rope_parameters; v4 has rope_theta +
+    rope_scaling. For Gemma 3 they are its global layers' RoPE (gemma3.text_config). An unsupported RoPE is a clear
+    error."""
     rope = hf.get("rope_parameters")
-    local_theta = None
-    if rope is not None and "full_attention" in rope:
-        # transformers v5 Gemma 3: one RoPE per layer type; HF's Gemma3TextConfig puts rope_scaling on the
-        # global layers only, so a rescaled local RoPE is no Gemma 3 checkpoint
-        rope, local = rope["full_attention"], rope["sliding_attention"]
-        if local.get("rope_type", "default") != "default":
-            raise ValueError(f"unsupported RoPE scaling on the sliding layers: {local}")
-        local_theta = float(local["rope_theta"])
-    elif gemma:
-        local_theta = float(hf["rope_local_base_freq"])  # v4 layout (HF Gemma3TextConfig)
     if rope is not None:
         theta, scaling = rope.get("rope_theta", 10000.0), {k: v for k, v in rope.items() if k != "rope_theta"}
     else:
@@ -249,7 +185,7 @@ def _rope_parameters(hf: dict, gemma: bool) -> tuple:
     else:
         raise ValueError(f"unsupported rope_type {rope_type!r}: only 'default', 'linear', 'llama3' and 'yarn' RoPE "
                          f"are implemented")
-    return theta, scaling, local_theta
+    return theta, scaling
 
 
 # ---------------------------------------------------------------------------- RoPE
@@ -350,38 +286,9 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class GemmaRMSNorm(nn.Module):
-    """HF modeling_gemma3 Gemma3RMSNorm: x / rms(x) * (1 + w). The weight is stored as an offset from 1 (so it starts
-    at 0), and unlike Llama's RMSNorm the multiply happens in fp32 too, before the one cast back (HF PR #29402)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
-
-
 def rms_norm(config: ModelConfig, dim: int) -> nn.Module:
     """The checkpoint family's RMSNorm over `dim`, with its eps."""
-    return (GemmaRMSNorm if config.gemma else RMSNorm)(dim, config.rms_norm_eps)
-
-
-class ScaledEmbedding(nn.Embedding):
-    """HF modeling_gemma3 Gemma3TextScaledWordEmbedding: the embedding times sqrt(d). The scale is rounded to the
-    weight's dtype first, as HF does: in bf16 sqrt(2560) = 50.596 becomes 50.5. It lives in the module, so every
-    caller of embed_tokens(ids) (the compressors too) gets scaled rows; inputs_embeds handed to forward() are used
-    as they are, as in HF."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__(num_embeddings, embedding_dim)
-        self.scale = embedding_dim ** 0.5
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return super().forward(ids) * self.weight.new_tensor(self.scale)  # a 0-dim tensor in the weight's dtype
+    return (gemma3.GemmaRMSNorm if config.gemma else RMSNorm)(dim, config.rms_norm_eps)
 
 
 class KVCache:
@@ -508,7 +415,8 @@ class Block(nn.Module):
     """Pre-norm (Llama, Qwen, Mistral): h = h + Attn(LN_in(h)); h = h + MLP(LN_post_attn(h)).
     Beware the name: Llama's post_attention_layernorm is the norm *before* the MLP (HF's name, kept for loading).
     mlp: "swiglu" (the checkpoint's), "aoc" (AOC Eq. 3: the MLP is the identity, LN_post stays) or "none" (the
-    second sub-block removed). sliding: a Gemma 3 local layer (Transformer.forward hands it the windowed mask)."""
+    second sub-block removed). sliding: a Gemma 3 local layer (Transformer.forward hands it the windowed mask).
+    Gemma 3's sandwich block is gemma3.GemmaBlock."""
 
     def __init__(self, config: ModelConfig, sliding: bool = False):
         super().__init__()
@@ -528,35 +436,6 @@ class Block(nn.Module):
         elif self.mlp_kind == "aoc":
             x = x + self.post_attention_layernorm(x)  # AOC Eq. (3): the MLP becomes the identity, LN_post stays
         return x, kv  # mlp == "none": the second sub-block is gone entirely
-
-
-class GemmaBlock(nn.Module):
-    """Gemma 3 "sandwich" (report §2: "post-norm and pre-norm with RMSNorm"; HF Gemma3DecoderLayer), four norms:
-        h = h + LN_post_attn(Attn(LN_in(h)));  h = h + LN_post_ff(MLP(LN_pre_ff(h)))
-    Gemma's post_attention_layernorm is the norm on the attention output (Llama's of the same name comes before the
-    MLP). mlp and sliding as in Block."""
-
-    def __init__(self, config: ModelConfig, sliding: bool = False):
-        super().__init__()
-        self.mlp_kind, self.sliding = config.mlp, sliding
-        d = config.hidden_size
-        self.input_layernorm = rms_norm(config, d)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = rms_norm(config, d)       # part of the attention sub-block
-        if config.mlp != "none":
-            self.pre_feedforward_layernorm = rms_norm(config, d)
-            self.post_feedforward_layernorm = rms_norm(config, d)
-        if config.mlp == "swiglu":
-            self.mlp = MLP(config)
-
-    def forward(self, x, cos, sin, mask, past=None, cache=None):
-        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, cache)
-        x = x + self.post_attention_layernorm(a)
-        if self.mlp_kind == "swiglu":
-            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        elif self.mlp_kind == "aoc":  # AOC Eq. (3), as HF's Gemma3DecoderLayer with mlp = nn.Identity() computes
-            x = x + self.post_feedforward_layernorm(self.pre_feedforward_layernorm(x))
-        return x, kv
 
 
 # ---------------------------------------------------------------------------- transformer
@@ -586,20 +465,22 @@ class Transformer(nn.Module):
         super().__init__()
         if config.mlp not in ("swiglu", "aoc", "none"):
             raise ValueError(f"mlp must be 'swiglu', 'aoc' or 'none', got {config.mlp!r}")
-        types = config.layer_types
-        if types is not None and (len(types) != config.num_hidden_layers
-                                  or not set(types) <= {"sliding_attention", "full_attention"}):
-            raise ValueError(f"layer_types must name 'sliding_attention' or 'full_attention' for each of the "
-                             f"{config.num_hidden_layers} layers, got {types}")
-        if types is not None and "sliding_attention" in types and not config.sliding_window:
-            raise ValueError("sliding_attention layers need a sliding_window (config.json has none)")
+        types = config.layer_types   # Gemma 3: each layer local (sliding window) or global; None elsewhere
+        if types is not None:
+            gemma3.check_layer_types(config)
+        sliding = [types is not None and types[i] == "sliding_attention" for i in range(config.num_hidden_layers)]
+        # Gemma 3: x sqrt(d) embeddings, and its sandwich block around this file's attention and MLP
+        embed = (gemma3.ScaledEmbedding if config.gemma else nn.Embedding)(config.vocab_size, config.hidden_size)
+        if config.gemma:
+            layers = [gemma3.GemmaBlock(config, Attention(config), MLP(config) if config.mlp == "swiglu" else None, s)
+                      for s in sliding]
+        else:
+            layers = [Block(config, s) for s in sliding]
         self.config = config
         # the `model.` level exists only so parameter names equal HF's (model.layers.0...., lm_head.weight)
         self.model = nn.ModuleDict(dict(
-            embed_tokens=(ScaledEmbedding if config.gemma else nn.Embedding)(config.vocab_size, config.hidden_size),
-            layers=nn.ModuleList((GemmaBlock if config.gemma else Block)(config, sliding=types is not None and
-                                                                           types[i] == "sliding_attention")
-                                 for i in range(config.num_hidden_layers)),
+            embed_tokens=embed,
+            layers=nn.ModuleList(layers),
             norm=rms_norm(config, config.hidden_size),
         ))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -607,7 +488,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight  # one Parameter, two names
         # non-persistent: not in the state dict, re-derived from the config (HF checkpoints do not store it)
         self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
-        if types is not None:  # Gemma 3's local layers turn at their own base (HF: sliding_attention_inv_freq)
+        if types is not None:  # Gemma 3's local layers turn at their own base (HF sliding_attention_inv_freq)
             self.register_buffer("inv_freq_local", rope_frequencies(config, local=True), persistent=False)
         # activation checkpointing: set True to keep only each block's input for backward and recompute the
         # block there (about one more forward of compute for far less activation memory on long sequences)
@@ -706,17 +587,9 @@ class Transformer(nn.Module):
         return ModelOutput(logits=logits, last_hidden=h, hidden_states=hidden_states, kv=kv)
 
     def local_attention(self, pos: torch.Tensor, mask, P: int, h: torch.Tensor) -> tuple:
-        """(cos, sin, mask) of Gemma 3's local layers: their own RoPE, and the window ANDed onto whatever the mask
-        says. The window counts key *slots* back from each query's slot over the whole sequence, a KV prefix's P slots
-        (memory from a compressor) included, exactly as HF's masking_utils counts cache positions: so a KV-prefix or
-        an embedding-prefix forward sees what HF's Gemma 3 sees for the same vectors placed before the tokens in one
-        pass (memory further than W slots back is out of a local layer's reach; the global layers see it all).
-        Slots, not position_ids: EPL's moved positions do not move the window, as in HF."""
-        T = h.shape[1]
-        local_mask = mask
-        if P + T > self.config.sliding_window:  # else the band hides nothing: keep the fast causal kernel
-            base = mask if mask is not None else masks.with_prefix(masks.causal(T), P).to(h.device)
-            local_mask = masks.with_window(base, self.config.sliding_window)   # never an all-False row
+        """(cos, sin, mask) of Gemma 3's local layers: their own RoPE, and the window ANDed onto the layer's mask
+        (gemma3.window_mask: slots back from each query, a KV prefix's included)."""
+        local_mask = gemma3.window_mask(mask, P, h.shape[1], self.config.sliding_window, h.device)
         return (*self.rope(pos, h.dtype, local=True), local_mask)
 
     @torch.no_grad()
@@ -889,10 +762,7 @@ def load_pretrained(name_or_path: str, dtype=torch.float32, device="cpu",
     config = replace(ModelConfig.from_hf(hf), mlp=mlp)
     with torch.device("meta"):  # no memory, no init: every tensor comes from the checkpoint
         model = Transformer(config)
-    # a multimodal Gemma 3 (model_type "gemma3": gemma-3-4b-it) names its text tower language_model.model.* and
-    # language_model.lm_head.*, on the hub and as transformers (v4 and v5 alike) saves Gemma3ForConditionalGeneration;
-    # without the prefix those are our names
-    load_weights(model, folder, dtype, device, prefix="language_model." if hf.get("model_type") == "gemma3" else "")
+    load_weights(model, folder, dtype, device, prefix=gemma3.weights_prefix(hf))
     if config.tie_word_embeddings:  # assign=True replaced embed_tokens.weight; re-point lm_head at it
         model.lm_head.weight = model.model.embed_tokens.weight
     model.reset_rope(device)  # the buffers are still on meta

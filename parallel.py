@@ -38,7 +38,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from compressors import blocks, saved, trained_state
+from checkpoint import trained_state
+from compressors import blocks, saved
 from presets import fail
 
 

@@ -40,6 +40,7 @@ import torch.nn as nn
 from safetensors.torch import load_file
 from tqdm import tqdm
 
+import checkpoint
 import cli
 import compressors
 import data
@@ -98,7 +99,7 @@ def build_compressor(cfg, device, frozen=torch.float32, ckpt_dir=None, init=None
     if warm and not ckpt_dir:
         check_warm_start(warm, init)
     if ckpt_dir or init:   # its config + its trained tensors
-        comp = compressors.load(ckpt_dir or init, dtype=frozen, device=device, for_training=True)
+        comp = checkpoint.load(ckpt_dir or init, dtype=frozen, device=device, for_training=True)
     else:
         # --model compresses and decodes; with --decoder, --model is only the compressor (pcc/pic): cfg.model decodes
         decoder, tok = load_pretrained(cfg.model, dtype=frozen, device=device)
@@ -128,7 +129,7 @@ def warm_start(comp, run_dir, device):
     """--warm-start RUN (ours): another run's trained tensors, this run's settings (load_trained checks they fit)."""
     try:
         state = load_file(os.path.join(run_dir, "compressor.safetensors"), device=str(device))
-        compressors.load_trained(comp, state)
+        checkpoint.load_trained(comp, state)
     except ValueError as e:
         raise ValueError(f"--warm-start {run_dir}: {e} (it must be the same preset with the same --mem, LoRA and "
                          "model)") from None
@@ -453,7 +454,7 @@ def main(argv=None):
         if run.master and check and check.rows:
             print(first_carrying_step(check))
         if run.master and end == run.steps:
-            print(f"done: {run.steps} steps; the compressor is in {run.out} (compressors.load, evaluate.py --ckpt)")
+            print(f"done: {run.steps} steps; the compressor is in {run.out} (checkpoint.load, evaluate.py --ckpt)")
         elif run.master and end == args.stop_after:
             print(f"stopped after step {end} (--stop-after); continue with --resume {run.out}")
         parallel.leave_rank()   # here, while the model, optimizer and data are still alive

@@ -24,7 +24,6 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import compressors as C  # noqa: E402
 import evaluate as E  # noqa: E402
 import checkpoint  # noqa: E402
 import figures  # noqa: E402
@@ -43,7 +42,7 @@ def score(ckpt, examples, n=None):
     path = os.path.join(ckpt, "eval_curve.json")
     if kept(path, ckpt):
         return json.load(open(path))
-    comp = C.load(ckpt).eval()
+    comp = checkpoint.load(ckpt).eval()
     # the texts as the arm was trained on them, as evaluate.py scores them: those of at least its --min-len tokens,
     # the first n of them, cut to its --max-len
     proto = E.protocol(comp, ckpt)
@@ -102,7 +101,7 @@ def arm_curve(run, examples, n, threshold, loss_at=None):
     points = [dict(step=r["step"], own=r["eval"]["own"], other=r["eval"]["other"], none=r["eval"]["none"],
                    ratio=r["eval"]["own_other"]) for r in checks]
     # the arm's --eval-n is what --n must be (it checked fewer texts where fewer have its trained length)
-    asked = (C.read_checkpoint_config(run).get("train_args") or {}).get("eval_n") if points else None
+    asked = (checkpoint.read_checkpoint_config(run).get("train_args") or {}).get("eval_n") if points else None
     if points and (asked if asked is not None else checks[-1]["eval"]["n"]) != n:
         raise SystemExit(f"curve.py: {run} checked {checks[-1]['eval']['n']} held-out texts while it trained "
                          f"(--eval-n {asked}), not --n {n}: pass the --n (and --data) it was trained with")

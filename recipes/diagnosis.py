@@ -39,6 +39,7 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import checkpoint  # noqa: E402
 import compressors as C  # noqa: E402
 import evaluate as E  # noqa: E402
 from curve import kept  # noqa: E402
@@ -139,7 +140,7 @@ def diagnose(run, texts, count, length=None):
     """Both states of one run, measured once on texts of `length` tokens (default the run's --max-len):
     run/diagnosis.json is kept and read again while it is newer than the run's weights and was measured on as many
     texts of that length, or when the weights are gone (a kept record in recipes/results)."""
-    meta = C.read_checkpoint_config(run)
+    meta = checkpoint.read_checkpoint_config(run)
     n = length or meta.get("train_args", {}).get("max_len", 16)
     path = os.path.join(run, "diagnosis.json")
     row = json.load(open(path)) if kept(path, run) else {}
@@ -155,7 +156,7 @@ def measure_run(run, meta, texts, count, n):
     out = {}
     for state in ("init", "trained"):
         torch.manual_seed(args.get("seed", 0))   # train.py seeds torch so before it builds the compressor
-        comp = C.load(run, trained=state == "trained").eval()
+        comp = checkpoint.load(run, trained=state == "trained").eval()
         xs = [ids[:n] for ids in (comp.tok.encode(t) for t in texts) if len(ids) >= n][:count]
         if len(xs) < 2:   # own/other needs another text; compress([]) would fail deep inside
             raise SystemExit(f"diagnosis.py: {run}: {len(xs)} held-out text(s) of {n} tokens or more, 2 needed: pass "
@@ -171,8 +172,8 @@ def capacity(run, texts, count, n, steps, lr=1e-2, every=50):
     after 0, every, 2 every, ... steps (the mean over the texts), and the own/other of the optimized memories at the
     end. Adam at lr, scaled by each tensor's RMS (ICAE's memory sits at 20x the token embeddings' norm, K/V at the
     decoder's own scale)."""
-    torch.manual_seed(C.read_checkpoint_config(run).get("train_args", {}).get("seed", 0))   # the run's init
-    comp = C.load(run, trained=False).eval()
+    torch.manual_seed(checkpoint.read_checkpoint_config(run).get("train_args", {}).get("seed", 0))   # the run's init
+    comp = checkpoint.load(run, trained=False).eval()
     for p in comp.parameters():
         p.requires_grad_(False)
     xs = [ids[:n] for ids in (comp.tok.encode(t) for t in texts) if len(ids) >= n][:count]
@@ -248,7 +249,7 @@ def main(argv=None):
     if a.capacity:
         rows = []
         for run in a.runs:   # each run's probe is kept in its folder (capacity.json) and read again when asked alike
-            n = a.len or C.read_checkpoint_config(run).get("train_args", {}).get("max_len", 16)
+            n = a.len or checkpoint.read_checkpoint_config(run).get("train_args", {}).get("max_len", 16)
             path = os.path.join(run, "capacity.json")
             row = json.load(open(path)) if os.path.isfile(path) else {}
             if (row.get("texts"), row.get("n"), row.get("steps")) != (a.texts, n, a.capacity):

@@ -15,7 +15,7 @@ and evaluate.py's "checkpoint" still hold the paths of the machine, so before a 
 
     python recipes/records.py recipes/results/ladder/NEW_ARM ...    # rewrites its JSON files in place
 
-A compressor.json beside its weights is left as it is (compressors.load reads the base model's path from it) and
+A compressor.json beside its weights is left as it is (checkpoint.load reads the base model's path from it) and
 named on stderr: run this again once the weights are gone (git ignores them in recipes/results).
 """
 

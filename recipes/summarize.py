@@ -41,7 +41,7 @@ def read_metric(out, arm, spec):
     if task == "log":
         rows = checkpoint.read_log(run)[0]   # the training rows (not the held-out checks)
         return lookup(rows[-1], path) if rows else None
-    if task == "params":   # written by Compressor.save
+    if task == "params":   # written by checkpoint.save
         return json.load(open(os.path.join(run, "compressor.json"))).get("trained_parameters")
     path_json = os.path.join(run, f"eval_{task}.json")
     if not os.path.isfile(path_json):

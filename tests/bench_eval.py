@@ -15,6 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkpoint  # noqa: E402
 import compressors as C  # noqa: E402
 import evaluate as E  # noqa: E402
 from model import load_pretrained  # noqa: E402
@@ -33,7 +34,7 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args()
     if a.ckpt:
-        comp = C.load(a.ckpt, device=a.device).eval()
+        comp = checkpoint.load(a.ckpt, device=a.device).eval()
     else:
         comp = C.build(a.method, *load_pretrained(a.model, device=a.device)).eval()
     examples = E.load_examples(a.data, a.task, a.n)

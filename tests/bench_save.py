@@ -35,14 +35,15 @@ def worker(all_ranks):
     sys.path.insert(0, REPO)
     import torch
     from torch.distributed.tensor import DTensor
-    import compressors as C
+    import checkpoint
     import parallel
     import train
     gather = parallel.gathered_state
 
     def measured(comp, opt, master):
-        trained = list(C.trained_state(comp).values()) + [v for s in opt.state.values() for k, v in s.items()
-                                                         if k != "step" and torch.is_tensor(v)]
+        trained = list(checkpoint.trained_state(comp).values()) + [v for s in opt.state.values()
+                                                                  for k, v in s.items()
+                                                                  if k != "step" and torch.is_tensor(v)]
         local = lambda t: t.to_local() if isinstance(t, DTensor) else t
         shard = sum(local(t).numel() * t.element_size() for t in trained)
         full = sum(t.numel() * t.element_size() for t in trained)

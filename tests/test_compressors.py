@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkpoint  # noqa: E402
 import compressors as C  # noqa: E402
 import presets as P  # noqa: E402
 import masks  # noqa: E402
@@ -212,9 +213,9 @@ def test_pcc_pic_encoder_has_no_unused_lm_head_and_old_checkpoints_still_load(me
     comp.encoder.lm_head = nn.Linear(d, V, bias=False).to(device)   # the head back: the same loss, to the bit
     again, _ = comp.lm_loss(comp.compress(ctx), "ae", [c + [tok.eos_id] for c in ctx])
     assert torch.equal(loss, again)
-    old = {**C.trained_state(comp), "encoder.lm_head.weight": comp.encoder.lm_head.weight.detach().clone()}
+    old = {**checkpoint.trained_state(comp), "encoder.lm_head.weight": comp.encoder.lm_head.weight.detach().clone()}
     comp.encoder.lm_head = None
-    C.load_trained(comp, old)   # a checkpoint written before: loads
+    checkpoint.load_trained(comp, old)   # a checkpoint written before: loads
 
 
 def test_pcc_pic_separate_compressor_with_converter(device):
@@ -441,9 +442,9 @@ def test_save_load_roundtrip_gives_the_same_memory(tmp_path, device):
     comp = C.build("gmsa", dec, tok)
     step(comp, [tok.encode("save me")])
     comp.set_stage("keft")
-    C.save(comp, tmp_path)
+    checkpoint.save(comp, tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["compressor.json", "compressor.safetensors"]
-    back = C.load(str(tmp_path), device=device)
+    back = checkpoint.load(str(tmp_path), device=device)
     ids = [tok.encode("the same memory after loading")]
     with torch.no_grad():
         torch.testing.assert_close(back.compress(ids, ratios=[4]).embeds, comp.compress(ids, ratios=[4]).embeds)
@@ -451,20 +452,20 @@ def test_save_load_roundtrip_gives_the_same_memory(tmp_path, device):
         torch.testing.assert_close(back.decoder(x).logits, comp.decoder(x).logits)   # KEFT q/k/v saved too
     wrong = C.build("gmsa", *tiny(device), enc_layers=2)
     with pytest.raises(ValueError, match="checkpoint does not match"):
-        C.load_trained(wrong, C.trained_state(comp))
+        checkpoint.load_trained(wrong, checkpoint.trained_state(comp))
 
 
 def test_a_saved_config_fills_new_settings_and_names_unknown_ones(tmp_path):
-    """compressors.saved_config (load and train.py --init): a setting missing from an older compressor.json takes its
+    """checkpoint.saved_config (load and train.py --init): a setting missing from an older compressor.json takes its
     default, a list comes back a tuple, and a setting this code does not know is a one-line error naming it."""
     saved = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(P.make_config("gmsa", ratios=(2,))).items()}
     del saved["mem_norm"]
     (tmp_path / "compressor.json").write_text(json.dumps({"config": saved}))
-    cfg = C.saved_config(str(tmp_path))
+    cfg = checkpoint.saved_config(str(tmp_path))
     assert cfg.mem_norm == P.CompressorConfig.mem_norm and cfg.ratios == (2,) and cfg.method == "gmsa"
     (tmp_path / "compressor.json").write_text(json.dumps({"config": {**saved, "gone_setting": 1}}))
     with pytest.raises(ValueError, match=r"does not know \(gone_setting\)") as e:
-        C.saved_config(str(tmp_path))
+        checkpoint.saved_config(str(tmp_path))
     assert "\n" not in str(e.value)
 
 
@@ -555,7 +556,7 @@ def test_lora_aoc_is_lora_on_an_mlp_free_copy_with_the_kv_carrier(device):
     assert {n.split(".")[-2] for n in trained if "lora_A" in n} == {"q_proj", "k_proj", "v_proj", "o_proj"}
     before = step(comp, [tok.encode("lora on an attention-only copy")])
     assert all(n.startswith("encoder.") and "lora_" in n or n == "mem_tokens" for n in changed(comp, before))
-    assert set(C.trained_state(comp)) == trained                  # the copy's base weights are the decoder's
+    assert set(checkpoint.trained_state(comp)) == trained                  # the copy's base weights are the decoder's
 
 
 def test_epl_chunks_as_the_code_cuts_them_bos_first_full_memory_nominal_upl(device):
@@ -583,12 +584,12 @@ def test_saved_tensors_are_exactly_what_trains(tmp_path, device):
     dec, tok = tiny(device)
     comp = C.build("gmsa", dec, tok)
     trained = {n for n, p in comp.named_parameters() if p.requires_grad}
-    assert set(C.trained_state(comp)) == trained
-    assert not any(n.startswith("encoder.") and "lora_" not in n for n in C.trained_state(comp))
-    assert not any("embed_tokens" in n or "lm_head" in n for n in C.trained_state(comp))
+    assert set(checkpoint.trained_state(comp)) == trained
+    assert not any(n.startswith("encoder.") and "lora_" not in n for n in checkpoint.trained_state(comp))
+    assert not any("embed_tokens" in n or "lm_head" in n for n in checkpoint.trained_state(comp))
     comp.set_stage("keft")
     qkv = {n for n, p in comp.named_parameters() if p.requires_grad}
-    assert set(C.trained_state(comp)) == trained | qkv
+    assert set(checkpoint.trained_state(comp)) == trained | qkv
 
 
 def test_pcc_decoder_input_is_bos_then_delimited_memory_per_segment(device):
@@ -878,15 +879,15 @@ def test_every_bridge_is_a_module_named_for_what_it_does(method, device):
     assert type(comp.bridge) is want and comp.carrier is C.CARRIERS[comp.cfg.carrier]
     assert comp.encoder_mask is masks.ENCODER[comp.cfg.mask] and comp.encoder_mask.__name__ == comp.cfg.mask
     if method == "gmsa":
-        state = C.trained_state(comp)
+        state = checkpoint.trained_state(comp)
         old = {(n[len("bridge."):] if n.startswith("bridge.lsa.") else n): t for n, t in state.items()}
         assert any(n.startswith("lsa.") for n in old)
-        C.load_trained(comp, old)
+        checkpoint.load_trained(comp, old)
 
 
 def test_the_compressor_class_stays_under_450_lines():
-    """Issue 47: Compressor had grown to 472 lines; its checkpoint functions (save, load_trained, trained_state) and
-    blocks() are module functions beside load(), the bridges modules of their own."""
+    """Compressor stays one class a reader can hold: its file functions (save, load, load_trained, trained_state) live
+    in checkpoint.py, blocks() is a module function, the bridges are modules of their own."""
     import ast
     tree = ast.parse(open(C.__file__).read())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Compressor")

@@ -45,7 +45,7 @@ def ckpt(tmp_path_factory):
     out = {}
     for method, kw in settings.items():
         torch.manual_seed(0)
-        C.save(C.build(method, *build_tiny(), **kw), str(root / method))
+        checkpoint.save(C.build(method, *build_tiny(), **kw), str(root / method))
         out[method] = str(root / method)
     return out
 
@@ -167,7 +167,8 @@ def test_full_context_beats_no_context_on_smollm2(tmp_path, device):
     first half than after BOS alone (the compressed row of an untrained compressor is not checked)."""
     from model import load_pretrained
     decoder, tok = load_pretrained(str(SMOLLM2))
-    C.save(C.build("icae", decoder, tok, model=str(SMOLLM2), mem=4, chunk_len=64, lora_r=2, lora_alpha=4), str(tmp_path))
+    checkpoint.save(C.build("icae", decoder, tok, model=str(SMOLLM2), mem=4, chunk_len=64, lora_r=2, lora_alpha=4),
+                    str(tmp_path))
     result, _ = run(["--ckpt", tmp_path, "--task", "lm", "--n", 3], device)
     assert result["scores"]["full"]["perplexity"] < 0.8 * result["scores"]["none"]["perplexity"]
 
@@ -331,7 +332,7 @@ def test_heatmap_png_and_cosine(method, ckpt, tmp_path, capsys, device):
     assert "|" in out and result["cosine_png"] in out
 
     # one cell, computed independently of evaluate.py
-    comp = C.load(ckpt[method], device=device)
+    comp = checkpoint.load(ckpt[method], device=device)
     ids = comp.tok.encode(text)
     with torch.no_grad():
         memory = comp.compress([ids])
@@ -464,7 +465,7 @@ def test_speed_bad_input_is_a_one_line_error(ckpt, one_line_error):
 def test_checkpoint_of_another_base_model(ckpt, tmp_path, one_line_error):
     """A checkpoint trained on a narrower model but labelled "tiny": the tensor shapes give it away."""
     cfg = ModelConfig.from_hf({**TINY_CONFIG, "hidden_size": 32, "head_dim": 8})
-    C.save(C.build("icae", Transformer(cfg), build_tiny()[1], mem=4, chunk_len=64, lora_r=4), str(tmp_path))
+    checkpoint.save(C.build("icae", Transformer(cfg), build_tiny()[1], mem=4, chunk_len=64, lora_r=4), str(tmp_path))
     msg = one_line_error(["--ckpt", tmp_path, "--task", "ae"])
     assert "on its base model 'tiny'" in msg and "wrong shape" in msg
     Path(tmp_path, "compressor.json").write_text("{not json")
@@ -666,14 +667,14 @@ def test_gmsa_ratio_and_baselines_from_the_original_llm_after_keft(tmp_path, dev
     with torch.no_grad():
         for p in comp.trainable_parameters():
             p.add_(torch.randn_like(p))                   # what KEFT training would do to q/k/v
-    C.save(comp, str(tmp_path))
+    checkpoint.save(comp, str(tmp_path))
     result, _ = run(["--ckpt", tmp_path, "--task", "lm", "--ratio", 8, "--n", 2], device)
     text = D.unseen_texts()[0]
     first_half = len(comp.tok.encode(text)) // 2
     assert result["examples"][0]["memory_slots"] == math.ceil(first_half / 8) and result["ratio"] == 8
     base, tok = build_tiny()
-    plain = E.PlainLLM(C.load(str(tmp_path), device=device))
-    assert plain.model is not C.load(str(tmp_path), device=device).decoder
+    plain = E.PlainLLM(checkpoint.load(str(tmp_path), device=device))
+    assert plain.model is not checkpoint.load(str(tmp_path), device=device).decoder
     ids = tok.encode(text)
     want = E.PlainLLM(C.build("gmsa", base.to(device), tok, lora_r=4, lora_alpha=8)).nll([[tok.bos_id]], [ids])
     assert result["examples"][0]["none"]["nll"] != pytest.approx(want[0][0])   # a different text: sanity

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import compressors as C  # noqa: E402
 import presets as P  # noqa: E402
 import masks  # noqa: E402
 import checkpoint  # noqa: E402
@@ -62,7 +61,7 @@ def test_the_readme_fork_it_example_trains_with_its_new_mask(tmp_path, monkeypat
                 "--device", str(device)])
 
     assert [r["step"] for r in checkpoint.read_log(str(out))[0]] == [1, 2]
-    assert C.load(str(out)).cfg.mask == "mem_bidir"          # the checkpoint remembers the new value
+    assert checkpoint.load(str(out)).cfg.mask == "mem_bidir"          # the checkpoint remembers the new value
     assert made, "the encoder never called the new mask"
     L = 16   # the tiny demo's AOC texts: 16 bytes, 16 memory slots
     mask = made[0]

@@ -1,4 +1,4 @@
-"""Gemma 3 in model.py against transformers (the reference) on tiny random checkpoints saved in HF format and read
+"""Gemma 3 (gemma3.py, model.py) against transformers (the reference) on tiny random checkpoints saved in HF format and read
 by load_pretrained: logits, a KV prefix, greedy generation, the multimodal checkpoint layout, bf16 embeddings, the
 config layouts and defaults, the tokenizer and chat template, and train.py on a Gemma folder.
 
@@ -17,6 +17,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
+import checkpoint
 import compressors as C
 import presets as P
 import masks
@@ -349,7 +350,7 @@ def test_train_compllm_two_steps_on_a_gemma_folder(gemma, tmp_path, device):
                 "--device", str(device)])
     rows = [json.loads(line) for line in open(out / "log.jsonl")]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in rows)
-    comp = C.load(str(out), device=device)
+    comp = checkpoint.load(str(out), device=device)
     assert comp.decoder.config.gemma and comp.template() == P.TEMPLATES["gemma"]
 
 

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-import compressors as C
+import checkpoint
 import evaluate as E
 import data as D
 import train
@@ -60,7 +60,7 @@ def test_cli_grid_and_where_each_needle_landed(run, tmp_path, capsys, device):
     cells = [(ex["depth"], ex["length"]) for ex in examples]
     assert len(examples) == 5 * len(lengths) * n and all(cells.count(c) == n for c in set(cells))
     assert "loss" not in result and all("loss" not in ex for ex in examples)
-    tok = C.load(run).tok
+    tok = checkpoint.load(run).tok
     longest = max(len(tok.encode(" " + s)) for t in D.unseen_texts() for s in re.split(r"(?<=[.!?]) ", t))
     for ex in examples:
         context, needle = ex["context"], E.NEEDLE.format(key=ex["answer"])
@@ -103,7 +103,7 @@ def test_passkey_score():
 def test_grid_counts_the_reader_that_finds_the_needle(run, monkeypatch, device):
     """A plain LLM that reads the needle scores 1 in every cell of the full row and 0 in the none row (whose prompt
     has no needle); a compressed row that always says one wrong number scores 0."""
-    comp = C.load(run, device=device).eval()
+    comp = checkpoint.load(run, device=device).eval()
     monkeypatch.setattr(E.PlainLLM, "generate", reader)
     monkeypatch.setattr(comp, "generate", lambda memory, task, **kw: [comp.tok.encode(" 00000")] * len(memory.valid))
     result = E.run_needle(comp, [{"text": t} for t in D.unseen_texts()], [256], n=2, batch_size=4)
@@ -113,7 +113,7 @@ def test_grid_counts_the_reader_that_finds_the_needle(run, monkeypatch, device):
 
 
 def test_same_seed_same_haystacks_and_passkeys(run):
-    tok, texts = C.load(run).tok, D.unseen_texts()
+    tok, texts = checkpoint.load(run).tok, D.unseen_texts()
     a, b = (E.needle_examples(tok, texts, [256, 384], 2, seed=0) for _ in range(2))
     c = E.needle_examples(tok, texts, [256, 384], 2, seed=1)
     assert a == b
@@ -123,7 +123,7 @@ def test_same_seed_same_haystacks_and_passkeys(run):
 
 
 def test_default_lengths_fit_the_models_positions(run, monkeypatch, device):
-    comp = C.load(run, device=device).eval()
+    comp = checkpoint.load(run, device=device).eval()
     monkeypatch.setattr(comp.decoder.config, "max_position_embeddings", 600)
     monkeypatch.setattr(E.PlainLLM, "generate", reader)
     monkeypatch.setattr(comp, "generate", lambda memory, task, **kw: [[]] * len(memory.valid))

@@ -162,7 +162,7 @@ def test_curve_scores_texts_cut_as_the_arm_was_trained(tmp_path):
     """recipes/curve.py's own/other at a checkpoint is the recipe's evaluation of it (`evaluate.py --max-len` the
     arm's length): a window-cropped arm trained on 8-token texts is scored on 8-token texts, not on whole ones."""
     import sys
-    import compressors as C
+    import checkpoint
     import evaluate as E
     import train
     sys.path.insert(0, str(REPO / "recipes"))
@@ -171,7 +171,7 @@ def test_curve_scores_texts_cut_as_the_arm_was_trained(tmp_path):
     train.main(["--method", "500x", "--objective", "ae", "--model", "tiny", "--mem", "4", "--chunk-len", "8",
                 "--crop", "window", "--min-len", "8", "--max-len", "8", "--batch-size", "2", "--steps", "2",
                 "--save-every", "2", "--keep-every", "2", "--out", str(out)])
-    comp = C.load(str(out)).eval()
+    comp = checkpoint.load(str(out)).eval()
     examples = E.load_examples(None, "ae")[:4]
     assert all(len(comp.tok.encode(ex["text"])) > 8 for ex in examples)   # the cut matters
     point = curve.score(str(out / "ckpt-000002"), examples)
@@ -257,11 +257,12 @@ def test_diagnosis_says_when_no_held_out_text_is_long_enough(tmp_path):
     """Too few texts of the measured length stop with one line that names the fix (it used to be an IndexError deep
     in compress([])), and --len measures on shorter texts."""
     import sys
+    import checkpoint
     import compressors as C
     sys.path.insert(0, str(REPO / "recipes"))
     import diagnosis
     from model import build_tiny
-    C.save(C.build("500x", *build_tiny(), mem=4, chunk_len=64, lora_r=2, lora_alpha=4), str(tmp_path))
+    checkpoint.save(C.build("500x", *build_tiny(), mem=4, chunk_len=64, lora_r=2, lora_alpha=4), str(tmp_path))
     texts = ["A short one.", "Another short text.", "And a third."]         # 12-19 byte tokens, under the 64 asked
     with pytest.raises(SystemExit, match=r"0 held-out text\(s\) of 64 tokens or more, 2 needed: pass --data"):
         diagnosis.diagnose(str(tmp_path), texts, 8, length=64)
@@ -297,6 +298,7 @@ def test_capacity_optimizes_each_texts_own_memory(tmp_path):
     frozen decoder (the loss falls, and the optimized memories are no longer interchangeable: own/other < 1), for
     both carriers; memories left as the encoder made them would keep the loss where it starts."""
     import sys
+    import checkpoint
     import compressors as C
     sys.path.insert(0, str(REPO / "recipes"))
     import diagnosis
@@ -304,7 +306,7 @@ def test_capacity_optimizes_each_texts_own_memory(tmp_path):
     texts = [t for t in __import__("data").unseen_texts(6)]
     for method in ("500x", "icae"):
         run = tmp_path / method
-        C.save(C.build(method, *build_tiny(), mem=16, chunk_len=17, lora_r=2, lora_alpha=4), str(run))
+        checkpoint.save(C.build(method, *build_tiny(), mem=16, chunk_len=17, lora_r=2, lora_alpha=4), str(run))
         r = diagnosis.capacity(str(run), texts, 4, 16, steps=60, every=30)
         assert [c["step"] for c in r["curve"]] == [0, 30, 60] and r["texts"] == 4
         assert r["curve"][-1]["loss"] < 0.8 * r["curve"][0]["loss"] and r["own_other"] < 0.9, (method, r)

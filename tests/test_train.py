@@ -121,14 +121,14 @@ def test_every_method_learns_memories_that_carry_their_own_text(method, tmp_path
     run_train(["--method", method, "--model", "tiny", "--out", out, *WINDOWS, *flags, *paper_schedule(method)])
     losses = [r["loss"] for r in log_rows(out)]
     assert len(losses) == 300 and sum(losses[-10:]) / 10 < 0.9 * losses[0]
-    comp = C.load(out, device=device).eval()
+    comp = checkpoint.load(out, device=device).eval()
     held_out = [{"text": t} for t in D.EVAL_TEXTS]                 # never in the built-in corpus (data.py)
     L = E.run_ae(comp, held_out, max_new_tokens=1, proto=dict(crop="head", n=16, half=False))["loss"]
     assert L["own_other_ratio"] < max_ratio, f"{method}: own {L['own']:.3f} other {L['other']:.3f}"
     assert L["own"] < L["none"]
     # the run directory is a compressor checkpoint (evaluate.py's entry point) holding the trained tensors
     final = load_file(os.path.join(out, "ckpt-000300", "compressor.safetensors"), device=str(device))
-    for name, t in C.trained_state(comp).items():
+    for name, t in checkpoint.trained_state(comp).items():
         torch.testing.assert_close(t, final[name], rtol=0, atol=0)
 
 
@@ -159,7 +159,7 @@ def test_bf16_autocast_training_on_cuda(tmp_path, run_train, device, monkeypatch
     assert seen == {(True, torch.bfloat16)}
     losses = [r["loss"] for r in log_rows(out)]
     assert all(math.isfinite(x) for x in losses) and sum(losses[-10:]) / 10 < 0.9 * losses[0]
-    comp = C.load(out, device=device).eval()
+    comp = checkpoint.load(out, device=device).eval()
     L = E.run_ae(comp, [{"text": t} for t in D.EVAL_TEXTS], max_new_tokens=1,
                  proto=dict(crop="head", n=16, half=False))["loss"]
     assert L["own_other_ratio"] < max_ratio
@@ -176,7 +176,7 @@ def test_pcc_and_pic_train_and_evaluate_under_epl_positions(method, tmp_path, ru
     assert len(log_rows(out)) == 6 and os.path.isfile(os.path.join(out, "ckpt-000006", "compressor.safetensors"))
     result = E.main(["--ckpt", out, "--task", "ae", "--n", "2", "--max-new-tokens", "4", "--device", str(device),
                      "--dtype", "float32"])
-    assert C.load(out).cfg.layout == "epl" and math.isfinite(result["loss"]["own"])
+    assert checkpoint.load(out).cfg.layout == "epl" and math.isfinite(result["loss"]["own"])
 
 
 def test_quickstart_on_the_real_tiny_model_runs_and_logs(tmp_path, run_train, capsys):
@@ -191,7 +191,7 @@ def test_quickstart_on_the_real_tiny_model_runs_and_logs(tmp_path, run_train, ca
     # Trainer's); 16 bytes in 4 slots
     assert (args["model"], args["objective"], args["lr"], args["weight_decay"], args["clip"], args["batch_size"],
             args["crop"], args["min_len"], args["max_len"]) == ("tiny", "ae", 1e-2, 0.0, 1.0, 16, "head", 16, 16)
-    assert C.load(out).cfg.mem == 4
+    assert checkpoint.load(out).cfg.mem == 4
     assert "aoc: ae objective on 3,013 documents" in capsys.readouterr().out   # AOC's own objective: no note
 
 
@@ -500,7 +500,7 @@ def test_eval_bleu_logs_what_evaluate_scores_the_regenerations(held_texts, tmp_p
     got = E.main(["--ckpt", out, "--data", held_texts, "--n", "6", "--max-len", "16", "--device", str(device),
                   "--dtype", "float32", "--task", "ae", "--out", str(tmp_path / "eval.json")])["scores"]["compressed"]
     assert (last["bleu4_words"], last["rougeL"]) == pytest.approx((got["bleu4_words"], got["rougeL"]), abs=1e-9)
-    comp = C.load(out, device=device).eval()
+    comp = checkpoint.load(out, device=device).eval()
     ho = heldout.prepare(comp, json.load(open(os.path.join(out, "args.json"))), 1, True, False, True)
     refs = {}
     real = E.texts_as_trained
@@ -623,8 +623,8 @@ def test_mem_lr_trains_the_memory_tokens_at_their_own_rate(tmp_path, run_train, 
     out = str(tmp_path / "run")
     run_train([*X500, "--objective", "ae", *HELD_OUT, "--steps", "2", "--mem-lr", "0", "--eval-every", "0", "--out", out])
     torch.manual_seed(2)                                    # the run's --seed: its init
-    init = C.load(out, trained=False, device=device)
-    trained = C.load(out, device=device)
+    init = checkpoint.load(out, trained=False, device=device)
+    trained = checkpoint.load(out, device=device)
     assert torch.equal(init.mem_tokens, trained.mem_tokens)
     lora = [n for n, _ in trained.named_parameters() if "lora_B" in n]
     assert lora and any(not torch.equal(dict(init.named_parameters())[n], dict(trained.named_parameters())[n])
@@ -659,7 +659,7 @@ def test_warm_start_begins_where_the_other_run_ended(tmp_path, run_train, device
                "--steps", "1", "--eval-every", "0", "--warm-start", first, "--out", warm])
     a, b = (load_file(os.path.join(d, "compressor.safetensors")) for d in (first, warm))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert C.load(warm).cfg.chunk_len == 64
+    assert checkpoint.load(warm).cfg.chunk_len == 64
     with pytest.raises(SystemExit, match=r"--warm-start .*first: checkpoint does not match the compressor"):
         run_train(["--method", "500x", "--mem", "8", *LORA, "--model", "tiny", "--steps", "1", "--warm-start", first,
                    "--out", str(tmp_path / "bad")])
@@ -963,7 +963,7 @@ def test_keep_every_keeps_the_intermediate_checkpoints(tmp_path, run_train):
     run_train(["--method", "aoc", "--model", "tiny", "--mem", "4", "--batch-size", "2", "--steps", "6",
                "--save-every", "100", "--keep-every", "2", "--out", str(out)])
     assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-000002", "ckpt-000004", "ckpt-000006"]
-    assert C.load(str(out / "ckpt-000002")).cfg.method == "aoc"
+    assert checkpoint.load(str(out / "ckpt-000002")).cfg.method == "aoc"
 
 
 def test_parquet_data(tmp_path, run_train):
@@ -1023,9 +1023,9 @@ def test_gmsa_keft_trains_only_decoder_qkv_from_the_stage_1_run(files, tmp_path,
                "2", "--steps", "20", "--lr", "1e-3", "--out", keft])
     losses = [r["loss"] for r in log_rows(keft)]
     assert sum(losses[-3:]) / 3 < 0.9 * losses[0]                 # measured 5.75 -> 3.89
-    before, after = C.trained_state(C.load(stage1)), C.load(keft)
+    before, after = checkpoint.trained_state(checkpoint.load(stage1)), checkpoint.load(keft)
     assert after.cfg.decoder_train == "keft"
-    for name, t in C.trained_state(after).items():
+    for name, t in checkpoint.trained_state(after).items():
         if name in before:     # encoder LoRA, LSA, [AE]: frozen in stage 2
             torch.testing.assert_close(t, before[name], rtol=0, atol=0)
         else:
@@ -1055,11 +1055,11 @@ def test_keft_held_out_checks_load_the_base_llm_once(files, tmp_path, run_train,
 
 def test_separate_decoder_compresses_with_model_and_decodes_with_decoder(files, tmp_path, run_train):
     """PIC §4.1.2's setup: --model is the compressor, --decoder the frozen LLM; each reads its own tokenizer
-    (contexts are re-tokenised for the compressor), and compressors.load rebuilds both."""
+    (contexts are re-tokenised for the compressor), and checkpoint.load rebuilds both."""
     out = str(tmp_path / "pic")
     run_train(["--method", "pic", "--model", files["model"], "--decoder", files["other"], "--data", files["doc"],
                "--chunk-len", "24", "--ratio", "4", "--batch-size", "2", "--steps", "3", "--out", out])
-    comp = C.load(out)
+    comp = checkpoint.load(out)
     assert (comp.cfg.model, comp.cfg.compressor_model) == (files["other"], files["model"])
     assert comp.enc_tok is not comp.tok
     other = load_file(os.path.join(files["other"], "model.safetensors"))
@@ -1073,7 +1073,7 @@ def test_distill_caches_the_teachers_own_answers(files, tmp_path, run_train, dev
                "2", "--steps", "2", "--answer-tokens", "8", "--out", str(out)])
     (cache,) = out.glob("cache/answers-*.pt")
     answers = torch.load(cache, weights_only=True)
-    comp = C.load(str(out), device=device)
+    comp = checkpoint.load(str(out), device=device)
     context, question, _ = D.BUILTIN_QA[2]
     ids = torch.tensor([comp.tok.encode(context[:96]) + comp.tok.encode(question)], device=device)
     # the teacher answered under train.py's autocast (bf16 on CUDA): the same kernels give the same greedy tokens
@@ -1224,7 +1224,7 @@ def test_resuming_a_finished_run_does_nothing(finished_run, capsys, run_train):
 
 def test_init_from_a_run_saved_before_a_setting_existed(finished_run, tmp_path, capsys, device):
     """A run saved before --mem-norm existed has no mem_norm in its compressor.json: the setting takes its default
-    (as compressors.load builds it), so --init starts from it, and --init with --mem-norm is the one-line error of any
+    (as checkpoint.load builds it), so --init starts from it, and --init with --mem-norm is the one-line error of any
     setting the run was not trained with (it used to be a KeyError traceback)."""
     run = str(tmp_path / "old")
     shutil.copytree(finished_run, run)
@@ -1232,7 +1232,7 @@ def test_init_from_a_run_saved_before_a_setting_existed(finished_run, tmp_path, 
     del meta["config"]["mem_norm"]
     Path(run, "compressor.json").write_text(json.dumps(meta))
     args, *_ = cli.parse_args(["--init", run, "--method", "aoc", "--out", str(tmp_path / "new")])
-    assert args.mem_norm is None and C.load(run).cfg.mem_norm is False
+    assert args.mem_norm is None and checkpoint.load(run).cfg.mem_norm is False
     assert_one_line_error(["--init", run, "--method", "aoc", "--mem-norm", "--out", str(tmp_path / "new")],
                           "was trained with mem_norm=False: drop --mem-norm", capsys, device)
 
@@ -1294,7 +1294,7 @@ def test_no_sdpa_call_gets_a_mask_together_with_enable_gqa(method, tmp_path, run
     monkeypatch.setattr(M.F, "scaled_dot_product_attention", spy)
     out = str(tmp_path / method)
     run_train(["--method", method, "--model", "tiny", "--out", out, "--steps", "1", "--eval-every", "0"])
-    comp = C.load(out, device=device).eval()
+    comp = checkpoint.load(out, device=device).eval()
     E.run_ae(comp, [{"text": t} for t in D.EVAL_TEXTS[:2]], max_new_tokens=2)
     masked = [c for c in calls if c[0]]
     assert masked, f"{method}: no masked attention call was seen"
