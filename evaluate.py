@@ -851,7 +851,7 @@ def main(argv=None):
         raise SystemExit(f"error: {e}") from None
     # the training step of the weights scored, as their checkpoint's compressor.json says (train.py writes it with each
     # checkpoint; None for a compressor saved outside a run): recipes/verdict.py refuses a score of an earlier step
-    step = compressors.read_checkpoint_config(args.ckpt).get("step")
+    step = checkpoint.read_checkpoint_config(args.ckpt).get("step")
     result = {"task": args.task, "checkpoint": args.ckpt, "step": step, "config": asdict(comp.cfg), "ratio": args.ratio,
               "device": args.device, "accelerator": accelerator(args.device), "dtype": args.dtype, **result}
     with open(out, "w") as f:
