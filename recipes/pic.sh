@@ -42,7 +42,7 @@ else
   SEEDS=${SEEDS:-0 1}
   RATIOS=${RATIOS:-1 4 16}
   # SMOKE keeps both seeds and every ratio: the probe stops at 1x and the second seed is not run (nothing carries)
-  [ "$SMOKE" = 1 ] && EVERY=1
+  [ "$SMOKE" = 1 ] && EVERY=1 && N=${N:-8}   # CI: 8 held-out texts per check (48 run the same lines)
   SEED0=$(echo $SEEDS | cut -d' ' -f1)
   pretrain() {   # pretrain ARM METHOD RATIO SEED
     train_arm $1 --method $2 --objective pretrain --crop window --chunk-len 64 --mem $((64 / $3)) --min-len 128 \

@@ -44,7 +44,7 @@ DRAWS_FIGURES = "gmsa"
 # seconds each SMOKE test took in one run of the suite on the 2-core machine at load ~8 (`pytest -n 2 --durations`;
 # the ladder's includes its two runs over its records): conftest.py starts them first, spread over the pytest-xdist
 # workers by these weights, so that no worker is left to end the suite alone on several of them
-SMOKE_SECONDS = {"ladder": 730, "aoc": 310, "epl": 215, "pic": 175, "compllm": 175, "gmsa": 140}
+SMOKE_SECONDS = {"ladder": 340, "aoc": 310, "epl": 215, "pic": 150, "compllm": 175, "gmsa": 140}
 
 
 @pytest.mark.parametrize("paper", RECIPES)
