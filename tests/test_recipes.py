@@ -41,9 +41,10 @@ def run_recipe(paper, out, hide_matplotlib, expect_ok=True, **extra_env):
 # runs with matplotlib and draws its figures; the others run without it (figures are optional); the ladder's run is
 # then run again over its records without their weights.
 DRAWS_FIGURES = "gmsa"
-# seconds each SMOKE test took in one run of the suite on the 2-core machine at load ~8 (`pytest -n 2 --durations`;
-# the ladder's includes its two runs over its records): conftest.py starts them first, spread over the pytest-xdist
-# workers by these weights, so that no worker is left to end the suite alone on several of them
+# each SMOKE test's cost, in seconds at load ~8 on the 2-core machine (`pytest -n 2 --durations`; the ladder's includes
+# its two runs over its records; the ladder's and pic's scaled down by the CPU time their SMOKE runs measured after
+# the ladder kept one preset per carrier and pic 8 held-out texts): conftest.py starts them first, spread over the
+# pytest-xdist workers by these weights, so that no worker is left to end the suite alone on several of them
 SMOKE_SECONDS = {"ladder": 340, "aoc": 310, "epl": 215, "pic": 150, "compllm": 175, "gmsa": 140}
 
 
