@@ -62,7 +62,7 @@ BF16_U = torch.finfo(torch.bfloat16).eps / 2
 # averages independent roundings: 2u (7.8e-3) on the loss. A gradient is a product of two rounded factors in each
 # matmul of the backward, through the decoder and the encoder in series (tiny: 4 blocks of 4 matmuls each way, 2u
 # each, their errors adding in the residual stream): 16u (6.25e-2) on the gradient norm. Measured, tiny, the five
-# kinds, steps 1-3, AVX-512 and AVX2 kernels: at most 2.1e-3 (0.54u) on the loss (compllm) and 1.7e-2 (4.4u) on the
+# kinds, steps 1-3, AVX-512 and AVX2 kernels: at most 2.1e-3 (0.54u) on the loss (compllm) and 1.7e-2 (4.3u) on the
 # gradient norm (pcc).
 BF16_LOSS_RTOL, BF16_GRAD_RTOL = 2 * BF16_U, 16 * BF16_U
 
