@@ -36,3 +36,6 @@ python train.py "${ARM[@]}" --warm-start "$OUT/at1500" --batch-size 16 --schedul
 # longer at the paper batch: 400 more steps at batch 16 from the paper batch's run, a linear decay to 0
 python train.py "${ARM[@]}" --warm-start "$OUT/lora_b16_4x" --batch-size 16 --schedule linear --steps 400 \
   --eval-every 50 --save-every 25 --keep-every 100 --out "$OUT/lora_b16long_4x"
+# 400 more the same way from its end: batch 16, the lr warming up again and decaying linearly to 0 from 2e-4
+python train.py "${ARM[@]}" --warm-start "$OUT/lora_b16long_4x" --batch-size 16 --schedule linear --steps 400 \
+  --eval-every 50 --save-every 25 --keep-every 100 --out "$OUT/lora_b16long2_4x"
