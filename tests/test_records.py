@@ -1,6 +1,7 @@
-"""The READMEs' result tables against their records (issue 46): every number of a result table in README.md and
-recipes/README.md is read again from the record its row links (`recipes/results/...`), and must print the same at the
-digits the table shows, so a README cannot drift from what the runs wrote. Pure file reading (no torch), a second or so.
+"""The READMEs' numbers against their records: every number of a result table in README.md and recipes/README.md is
+read again from the record its row links (`recipes/results/...`), and every number of a sentence that links a record
+from the records its PROSE entry names (below), and must print the same at the digits shown, so a README cannot drift
+from what the runs wrote. Pure file reading (no torch), a few seconds.
 
 How a table names its records: a column `records` holds each run's folder as a link whose text is its seed,
 `[s0](results/ladder/lora_4x)` (checked against the run's args.json). A row may compare arms at several compressions:
@@ -53,6 +54,7 @@ def record(run, name):
     return read(str(path)) if path.is_file() else None
 
 
+@lru_cache(maxsize=None)
 def log_rows(run):
     return [json.loads(line) for line in (Path(run) / "log.jsonl").read_text().splitlines() if line.strip()]
 
@@ -402,3 +404,277 @@ def test_the_needle_grid_matches_its_record():
     assert [r[0] for r in rows] == [f"{round(100 * d)}%" for d in kept["depths"]]
     for row, want in zip(rows, kept["grid"]["full"]):
         assert all(same(text, v) for text, v in zip(row[1:], want)), (row, want)
+
+
+# ---- the READMEs' prose: a number in a sentence that links a record ----
+#
+# A sentence that links a record (a Markdown link into recipes/results) prints numbers read from records: each has an
+# entry in PROSE, the sentence's words around it ({} for each printed number) and what the records give, in order.
+# test_every_number_of_a_sentence_that_links_a_record_has_an_entry keeps it that way: a new number in such a sentence
+# fails until it has an entry. Not numbers: code spans, link targets, and words that join digits to letters
+# (BLEU-4, SmolLM2-135M, seed-1, 4x). Images, tables (above), code blocks and HTML comments are not prose.
+
+RESULTS = REPO / "recipes" / "results"
+MAIN, MLP, R128, B16L2 = "push/lora_long_4x", "push/lora_mlp_4x", "push/lora_r128_4x", "push/lora_b16long2_4x"
+NUMBER = re.compile(r"(?<![\w.])(?<![A-Za-z]-)(?:\d+(?:\.\d+)?e-?\d+|\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)(?!\w)")
+RECORD_LINK = re.compile(r"\]\(((?:\.\./)*(?:recipes/)?results/[^)\s]*)\)")
+NOT_AN_END = ("e.g", "i.e", "et al", "vs", "Eq", "App", "cf", "Fig")   # a full stop that ends no sentence
+
+
+def evals(run):
+    """{step: the held-out check train.py logged at that step}."""
+    return {r["step"]: r["eval"] for r in log_rows(RESULTS / run) if "eval" in r}
+
+
+def scores(check):
+    """A check's own/other / BLEU-4 (words) / ROUGE-L, as the push section prints them."""
+    return [check["own_other"], check["bleu4_words"], check["rougeL"]]
+
+
+def args(run):
+    return record(RESULTS / run, "args")
+
+
+def below_from(run, than):
+    """The steps of `run`'s trained checks (step > 0) if its own/other is below `than`'s at every one, else None."""
+    a, b = evals(run), evals(than)
+    steps = [s for s in sorted(a) if s > 0]
+    return steps if all(s in b and a[s]["own_other"] < b[s]["own_other"] for s in steps) else None
+
+
+def median(values):
+    values = sorted(values)
+    return (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
+
+
+def seeds(*runs):
+    """The one seed the runs share (None where they differ)."""
+    found = {args(run)["seed"] for run in runs}
+    return found.pop() if len(found) == 1 else None
+
+
+def b16long2():
+    """lora_b16long2_4x: its 400 more steps, its lr, BLEU-4's range over the checks it trained (step > 0) and its last,
+    and the own loss and own/other at its first check and its last."""
+    e = evals(B16L2)
+    bleu = [e[s]["bleu4_words"] for s in e if s > 0]
+    first, last = e[min(e)], e[max(e)]
+    return [last_step(RESULTS / B16L2), args(B16L2)["lr"], min(bleu), max(bleu), last["bleu4_words"],
+            first["own"], last["own"], first["own_other"], last["own_other"]]
+
+
+def r128_against_main(both):
+    """r 128 against the main arm: the steps where r 128 is below it (first, last), then the values of `both`."""
+    steps = below_from(R128, MAIN)
+    return [None, None] if steps is None else [steps[0], steps[-1]] + both(steps)
+
+
+def main_at_the_levers_end():
+    """The step both LoRA levers (MLP targets, r 128) end at, and the main arm's check there."""
+    step = last_step(RESULTS / R128)
+    return [step, *scores(evals(MAIN)[step])] if last_step(RESULTS / MLP) == step else [None] * 4
+
+
+# (README, the words around the numbers, one {} each, what the records give: a function of nothing)
+PROSE = [
+    ("README.md", "text at {} bytes a slot (another text's memory: a [{}×](recipes/results/tiny/aoc_mem4) "
+                  "higher loss)",
+     lambda: [scored(RESULTS / "tiny/aoc_mem4")["tokens_per_slot"]["mean"],      # a ratio: the loss other / own
+              (loss := scored(RESULTS / "tiny/aoc_mem4")["loss"])["other"] / loss["own"]]),
+    ("README.md", "own/other [{}](recipes/results/tiny/aoc)",
+     lambda: [scored(RESULTS / "tiny/aoc")["loss"]["own_other_ratio"]]),
+    ("recipes/README.md", "A step at batch {} takes {} s here "
+                          "(the median of [the main arm's](results/push/lora_long_4x) {} steps)",
+     lambda: [args(MAIN)["batch_size"], median([r["dt"] for r in log_rows(RESULTS / MAIN) if "dt" in r]),
+              len([r for r in log_rows(RESULTS / MAIN) if "dt" in r])]),
+    ("recipes/README.md", "its first {} steps are the seed-1 ladder arm",
+     lambda: [last_step(RESULTS / "ladder_s1/lora_4x") if seeds("ladder_s1/lora_4x") == 1 else None]),
+    ("recipes/README.md", "([the record](results/push/lora_long_4x), log.jsonl; step {} was scored before",
+     lambda: [max(s for s, e in evals(MAIN).items() if "bleu4_words" not in e)]),
+    ("recipes/README.md", "at step {} against the [main arm's](results/push/lora_long_4x) {} / {} / {}:",
+     main_at_the_levers_end),
+    ("recipes/README.md", "[r {} on the MLP too](results/push/lora_mlp_4x), {} / {} / {} (no gain)",
+     lambda: [args(MLP)["lora_r"], *scores(evals(MLP)[max(evals(MLP))])]),
+    ("recipes/README.md", "[r {} on q, k, v, o](results/push/lora_r128_4x) (alpha {}: the same alpha / r), "
+                          "{} / {} / {},",
+     lambda: [args(R128)["lora_r"], args(R128)["lora_alpha"], *scores(evals(R128)[max(evals(R128))])]),
+    ("recipes/README.md", "its own/other below the main arm's at each of its checks from step {} to {} "
+                          "({}, {}, {} against {}, {}, {} at {}, {}, {})",
+     lambda: r128_against_main(lambda steps: [evals(R128)[s]["own_other"] for s in steps[:-1]]
+                               + [evals(MAIN)[s]["own_other"] for s in steps[:-1]] + steps[:-1])),
+    ("recipes/README.md", "[{} more steps](results/push/lora_b16long2_4x), with the lr decaying again from {}, leave "
+                          "BLEU-4 between {} and {} from check to check ({} at the end), while the held-out AE loss "
+                          "with a text's own memory keeps falling ({} -> {}) and own/other with it ({} -> {})",
+     b16long2),                                                                  # a range: BLEU-4's min and max
+    ("recipes/README.md", "gradient noise capped batch {}, and capacity caps r {} (from scratch, "
+                          "[r {}](results/push/lora_r128_4x)'s own/other is below "
+                          "[the main arm's](results/push/lora_long_4x) at each of its checks from step {} to {}, "
+                          "and its BLEU-4 {} against {} at step {}:",
+     lambda: [args(MAIN)["batch_size"], args(MAIN)["lora_r"], args(R128)["lora_r"]]
+     + r128_against_main(lambda steps: [evals(R128)[steps[-1]]["bleu4_words"], evals(MAIN)[steps[-1]]["bleu4_words"],
+                                        steps[-1]])),
+    ("recipes/README.md", "[{} parameters](results/push/lora_b16long2_4x/compressor.json) at r {}, {} MB in fp32",
+     lambda: [(n := record(RESULTS / B16L2, "compressor")["trained_parameters"]),   # a count
+              args(B16L2)["lora_r"], 4 * n / 1e6]),                                # fp32: 4 bytes a parameter
+    ("recipes/README.md", "Records: `results/ladder/{{pcc,pic}}_kv_4x` (seed {}), `results/ladder_s1/` (seed {})",
+     lambda: [seeds("ladder/pcc_kv_4x", "ladder/pic_kv_4x"), seeds("ladder_s1/pcc_kv_4x", "ladder_s1/pic_kv_4x")]),
+]
+
+
+def prose_sentences(text):
+    """(start, end) of every sentence of prose: paragraphs (a bullet starts one) outside code blocks, tables, images,
+    headings and HTML comments, cut after a full stop, '?' or '!' (and a closing parenthesis) that ends a sentence."""
+    spans, start, end, fenced, pos = [], None, None, False, 0
+    for line in text.splitlines(keepends=True):
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            fenced = not fenced
+        breaks = fenced or stripped.startswith("```") or not stripped or stripped.startswith(("|", "#", "<!--", "!["))
+        if breaks or stripped.startswith("- "):
+            if start is not None:
+                spans.append((start, end))
+            start = None
+        if not breaks:
+            start = pos if start is None else start
+            end = pos + len(line.rstrip())
+        pos += len(line)
+    if start is not None:
+        spans.append((start, end))
+    out = []
+    for a, b in spans:
+        cut = a
+        for m in re.finditer(r"[.!?]\)?(?=\s+\S)", text[a:b]):
+            if not text[a:a + m.start()].endswith(NOT_AN_END):
+                out.append((cut, a + m.end()))
+                cut = a + m.end()
+        out.append((cut, b))
+    return [(a + len(text[a:b]) - len(text[a:b].lstrip()), b) for a, b in out]
+
+
+def numbers_in(sentence):
+    """The spans of the numbers a sentence prints: its code spans and link targets blanked first."""
+    blank = lambda m: " " * len(m.group(0))
+    masked = re.sub(r"\]\([^)]*\)", lambda m: "]" + " " * (len(m.group(0)) - 1), re.sub(r"`[^`]*`", blank, sentence))
+    return [m.span() for m in NUMBER.finditer(masked)]
+
+
+def prose_same(printed, value):
+    """`same`, and a printed value that is not the value exactly keeps at least two significant digits ("0.3" for
+    0.277 fails, "4" for 4.00 passes)."""
+    text = printed.replace(",", "")
+    if value is None or isinstance(value, bool) or not NUMBER.fullmatch(printed):
+        return False
+    mantissa, _, exp = text.partition("e")
+    places = len(mantissa.partition(".")[2]) - int(exp or 0)
+    if abs(value - float(text)) > 0.5 * 10 ** -places * (1 + 1e-9):
+        return False
+    return float(text) == value or len(mantissa.replace(".", "").lstrip("0")) >= 2
+
+
+def anchor(template):
+    """A PROSE template as a regex: its words literal (any run of white space where it has a space), a number group
+    at each {}."""
+    words = [r"\s+".join(map(re.escape, w.replace("{{", "{").replace("}}", "}").split(" ")))
+             for w in re.split(r"(?<!\{)\{\}(?!\})", template)]
+    return re.compile(f"({NUMBER.pattern})".join(words))
+
+
+def check_prose(readme, path=None):
+    """Every problem of `readme`'s prose (read from `path`, a copy, where given): each PROSE entry found in exactly
+    one sentence that links a record, each of its numbers its record's, and every number of such a sentence in an
+    entry. Returns (problems, {entry index: the file spans of its numbers})."""
+    text = Path(path or REPO / readme).read_text()
+    linked = [(a, b) for a, b in prose_sentences(text) if RECORD_LINK.search(text[a:b])]
+    problems, covered, spans = [], set(), {}
+    for i, (name, template, derive) in enumerate(PROSE):
+        if name != readme:
+            continue
+        found = [(a, m) for a, b in linked for m in [anchor(template).search(text[a:b])] if m]
+        if len(found) != 1:
+            problems.append(f"{readme}: {template[:70]!r} is in {len(found)} sentences that link a record, not 1")
+            continue
+        a, m = found[0]
+        spans[i] = [(a + m.start(g), a + m.end(g)) for g in range(1, len(m.groups()) + 1)]
+        covered |= {span for span in spans[i]}
+        values = derive()
+        printed = list(m.groups())
+        if len(values) != len(printed) or not all(prose_same(p, v) for p, v in zip(printed, values)):
+            problems.append(f"{readme}: {template[:70]!r} prints {printed}, its records give {values}")
+    for a, b in linked:
+        loose = [text[a + s:a + e] for s, e in numbers_in(text[a:b]) if (a + s, a + e) not in covered]
+        if loose:
+            problems.append(f"{readme}: {loose} in {text[a:b][:90]!r}... link a record and have no entry in PROSE")
+    return problems, spans
+
+
+def test_every_number_of_a_sentence_that_links_a_record_is_its_records():
+    """Each PROSE entry against its records, at the digits it prints and with two significant digits at least."""
+    problems = [p for readme in READMES for p in check_prose(readme)[0]]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_number_of_a_sentence_that_links_a_record_has_an_entry(tmp_path):
+    """A number added to a sentence that links a record fails until PROSE has an entry for it."""
+    readme = "recipes/README.md"
+    text = (REPO / readme).read_text()
+    old = "**LoRA targets and rank**, from scratch,"
+    assert text.count(old) == 1
+    (tmp_path / "README.md").write_text(text.replace(old, "**LoRA targets and rank**, from scratch in 1,600 s,"))
+    problems, _ = check_prose(readme, tmp_path / "README.md")
+    assert len(problems) == 1 and "['1,600']" in problems[0], problems
+
+
+def test_a_printed_digit_changed_in_the_prose_fails(tmp_path):
+    """The prose check is not vacuous: each number of each PROSE entry, one printed digit changed in a copy of its
+    README, is caught; among them a plain value (0.256), a ratio (2.3×), a count (7,382,016 parameters) and a range
+    (BLEU-4 between 0.398 and 0.455)."""
+    kinds = {"0.256", "2.3", "7,382,016", "0.398", "0.455"}
+    cases = 0
+    for readme in READMES:
+        text = (REPO / readme).read_text()
+        for i, number_spans in check_prose(readme)[1].items():
+            for a, b in number_spans:
+                last = max(j for j in range(a, b) if text[j].isdigit())
+                digit = int(text[last])
+                changed = text[:last] + str(digit + 1 if digit < 9 else digit - 1) + text[last + 1:]
+                (tmp_path / "README.md").write_text(changed)
+                problems, _ = check_prose(readme, tmp_path / "README.md")
+                assert any(PROSE[i][1][:70] in p and "its records give" in p for p in problems), (readme, text[a:b])
+                kinds.discard(text[a:b])
+                cases += 1
+    assert not kinds and cases > 50, (kinds, cases)
+
+
+def test_a_coarser_rounding_fails(tmp_path):
+    """A printed value needs two significant digits unless it is the record's value exactly: "about 2 s" for a median
+    step of 1.84 s fails, though 2 is 1.84 at its one digit."""
+    assert prose_same("0.277", 0.2771) and not prose_same("0.3", 0.277) and prose_same("4", 4.0)
+    assert prose_same("2e-4", 0.0002) and prose_same("7,382,016", 7382016) and not prose_same("2", 1.84)
+    assert prose_same("1.8", 1.84) and not prose_same("0.28", 0.2771 + 0.01)
+    text = (REPO / "recipes" / "README.md").read_text()
+    assert text.count("takes 1.8 s here") == 1
+    (tmp_path / "README.md").write_text(text.replace("takes 1.8 s here", "takes 2 s here"))
+    problems, _ = check_prose("recipes/README.md", tmp_path / "README.md")
+    assert len(problems) == 1 and "prints ['4', '2', '1,500']" in problems[0], problems
+
+
+# ---- the push section's curves: its records' checks, as recipes/README.md prints them ----
+
+def test_the_push_curves_are_their_records():
+    """The two curves between <!-- push curve --> markers: each step's own/other, BLEU-4, ROUGE-L, from the checks
+    the runs logged (the batch-16 curve counts from the main arm's step 1,500: lora_b16_4x, then lora_b16long_4x from
+    step 100, then lora_b16long2_4x from step 500)."""
+    text = (REPO / "recipes" / "README.md").read_text()
+
+    def curve(tag):
+        return re.search(rf"<!-- {tag} -->\s*\n(.*?)\n\s*<!-- /{tag} -->", text, re.S).group(1).strip()
+
+    def line(points):
+        return "; ".join(f"{s:,}: " + ", ".join("-" if e.get(k) is None else f"{e[k]:.3f}"
+                                                 for k in ("own_other", "bleu4_words", "rougeL")) for s, e in points)
+    main = evals("push/lora_long_4x")
+    assert curve("push curve") == line((s, main[s]) for s in sorted(main) if s >= 300 and s % 100 == 0)
+    b16 = [(s + offset, e) for run, offset in (("push/lora_b16_4x", 0), ("push/lora_b16long_4x", 100),
+                                               ("push/lora_b16long2_4x", 500))
+           for s, e in sorted(evals(run).items()) if s > 0]
+    assert curve("push curve b16") == line(b16)
