@@ -46,7 +46,7 @@ else
   HELD_EVAL=(--eval-data "${HELD:-$CORPUS/heldout.jsonl}") ; HELD_EVAL_QA=(--eval-data recipes/qa_heldout.jsonl)
 fi
 
-# the column every summary shows beside own/other (ours, issue 37): the compression each memory was scored at, tokens
+# the column every summary shows beside own/other (ours): the compression each memory was scored at, tokens
 # per memory slot over the scored texts, mean (min-max), from eval_ae.json (recipes/summarize.py)
 TOKENS_PER_SLOT=(--metric "tokens/slot, mean (min-max)=ae:tokens_per_slot")
 

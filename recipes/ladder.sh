@@ -16,7 +16,7 @@
 #   LEVERS="icae:epl aoc:long@1x 500x:warm=500x_1x@4x" bash recipes/ladder.sh   # the lever phase (ours, below)
 #   JOBS=14 ARMS=" " LONG_STEPS=2000 LEVERS="icae:long+batch16 ..." bash recipes/ladder.sh   # lever arms side by side (a GPU)
 #
-# The lever phase (issue 29; ours): for a preset whose memory carries nothing, the same protocol with one lever on top
+# The lever phase (ours): for a preset whose memory carries nothing, the same protocol with one lever on top
 # of the preset's own flags, as an arm PRESET_LEVER_RUNG in the rung's panel. Levers (lever_flags): epl (EPL's
 # positions), lora (the LoRA baseline's r 64 on q,k,v,o at lr 2e-4), long (LONG_STEPS, default 1500), batch16,
 # curriculum (texts from 4 tokens up over the first third of the run), memlr (the memory tokens at MEM_LR, 1e-3),
@@ -89,8 +89,8 @@ lever_name() {   # an arm's lever part: each lever with its value, "=" dropped a
   for one in ${1//+/ }; do one=${one/=/}; out+=${out:++}${one//\//-}; done
   echo "$out"
 }
-# arms trained before lever names kept their values (issue 46) keep their folders: NEW=OLD, each old name the one
-# value it was trained with (their args.json), used where OUT holds the old folder and not the new one
+# folders whose names leave out their levers' values, accepted as NEW=OLD (each old name holds the one value its
+# args.json says): used where OUT holds the old folder and not the new one
 KEPT_NAMES="compllm_kv+aebos_1x=compllm_kv+ae_1x gmsa_warmgmsa_1x_4x=gmsa_warm_4x
   compllm_kv+aebos+ratio5+long+batch16_4x=compllm_kv+ae+ratio+long+batch16_4x
   compllm_kv+aebos+ratio5+lr5e-4+long_4x=compllm_kv+ae+ratio+lr+long_4x"

@@ -1,7 +1,7 @@
-"""The lever table (issue 29; ours): for each compressor preset, which lever makes its memory carry its text, at 1:1
+"""The lever table (ours): for each compressor preset, which lever makes its memory carry its text, at 1:1
 and at 4x. One cell per (preset, lever, rung): the arm's held-out own/other at its end, the first step at which
 it fell to the threshold (0.5) or "never", and the compression it was scored at, tokens per memory slot over the
-scored texts, mean (min-max). An arm counts as carrying at 4x only where that measurement is 4x (issue 37: a mean of
+scored texts, mean (min-max). An arm counts as carrying at 4x only where that measurement is 4x (a mean of
 at least 3.9 tokens per slot, no text under 3.5), whatever its rung's label. Used by recipes/ladder.sh after its
 lever phase.
 
@@ -31,7 +31,7 @@ from records import portable  # noqa: E402
 PRESETS = P.METHODS
 RUNGS = ("1x", "4x")
 BASELINE = {"lora": ("500x", "lora")}   # ladder arms that are a preset under a lever: AOC's LoRA baseline is 500x + lora
-# issue 37's rule (ours): a measured 4x is a mean of at least 3.9 tokens per slot over the scored texts, none under 3.5
+# the rule (ours): a measured 4x is a mean of at least 3.9 tokens per slot over the scored texts, none under 3.5
 MEASURED_4X = dict(mean=3.9, min=3.5)
 
 

@@ -1,4 +1,4 @@
-"""A run's files in pieces small enough to travel, and back (issue 46; ours). A lent GPU returns at most 8 files of
+"""A run's files in pieces small enough to travel, and back (ours). A lent GPU returns at most 8 files of
 16 MiB each, 64 MiB together, per call, and takes a work tree of at most 64 MiB: the BLEU push's trainable weights
 (29.6 MB at LoRA r 64), its full checkpoint (87.6 MB with the optimizer state) and SmolLM2-135M (517 MB) fit
 none of these whole. So a folder is cut into pieces with a manifest, and joined where it lands:

@@ -1,4 +1,4 @@
-"""Records that name no machine (issue 46; ours). A run's JSON (args.json, compressor.json, eval_*.json,
+"""Records that name no machine (ours). A run's JSON (args.json, compressor.json, eval_*.json,
 eval_curve.json, diagnosis.json, results.json, ...) names its files by the paths of the machine that ran it:
 /home/..., /tmp/..., a model folder in ~/.cache. recipes/results keeps these records for other machines, where such
 paths mean nothing, so a record names each path as `portable` gives it:

@@ -53,7 +53,7 @@ def read_metric(out, arm, spec):
 
 
 def ratio_text(tps):
-    """Tokens per memory slot as the tables show it (ours, issue 37): the mean over the scored texts, and the range
+    """Tokens per memory slot as the tables show it (ours): the mean over the scored texts, and the range
     where they differ: "3.79 (2.94-4.00)", "1.00"."""
     lo, mean, hi = (f"{tps[k]:.2f}" for k in ("min", "mean", "max"))
     return mean if lo == hi else f"{mean} ({lo}-{hi})"
