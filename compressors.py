@@ -54,6 +54,7 @@ import torch.nn.functional as F
 
 import masks
 import positions
+from positions import TASKS
 from lora import add_lora, lora_disabled
 from model import RMSNorm, Transformer, chunked_cross_entropy, copy_model
 from presets import CHAT_MARKERS, TEMPLATES, CompressorConfig, make_config, validate
@@ -406,10 +407,13 @@ class Compressor(nn.Module):
         # Three uses of [BOS], told apart (the second, [BOS] as the special token after the memory, is
         # special_embedding's "bos"). The context BOS (`bos`, ICAE / EPL code): every context starts with [BOS], in the
         # encoder's ids, and AE reconstructs [BOS] X [EOS], in the decoder's ...
-        self.context_bos = [self.enc_tok.start_id] if cfg.bos else []
-        self.target_bos = [self.tok.start_id] if cfg.bos else []
+        self.context_bos, self.target_bos = ([self.enc_tok.start_id], [self.tok.start_id]) if cfg.bos else ([], [])
         # ... and the delimiters' leading BOS (PCC code): every decoder input starts [BOS] <mem> m.. </mem>
         self.decoder_bos = [self.tok.start_id] if cfg.delimiters else []
+        # per task, the slot of follow[0] in a decoder row with no prefix (follow_slot; an embeds memory counts as its
+        # first row, all that matters there: whether any slot precedes follow[0]). Fixed here, a plain number: a step's
+        # examples count the tokens their loss supervises with it (data.supervised_tokens), and nothing else of ours
+        self.follow_start = {t: self.follow_slot(t, len(self.decoder_bos), cfg.carrier == "embeds") for t in TASKS}
         self._sentence_end = {}   # token id -> ends a sentence? (CompLLM segmentation cache)
         if cfg.decoder_train == "keft":
             self.set_stage("keft")
@@ -417,7 +421,7 @@ class Compressor(nn.Module):
     def encoder_ids(self, ids: list) -> list:
         """Decoder token ids -> the encoder's ids for the same text: the same list when both read one
         tokenizer, else decoded and re-encoded (a separate compressor LLM, e.g. PCC/PIC with Qwen2.5
-        compressing for Llama 3)."""
+        compressing for Llama 3). data.draw_text converts a training text the same way, from enc_tok and tok."""
         return list(ids) if self.enc_tok is self.tok else self.enc_tok.encode(self.tok.decode(ids))
 
     @property
@@ -448,7 +452,8 @@ class Compressor(nn.Module):
 
     def ae_target(self, ids: list) -> list:
         """What AE reconstructs from the memory of `ids`: [BOS] x [EOS] when the context starts with [BOS] (the
-        context BOS; ICAE and EPL code: the target is the compressed input plus EOS), else x [EOS] (500x, AOC, PCC)."""
+        context BOS; ICAE and EPL code: the target is the compressed input plus EOS), else x [EOS] (500x, AOC, PCC).
+        data.draw_text builds a training text's target the same way, from target_bos and the EOS id."""
         return self.target_bos + list(ids) + [self.tok.eos_id]
 
     def template(self) -> tuple:
@@ -702,24 +707,11 @@ class Compressor(nn.Module):
         return chunked_cross_entropy(h, self.decoder.lm_head, tgt) / (normalize_by or max(len(tgt), 1)), len(tgt)
 
     def follow_slot(self, task: str, n_before: int, n_memory: int) -> int:
-        """The decoder row layout, one rule for decoder_batch and supervised_tokens: the ids before the memory
+        """The decoder row layout, one rule for decoder_batch and follow_start: the ids before the memory
         (n_before: PCC's delimiter [BOS], a chat template's prefix), the memory's rows in the input (n_memory, its
         delimiters included; a K/V memory has none there, it is the cache), the special token (special_token), then
         the follow tokens. Returns the slot of follow[0]."""
         return n_before + n_memory + (special_token(self.cfg, task) != "none")
-
-    def supervised_tokens(self, task: str, follow: list, n_supervised: list | None = None,
-                          prefix: list | None = None) -> int:
-        """How many tokens lm_loss supervises for these samples, counted without running anything, by decoder_batch's
-        layout (follow_slot) and target rule (next_token_targets). Only whether any slot precedes follow[0] matters
-        there, so an embeds memory counts as its first row (it has at least one)."""
-        total = 0
-        for b, ids in enumerate(follow):
-            n = len(ids) if n_supervised is None else n_supervised[b]
-            n_before = len(self.decoder_bos) + (len(prefix[b]) if prefix else 0)
-            first = self.follow_slot(task, n_before, int(self.cfg.carrier == "embeds"))
-            total += len(next_token_targets(ids, n, first))
-        return total
 
     @torch.no_grad()
     def nll(self, memory: Memory, task: str, follow: list, n_supervised: list | None = None,
