@@ -650,6 +650,7 @@ class Compressor(nn.Module):
             raise ValueError(f"unknown task '{task}': choose ae, lm or qa")
         cfg, embed, dev = self.cfg, self.decoder.model.embed_tokens, self.device
         embed_ids = lambda ids: embed(torch.tensor(ids, dtype=torch.long, device=dev))     # (n, d)
+        past_kv, P = self.carrier.cache(memory)   # 500x/AOC: the memory is a KV-cache prefix of P slots
         rows, pos, targets = [], [], []
         for b, ids in enumerate(follow):
             before = self.decoder_bos + list(prefix[b] if prefix else [])   # the delimiters' [BOS]; a chat header
@@ -658,21 +659,20 @@ class Compressor(nn.Module):
             x = ([embed_ids(before)] if before else []) + mem_rows
             x += [special[None].to(embed.weight.dtype)] if special is not None else []
             rows.append(torch.cat(x + [embed_ids(ids)]))                                  # (n_b, d)
+            first = self.follow_slot(task, len(before), sum(len(r) for r in mem_rows))   # the slot of follow[0]
+            targets.append(next_token_targets(ids, len(ids) if n_supervised is None else n_supervised[b], first))
             # EPL §3.2 / Tables 13-15: DPL numbers the inputs physically (after the k|M| cached slots of the KV
             # carrier); EPL (CPL) keeps the memory at its encoder positions, [AE] at 0 or [LM] at p, the text after
             pos.append(positions.decoder_inputs(cfg.layout, cfg.carrier, task, memory.chunk_lens[b],
                                                 memory.mem_counts[b], sum(memory.chunk_lens[b]), len(ids),
                                                 span=self.nominal_len, n_prefix=len(before) - len(self.decoder_bos),
                                                 delimiters=cfg.delimiters, special=special is not None))
-            first = self.follow_slot(task, len(before), sum(len(r) for r in mem_rows))   # the slot of follow[0]
-            targets.append(next_token_targets(ids, len(ids) if n_supervised is None else n_supervised[b], first))
         T = max(len(r) for r in rows)
         shift = [T - len(r) if left_pad else 0 for r in rows]        # left padding moves row b's slots by shift[b]
         x = torch.stack([F.pad(r, (0, 0, shift[b], T - len(r) - shift[b])) for b, r in enumerate(rows)])  # (B, T, d)
         pos = torch.tensor([[0] * shift[b] + p + [0] * (T - len(p) - shift[b]) for b, p in enumerate(pos)],
                            device=dev)                                                    # (B, T)
         valid = [[False] * shift[b] + [True] * len(r) + [False] * (T - len(r) - shift[b]) for b, r in enumerate(rows)]
-        past_kv, P = self.carrier.cache(memory)   # 500x/AOC: the memory is a KV-cache prefix of P slots
         if P:
             valid = [[j < sum(memory.mem_counts[b]) for j in range(P)] + v for b, v in enumerate(valid)]
         # nothing padded: the mask is the model's default (prefix + causal), and passing None lets SDPA use its fused
@@ -687,8 +687,8 @@ class Compressor(nn.Module):
         """The decoder's final hidden states at the slots that predict a supervised token, and those tokens:
         (h (N, d), targets (N,), row of each (N,)). Logits are never made for every position: B*T*vocab would
         dwarf everything else."""
-        batch = self.decoder_batch(memory, task, follow, n_supervised, last_tokens, prefix)
-        with self.decoding():
+        with self.decoding():   # the frozen LLM: its inputs (embeddings) and its forward
+            batch = self.decoder_batch(memory, task, follow, n_supervised, last_tokens, prefix)
             h = self.decoder(**batch, compute_logits=False).last_hidden                # (B, T, d)
         T, dev = h.shape[1], h.device
         flat = torch.tensor([i for i, _ in batch.supervised], dtype=torch.long, device=dev)
