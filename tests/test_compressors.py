@@ -744,9 +744,26 @@ def test_every_preset_reads_in_200_lines_and_aoc_with_at_most_4_config_condition
     assert table in readme, "README's reading guide is out of date: paste the output of python tests/reading_guide.py"
     # issue 47: a one-step AOC run called 131 project functions in 11 files when it was filed; the README says how
     # many it calls now, and they are markedly fewer
-    functions, files = map(int, re.search(r"^\| `aoc` .* \| (\d+) in (\d+) \|$", table, re.M).groups())
+    aoc = re.search(r"^\| `aoc` .* \| (\d+) in (\d+) \| \d+ \(\d+ in \d+\) \|$", table, re.M)   # the whole run, one step
+    functions, files = map(int, aoc.groups())
     assert functions <= 120 and files <= 11, (functions, files)
     assert f"AOC's {functions} in {files} files" in readme.replace("\n", " ")
+
+
+def test_one_aoc_training_step_turns_between_files_at_most_11_times():
+    """One train_step of AOC (the tiny demo), read in the order its project functions are first called, turns from one
+    file to another at most 11 times: train.py, data.py (the step's examples, drawn and counted with plain values the
+    compressor fixed when it was built: no call back into it), train.py; then for the encoder's pass and again for
+    the decoder's, compressors.py, positions.py, masks.py and model.py once each; parallel.py last (the gradient norm
+    and the step's numbers, summed over the processes). The README's reading guide says how many."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import reading_guide
+    path, switches = reading_guide.step_path("aoc")
+    files = [f for i, (f, _) in enumerate(path) if i == 0 or path[i - 1][0] != f]
+    assert switches <= 11, files
+    assert files[:4] == ["train.py", "data.py", "train.py", "compressors.py"], files
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    assert f"turns from one file to another {switches} times" in readme.replace("\n", " ")
 
 
 # ---------------------------------------------------------------------------- issue 31: one word, one meaning
