@@ -411,8 +411,8 @@ class Compressor(nn.Module):
         # ... and the delimiters' leading BOS (PCC code): every decoder input starts [BOS] <mem> m.. </mem>
         self.decoder_bos = [self.tok.start_id] if cfg.delimiters else []
         # per task, the slot of follow[0] in a decoder row with no prefix (follow_slot; an embeds memory counts as its
-        # first row, all that matters there: whether any slot precedes follow[0]). Fixed here, a plain number: a step's
-        # examples count the tokens their loss supervises with it (data.supervised_tokens), and nothing else of ours
+        # first row, all that matters there: whether any slot precedes follow[0]). Fixed here, a plain number, so that
+        # a step's examples count the tokens their loss supervises (data.supervised_tokens) without calling back here
         self.follow_start = {t: self.follow_slot(t, len(self.decoder_bos), cfg.carrier == "embeds") for t in TASKS}
         self._sentence_end = {}   # token id -> ends a sentence? (CompLLM segmentation cache)
         if cfg.decoder_train == "keft":
@@ -646,7 +646,7 @@ class Compressor(nn.Module):
         Returns a DecoderBatch: inputs_embeds (B, T, d), position_ids (B, T), attn_mask (B, T, P+T) or None when
         nothing is padded, past_kv or None; and .supervised, where the loss is taken.
         """
-        if task not in positions.TASKS:
+        if task not in TASKS:
             raise ValueError(f"unknown task '{task}': choose ae, lm or qa")
         cfg, embed, dev = self.cfg, self.decoder.model.embed_tokens, self.device
         embed_ids = lambda ids: embed(torch.tensor(ids, dtype=torch.long, device=dev))     # (n, d)
