@@ -54,6 +54,7 @@ import torch.nn.functional as F
 
 import masks
 import positions
+from positions import TASKS
 from lora import add_lora, lora_disabled
 from model import RMSNorm, Transformer, chunked_cross_entropy, copy_model
 from presets import CHAT_MARKERS, TEMPLATES, CompressorConfig, make_config, validate
@@ -406,10 +407,13 @@ class Compressor(nn.Module):
         # Three uses of [BOS], told apart (the second, [BOS] as the special token after the memory, is
         # special_embedding's "bos"). The context BOS (`bos`, ICAE / EPL code): every context starts with [BOS], in the
         # encoder's ids, and AE reconstructs [BOS] X [EOS], in the decoder's ...
-        self.context_bos = [self.enc_tok.start_id] if cfg.bos else []
-        self.target_bos = [self.tok.start_id] if cfg.bos else []
+        self.context_bos, self.target_bos = ([self.enc_tok.start_id], [self.tok.start_id]) if cfg.bos else ([], [])
         # ... and the delimiters' leading BOS (PCC code): every decoder input starts [BOS] <mem> m.. </mem>
         self.decoder_bos = [self.tok.start_id] if cfg.delimiters else []
+        # per task, the slot of follow[0] in a decoder row with no prefix (follow_slot; an embeds memory counts as its
+        # first row, all that matters there: whether any slot precedes follow[0]). Fixed here, a plain number, so that
+        # a step's examples count the tokens their loss supervises (data.supervised_tokens) without calling back here
+        self.follow_start = {t: self.follow_slot(t, len(self.decoder_bos), cfg.carrier == "embeds") for t in TASKS}
         self._sentence_end = {}   # token id -> ends a sentence? (CompLLM segmentation cache)
         if cfg.decoder_train == "keft":
             self.set_stage("keft")
@@ -417,7 +421,7 @@ class Compressor(nn.Module):
     def encoder_ids(self, ids: list) -> list:
         """Decoder token ids -> the encoder's ids for the same text: the same list when both read one
         tokenizer, else decoded and re-encoded (a separate compressor LLM, e.g. PCC/PIC with Qwen2.5
-        compressing for Llama 3)."""
+        compressing for Llama 3). data.draw_text converts a training text the same way, from enc_tok and tok."""
         return list(ids) if self.enc_tok is self.tok else self.enc_tok.encode(self.tok.decode(ids))
 
     @property
@@ -448,7 +452,8 @@ class Compressor(nn.Module):
 
     def ae_target(self, ids: list) -> list:
         """What AE reconstructs from the memory of `ids`: [BOS] x [EOS] when the context starts with [BOS] (the
-        context BOS; ICAE and EPL code: the target is the compressed input plus EOS), else x [EOS] (500x, AOC, PCC)."""
+        context BOS; ICAE and EPL code: the target is the compressed input plus EOS), else x [EOS] (500x, AOC, PCC).
+        data.draw_text builds a training text's target the same way, from target_bos and the EOS id."""
         return self.target_bos + list(ids) + [self.tok.eos_id]
 
     def template(self) -> tuple:
@@ -641,10 +646,11 @@ class Compressor(nn.Module):
         Returns a DecoderBatch: inputs_embeds (B, T, d), position_ids (B, T), attn_mask (B, T, P+T) or None when
         nothing is padded, past_kv or None; and .supervised, where the loss is taken.
         """
-        if task not in positions.TASKS:
+        if task not in TASKS:
             raise ValueError(f"unknown task '{task}': choose ae, lm or qa")
         cfg, embed, dev = self.cfg, self.decoder.model.embed_tokens, self.device
         embed_ids = lambda ids: embed(torch.tensor(ids, dtype=torch.long, device=dev))     # (n, d)
+        past_kv, P = self.carrier.cache(memory)   # 500x/AOC: the memory is a KV-cache prefix of P slots
         rows, pos, targets = [], [], []
         for b, ids in enumerate(follow):
             before = self.decoder_bos + list(prefix[b] if prefix else [])   # the delimiters' [BOS]; a chat header
@@ -653,21 +659,20 @@ class Compressor(nn.Module):
             x = ([embed_ids(before)] if before else []) + mem_rows
             x += [special[None].to(embed.weight.dtype)] if special is not None else []
             rows.append(torch.cat(x + [embed_ids(ids)]))                                  # (n_b, d)
+            first = self.follow_slot(task, len(before), sum(len(r) for r in mem_rows))   # the slot of follow[0]
+            targets.append(next_token_targets(ids, len(ids) if n_supervised is None else n_supervised[b], first))
             # EPL §3.2 / Tables 13-15: DPL numbers the inputs physically (after the k|M| cached slots of the KV
             # carrier); EPL (CPL) keeps the memory at its encoder positions, [AE] at 0 or [LM] at p, the text after
             pos.append(positions.decoder_inputs(cfg.layout, cfg.carrier, task, memory.chunk_lens[b],
                                                 memory.mem_counts[b], sum(memory.chunk_lens[b]), len(ids),
                                                 span=self.nominal_len, n_prefix=len(before) - len(self.decoder_bos),
                                                 delimiters=cfg.delimiters, special=special is not None))
-            first = self.follow_slot(task, len(before), sum(len(r) for r in mem_rows))   # the slot of follow[0]
-            targets.append(next_token_targets(ids, len(ids) if n_supervised is None else n_supervised[b], first))
         T = max(len(r) for r in rows)
         shift = [T - len(r) if left_pad else 0 for r in rows]        # left padding moves row b's slots by shift[b]
         x = torch.stack([F.pad(r, (0, 0, shift[b], T - len(r) - shift[b])) for b, r in enumerate(rows)])  # (B, T, d)
         pos = torch.tensor([[0] * shift[b] + p + [0] * (T - len(p) - shift[b]) for b, p in enumerate(pos)],
                            device=dev)                                                    # (B, T)
         valid = [[False] * shift[b] + [True] * len(r) + [False] * (T - len(r) - shift[b]) for b, r in enumerate(rows)]
-        past_kv, P = self.carrier.cache(memory)   # 500x/AOC: the memory is a KV-cache prefix of P slots
         if P:
             valid = [[j < sum(memory.mem_counts[b]) for j in range(P)] + v for b, v in enumerate(valid)]
         # nothing padded: the mask is the model's default (prefix + causal), and passing None lets SDPA use its fused
@@ -682,8 +687,8 @@ class Compressor(nn.Module):
         """The decoder's final hidden states at the slots that predict a supervised token, and those tokens:
         (h (N, d), targets (N,), row of each (N,)). Logits are never made for every position: B*T*vocab would
         dwarf everything else."""
-        batch = self.decoder_batch(memory, task, follow, n_supervised, last_tokens, prefix)
-        with self.decoding():
+        with self.decoding():   # the frozen LLM: its inputs (embeddings) and its forward
+            batch = self.decoder_batch(memory, task, follow, n_supervised, last_tokens, prefix)
             h = self.decoder(**batch, compute_logits=False).last_hidden                # (B, T, d)
         T, dev = h.shape[1], h.device
         flat = torch.tensor([i for i, _ in batch.supervised], dtype=torch.long, device=dev)
@@ -702,24 +707,11 @@ class Compressor(nn.Module):
         return chunked_cross_entropy(h, self.decoder.lm_head, tgt) / (normalize_by or max(len(tgt), 1)), len(tgt)
 
     def follow_slot(self, task: str, n_before: int, n_memory: int) -> int:
-        """The decoder row layout, one rule for decoder_batch and supervised_tokens: the ids before the memory
+        """The decoder row layout, one rule for decoder_batch and follow_start: the ids before the memory
         (n_before: PCC's delimiter [BOS], a chat template's prefix), the memory's rows in the input (n_memory, its
         delimiters included; a K/V memory has none there, it is the cache), the special token (special_token), then
         the follow tokens. Returns the slot of follow[0]."""
         return n_before + n_memory + (special_token(self.cfg, task) != "none")
-
-    def supervised_tokens(self, task: str, follow: list, n_supervised: list | None = None,
-                          prefix: list | None = None) -> int:
-        """How many tokens lm_loss supervises for these samples, counted without running anything, by decoder_batch's
-        layout (follow_slot) and target rule (next_token_targets). Only whether any slot precedes follow[0] matters
-        there, so an embeds memory counts as its first row (it has at least one)."""
-        total = 0
-        for b, ids in enumerate(follow):
-            n = len(ids) if n_supervised is None else n_supervised[b]
-            n_before = len(self.decoder_bos) + (len(prefix[b]) if prefix else 0)
-            first = self.follow_slot(task, n_before, int(self.cfg.carrier == "embeds"))
-            total += len(next_token_targets(ids, n, first))
-        return total
 
     @torch.no_grad()
     def nll(self, memory: Memory, task: str, follow: list, n_supervised: list | None = None,

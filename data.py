@@ -280,11 +280,15 @@ def draw_text(tensors, sampling: Sampling, rng, comp, step):
         n = min(int(rng.integers(*text_lengths(sampling, step))), hi - lo)   # a short document gives a short text
         start = lo + int(rng.integers(0, hi - lo - n + 1))
         x = tensors["tokens"][start:start + n].tolist()
+    # the compressor reads the text in its own ids: the decoder's when both models read one tokenizer, else the text
+    # re-encoded (Compressor.encoder_ids); AE regenerates it in the decoder's ids, after [BOS] where the context starts
+    # with one, then EOS (Compressor.ae_target)
+    enc = (lambda ids: ids) if comp.enc_tok is comp.tok else (lambda ids: comp.enc_tok.encode(comp.tok.decode(ids)))
     if sampling.objective == "ae":   # ICAE AE / AOC Eq. (4): regenerate all of X, then EOS
-        return dict(context=comp.encoder_ids(x), ae=comp.ae_target(x))
+        return dict(context=enc(x), ae=comp.target_bos + x + [eos])
     # pretrain (EPL code): compress the first p = ⌊|X|/2⌋ tokens, reconstruct them, continue with the rest + EOS
     p = max(1, n // 2)
-    return dict(context=comp.encoder_ids(x[:p]), ae=comp.ae_target(x[:p]), lm=x[p:] + [eos], last=x[p - 1])
+    return dict(context=enc(x[:p]), ae=comp.target_bos + x[:p] + [eos], lm=x[p:] + [eos], last=x[p - 1])
 
 
 def step_examples(tensors, sampling: Sampling, comp, step):
@@ -334,15 +338,28 @@ def step_normalizers(comp, objective, examples):
     process), so that the step's loss is the mean over its tokens however it is split (the gradient-accumulation
     normalisation, as Hugging Face's Trainer fixed it in 2024); distillation is a mean over examples (CompLLM
     Eq. 3), so its normaliser is the step's number of examples."""
-    batch = collate(examples)
+    batch, start = collate(examples), comp.follow_start
     if objective == "distill":
         return {"distill": len(examples)}
     if objective == "qa":
-        return {"qa": comp.supervised_tokens("qa", batch.qa, batch.n_answer, batch.prefix)}
-    norm = {"ae": comp.supervised_tokens("ae", batch.ae)}
+        return {"qa": supervised_tokens(batch.qa, batch.n_answer, batch.prefix, start["qa"])}
+    norm = {"ae": supervised_tokens(batch.ae, None, None, start["ae"])}
     if objective == "pretrain":
-        norm["lm"] = comp.supervised_tokens("lm", batch.lm)
+        norm["lm"] = supervised_tokens(batch.lm, None, None, start["lm"])
     return norm
+
+
+def supervised_tokens(follow, n_supervised, prefix, follow_start: int) -> int:
+    """How many tokens Compressor.lm_loss supervises in these decoder rows, counted without running anything: the last
+    n_supervised[b] of row b's follow tokens (all of them when None), follow token t in slot first + t, each predicted
+    by the slot before it where there is one (decoder_batch's target rule, next_token_targets). follow_start: the slot
+    of follow[0] in a row with no prefix (Compressor.follow_start); a prefix moves every slot on by its length."""
+    total = 0
+    for b, ids in enumerate(follow):
+        n = len(ids) if n_supervised is None else n_supervised[b]
+        first = follow_start + (len(prefix[b]) if prefix else 0)
+        total += sum(first + t - 1 >= 0 for t in range(len(ids) - n, len(ids)))
+    return total
 
 
 def teacher_answer(comp, cache, prompt, max_new, autocast):

@@ -19,21 +19,18 @@ from tokenizers import decoders, models, pre_tokenizers
 
 
 class Tokenizer:
-    """A `tokenizers.Tokenizer` plus the special ids. bos_id may be None (Qwen has no BOS);
-    pad_id falls back to eos_id; eos_ids keeps every stop id a checkpoint lists (eos_id is the first)."""
+    """A `tokenizers.Tokenizer` plus the special ids, each resolved once, here. bos_id may be None (Qwen has no BOS):
+    start_id, what a sequence starts with, is then EOS; pad_id falls back to eos_id; eos_ids keeps every stop id a
+    checkpoint lists (eos_id is the first)."""
 
     def __init__(self, tk: HFTokenizer, bos_id: int | None, eos_id: int | None, pad_id: int | None = None,
                  eos_ids: list[int] | None = None):
         self.tk = tk
         self.bos_id, self.eos_id = bos_id, eos_id
         self.pad_id = eos_id if pad_id is None else pad_id
+        self.start_id = eos_id if bos_id is None else bos_id
         self.eos_ids = eos_ids or ([] if eos_id is None else [eos_id])
         self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def start_id(self) -> int:
-        """What a sequence starts with: [BOS], or EOS for a model that has none (Qwen)."""
-        return self.bos_id if self.bos_id is not None else self.eos_id
 
     def cut_at_eos(self, ids: list) -> list:
         """ids up to (not including) the first stop id."""

@@ -1,7 +1,7 @@
 """Training on more than one process: torchrun's process group, DDP or FSDP2 around the training step, and the
-checkpoint of a sharded run. train.py calls it wherever a process meets the others (processes, wrap, a micro-batch's
-gradient_sync, clip_grad_norm, the step's summed numbers, gathered_state and shard_optimizer_state); a run of one
-process on one device passes through each untouched.
+checkpoint of a sharded run. train.py calls it wherever a process meets the others (processes, wrap,
+no_gradient_sync around every micro-batch of a step but the last, clip_grad_norm, the step's summed numbers,
+gathered_state and shard_optimizer_state); a run of one process on one device passes through each untouched.
 
     torchrun --nproc_per_node N train.py ...           DDP: every process holds the whole compressor
     torchrun --nproc_per_node N train.py ... --fsdp     FSDP2: every weight sharded over the processes
@@ -100,13 +100,11 @@ def wrap(comp, step_fn, fsdp: bool, device: torch.device, world: int, bf16: bool
     return step_fn
 
 
-def gradient_sync(step_module, last: bool):
-    """The context of one micro-batch's forward and backward: only the last of a step's syncs the gradients. DDP
-    all-reduces after every backward outside no_sync(); FSDP2 reduce-scatters after every backward unless told not
-    to (set_requires_gradient_sync), so the earlier micro-batches' gradients accumulate unsharded and are reduced
-    once, with the last's."""
-    if last:
-        return nullcontext()
+def no_gradient_sync(step_module):
+    """The context of a micro-batch's forward and backward that only accumulates its gradients: every one of a
+    step's but the last, whose backward syncs them all. DDP all-reduces after every backward outside no_sync();
+    FSDP2 reduce-scatters after every backward unless told not to (set_requires_gradient_sync), so the earlier
+    micro-batches' gradients accumulate unsharded and are reduced once, with the last's."""
     if isinstance(step_module, nn.parallel.DistributedDataParallel):
         return step_module.no_sync()
     if isinstance(step_module, FSDPModule):

@@ -249,7 +249,9 @@ def train_step(run: Run, comp, step_module, opt, params, corpus: data.Corpus, lr
     with step_guard(run, step, batches):
         sums = 0.0   # the loss and its parts, added up on the device in fp64 (as Python adds floats): read once
         for m, batch in enumerate(batches):
-            with parallel.gradient_sync(step_module, last=m == len(batches) - 1):
+            # the last micro-batch's backward syncs the step's gradients over the processes (DDP, FSDP); the ones
+            # before it only accumulate theirs
+            with nullcontext() if m == len(batches) - 1 else parallel.no_gradient_sync(step_module):
                 with run.autocast:
                     loss, part = step_module(batch)   # TrainStep.forward: the objective's loss (below)
                 # each loss is this micro-batch's share of the step's mean (step_normalizers): the gradients of the

@@ -14,11 +14,16 @@ once is not counted again. The training column counts, the same way, the lines o
 training step of the preset runs (train.main with the tiny demo's settings, one step, no held-out check: arguments,
 data, the step, the checkpoint). The last column is the whole run that step sits in (whole_run): the distinct
 functions of the project, and the files they are in, that `python train.py --method METHOD --steps 1 --eval-every 0`
-calls, settings, build, data, step and save.
+calls, settings, build, data, step and save. The last column follows one training step of that run (step_path:
+train.train_step, from drawing its batch to the optimizer step): the project functions in the order first called,
+and how often that order turns from one file to another.
+
+    python tests/reading_guide.py --step METHOD   # that order, function by function
 """
 
 import ast
 import contextlib
+import functools
 import io
 import sys
 import tempfile
@@ -128,18 +133,34 @@ def training_lines(method) -> int:
     return sum(len(read(f, lines)) for (f, name), lines in runs.items() if name not in CHECKS)
 
 
-def whole_run(method) -> tuple:
-    """(distinct project functions, files) that a one-step run of `method` calls, from train.main to its checkpoint:
-    `python train.py --method METHOD --steps 1 --eval-every 0` on the tiny demo, traced by call events over every
-    top-level module (a comprehension, lambda or generator is part of its function; a nested def counts)."""
+@functools.lru_cache(maxsize=None)
+def traced_run(method) -> tuple:
+    """The project functions (file, qualified name) that a one-step run of `method` calls, from train.main to its
+    checkpoint: `python train.py --method METHOD --steps 1 --eval-every 0` on the tiny demo, traced by call events
+    over every top-level module (a comprehension, lambda or generator is part of its function; a nested def counts).
+    Returns (every one of them, in the order first called; those called while train.train_step runs, in the order
+    first called there). One traced run serves whole_run and step_path."""
     import train
     modules = {str(p): p.name for p in ROOT.glob("*.py")}
-    seen = set()
+    seen, step, inside = {}, {}, []   # dicts as ordered sets; the train_step frames now running
 
     def tracer(frame, event, arg):
-        f = frame.f_code.co_filename
-        if event == "call" and f in modules and "<" not in frame.f_code.co_qualname.rpartition(".")[2]:
-            seen.add((modules[f], frame.f_code.co_qualname))
+        code = frame.f_code
+        if event != "call" or code.co_filename not in modules:
+            return None
+        if code is train.train_step.__code__:
+            inside.append(frame)
+        if "<" not in code.co_qualname.rpartition(".")[2]:
+            key = (modules[code.co_filename], code.co_qualname)
+            seen.setdefault(key)
+            if inside:
+                step.setdefault(key)
+        return on_return if code is train.train_step.__code__ else None
+
+    def on_return(frame, event, arg):   # train_step's own frame: its lines, and its return (an exception's too)
+        if event == "return":
+            inside.remove(frame)
+        return on_return
     with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()):
         sys.settrace(tracer)
@@ -147,7 +168,21 @@ def whole_run(method) -> tuple:
             train.main(["--method", method, "--steps", "1", "--eval-every", "0", "--device", "cpu", "--out", out])
         finally:
             sys.settrace(None)
+    return list(seen), list(step)
+
+
+def whole_run(method) -> tuple:
+    """(distinct project functions, files, the functions sorted) that a one-step run of `method` calls (traced_run)."""
+    seen = traced_run(method)[0]
     return len(seen), len({f for f, _ in seen}), sorted(seen)
+
+
+def step_path(method) -> tuple:
+    """The project functions that ONE training step of `method` calls (train.train_step of traced_run's run: its
+    batch, forward, backward and optimizer step), in the order first called, as (file, function); and how often
+    that order crosses from one file to another: the files a reader of the step turns between, in order."""
+    path = traced_run(method)[1]
+    return path, sum(a[0] != b[0] for a, b in zip(path, path[1:]))
 
 
 def guide():
@@ -173,12 +208,18 @@ def guide():
         conds = sum(1 for f, line in forward if parsed[f][1].get(line))
         totals[method] = (total, conds)
         functions, files, _ = whole_run(method)
+        path, switches = step_path(method)
         rows.append(f"| `{method}` | {', '.join(parts)} | {total} | {conds} | {training_lines(method)} | "
-                    f"{functions} in {files} |")
+                    f"{functions} in {files} | {switches} ({len(path)} in {len({f for f, _ in path})}) |")
     return "\n".join(["| method | functions it runs, in order (lines of each it runs) | lines | config conditions "
                       "in its forward pass | training: lines of train.py + data.py one step runs | a one-step run: "
-                      "project functions in files |", "|---|---|---|---|---|---|"] + rows), totals
+                      "project functions in files | one train_step: switches between files in first-call order "
+                      "(functions in files) |", "|---|---|---|---|---|---|---|"] + rows), totals
 
 
 if __name__ == "__main__":
-    print(guide()[0])
+    if sys.argv[1:2] == ["--step"]:
+        path, switches = step_path(sys.argv[2])
+        print("\n".join(f"{f:16} {name}" for f, name in path) + f"\n{switches} switches between files")
+    else:
+        print(guide()[0])

@@ -20,6 +20,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoint  # noqa: E402
 import compressors as C  # noqa: E402
+import data as D  # noqa: E402
 import presets as P  # noqa: E402
 import masks  # noqa: E402
 from hf import LLAMA_3_2_1B_CONFIG  # noqa: E402
@@ -710,8 +711,9 @@ def test_lm_loss_under_bf16_autocast_is_finite_and_close_to_fp32(method, device)
                          [("500x", dict(lm_token="none"))])   # a K/V memory with nothing after it (LM)
 def test_supervised_tokens_counts_what_lm_loss_supervises(method, overrides, device):
     """train.py divides each micro-batch's summed NLL by the whole step's supervised tokens, counted in advance
-    with supervised_tokens: it must be the count lm_loss reports, for every preset and task (a first follow token
-    that nothing precedes is not supervised: the K/V carrier with no special token)."""
+    with data.supervised_tokens from the compressor's follow_start: it must be the count lm_loss reports, for every
+    preset and task (a first follow token that nothing precedes is not supervised: the K/V carrier with no special
+    token)."""
     model, tok = tiny(device)
     comp = C.build(method, model, tok, **overrides)
     contexts = [tok.encode(TEXT[:40]), tok.encode(TEXT[50:73])]
@@ -721,9 +723,9 @@ def test_supervised_tokens_counts_what_lm_loss_supervises(method, overrides, dev
                                 ("qa", None, [tok.encode("Q:"), []])):
         last = [c[-1] for c in contexts]
         _, count = comp.lm_loss(memory, task, follow, n_sup, last_tokens=last, prefix=prefix)
-        assert comp.supervised_tokens(task, follow, n_sup, prefix) == count, (task, n_sup, prefix)
+        assert D.supervised_tokens(follow, n_sup, prefix, comp.follow_start[task]) == count, (task, n_sup, prefix)
     if overrides:   # the case the rule is for: the first token of a K/V memory's follow is not predicted
-        assert comp.supervised_tokens("lm", follow) == sum(map(len, follow)) - 2
+        assert D.supervised_tokens(follow, None, None, comp.follow_start["lm"]) == sum(map(len, follow)) - 2
 
 
 def test_the_readme_method_table_is_the_presets():
@@ -742,9 +744,26 @@ def test_every_preset_reads_in_200_lines_and_aoc_with_at_most_4_config_condition
     assert table in readme, "README's reading guide is out of date: paste the output of python tests/reading_guide.py"
     # issue 47: a one-step AOC run called 131 project functions in 11 files when it was filed; the README says how
     # many it calls now, and they are markedly fewer
-    functions, files = map(int, re.search(r"^\| `aoc` .* \| (\d+) in (\d+) \|$", table, re.M).groups())
+    aoc = re.search(r"^\| `aoc` .* \| (\d+) in (\d+) \| \d+ \(\d+ in \d+\) \|$", table, re.M)   # the whole run, one step
+    functions, files = map(int, aoc.groups())
     assert functions <= 120 and files <= 11, (functions, files)
     assert f"AOC's {functions} in {files} files" in readme.replace("\n", " ")
+
+
+def test_one_aoc_training_step_turns_between_files_at_most_11_times():
+    """One train_step of AOC (the tiny demo), read in the order its project functions are first called, turns from one
+    file to another at most 11 times: train.py, data.py (the step's examples, drawn and counted with plain values the
+    compressor fixed when it was built: no call back into it), train.py; then for the encoder's pass and again for
+    the decoder's, compressors.py, positions.py, masks.py and model.py once each; parallel.py last (the gradient norm
+    and the step's numbers, summed over the processes). The README's reading guide says how many."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import reading_guide
+    path, switches = reading_guide.step_path("aoc")
+    files = [f for i, (f, _) in enumerate(path) if i == 0 or path[i - 1][0] != f]
+    assert switches <= 11, files
+    assert files[:4] == ["train.py", "data.py", "train.py", "compressors.py"], files
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    assert f"turns from one file to another {switches} times" in readme.replace("\n", " ")
 
 
 # ---------------------------------------------------------------------------- issue 31: one word, one meaning
@@ -797,19 +816,21 @@ def test_one_name_for_the_special_token(device):
 
 
 def test_supervised_tokens_counts_by_decoder_batchs_own_target_rule(device, monkeypatch):
-    """supervised_tokens re-derived the target rule; now both go through next_token_targets, and agree."""
+    """The step's count of supervised tokens (data.supervised_tokens) reads where follow[0] sits from the compressor's
+    follow_start, which the compressor fixes with decoder_batch's own layout rule (follow_slot), and counts by its
+    target rule (next_token_targets): the counts agree, slot 0 (nothing before follow[0]) included."""
     calls = []
-    rule = C.next_token_targets
-    monkeypatch.setattr(C, "next_token_targets", lambda *a, **k: calls.append(a) or rule(*a, **k))
+    layout = C.Compressor.follow_slot
+    monkeypatch.setattr(C.Compressor, "follow_slot", lambda *a, **k: calls.append(a) or layout(*a, **k))
     for method, kw in (("aoc", dict(lm_token="none")), ("500x", {}), ("icae", {}), ("pcc", {})):   # aoc lm: slot 0
         dec, tok = tiny(device)   # a fresh decoder: a LoRA encoder changes it
+        calls.clear()
         comp = C.build(method, dec, tok, mem=4, chunk_len=16, **kw)
+        assert len(calls) == 3, "follow_start must be follow_slot's, once per task"
         memory = comp.compress([tok.encode("abcdefgh"), tok.encode("xyz")])
         for task in ("ae", "lm", "qa"):
             follow, n = [tok.encode("hello"), tok.encode("hi")], [5, 1]
-            calls.clear()
-            counted = comp.supervised_tokens(task, follow, n)
-            assert calls, "supervised_tokens must use next_token_targets"
+            counted = D.supervised_tokens(follow, n, None, comp.follow_start[task])
             batch = comp.decoder_batch(memory, task, follow, n, last_tokens=[3, 4])
             assert counted == len(batch.supervised), (method, task)
 
