@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 import compressors
 from model import load_pretrained
-from presets import CompressorConfig, fail
+from presets import CompressorConfig, fail, validate
 
 
 # ---- the compressor's files: compressor.safetensors (its trained tensors) and compressor.json (its config) ----
@@ -111,6 +111,7 @@ def load(ckpt_dir: str, dtype=torch.float32, device="cpu", trained=True,
     for_training: the base model(s) in `dtype`, the tensors that train or are saved in fp32 (Compressor.set_dtypes;
     train.py resumes so); else every tensor in `dtype` (evaluation)."""
     cfg = saved_config(ckpt_dir)
+    validate(cfg)
     decoder, tok = load_pretrained(cfg.model, dtype=dtype, device=device)
     encoder, enc_tok = None, None
     if cfg.encoder == "separate" and cfg.compressor_model:
