@@ -67,7 +67,8 @@ def build_compressor(cfg, device, frozen=torch.float32, weights=None, weights_cf
         if cfg.compressor_model else (None, None)
     # a KEFT config (GMSA §3.5) freezes encoder + LSA and trains decoder W_q, W_k, W_v from here on (set_stage)
     comp = compressors.Compressor(cfg, decoder, tok, encoder, enc_tok).set_dtypes(frozen)
-    if cfg.decoder_train == "keft" and (weights_cfg is None or weights_cfg.decoder_train != "keft"):   # it starts
+    # KEFT starts here (not a resumed KEFT run, nor one from --init of a KEFT run): from a stage-1 run's tensors
+    if cfg.decoder_train == "keft" and (weights_cfg is None or weights_cfg.decoder_train != "keft"):
         if comp.shares_decoder:   # the LoRA encoder IS the decoder: training its q/k/v would move the encoder too
             fail(f"--stage keft trains the decoder's q/k/v, which {cfg.method}'s LoRA encoder shares")
         if not weights:
@@ -340,7 +341,7 @@ def save(run: Run, comp, opt, corpus: data.Corpus, done: int, write):
 
 def load_corpus(run: Run, comp, path: str | None, cache_dir: str, saved_key: str | None, resume: str | None):
     """The run's corpus (data.load_corpus); a resumed run's must be the one it was trained on: saved_key, the data key
-    its checkpoint holds (an old checkpoint has none)."""
+    its checkpoint holds (None: a checkpoint without one, which resumes on any corpus)."""
     try:   # a missing path, a malformed record, data the objective cannot use: one line
         corpus = data.load_corpus(path, run.sampling, comp, cache_dir, run.answer_tokens)
     except (ValueError, OSError) as e:

@@ -97,4 +97,4 @@ def test_nothing_below_main_receives_the_flags(tmp_path, device):
         train.main(["--resume", out, "--device", str(device)])
     assert not seen, f"these receive the flags: {sorted(set(seen))}"
     record = checkpoint.read_train_state(out)["args"]
-    assert record["mem"] == 4 and record["carrier"] == "kv" and record["objective"] == "ae" and record["eval_every"] == 1
+    assert (record["mem"], record["carrier"], record["objective"], record["eval_every"]) == (4, "kv", "ae", 1)
