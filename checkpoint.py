@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 import compressors
 from model import load_pretrained
-from presets import CompressorConfig, fail
+from presets import CompressorConfig, validate
 
 
 # ---- the compressor's files: compressor.safetensors (its trained tensors) and compressor.json (its config) ----
@@ -54,9 +54,11 @@ def save(comp: compressors.Compressor, out_dir: str, extra: dict | None = None, 
     os.replace(tmp, os.path.join(out_dir, "compressor.json"))
 
 
-def load_trained(comp: compressors.Compressor, state: dict):
-    """Load exactly the tensors `save` wrote; list whatever is missing, unexpected or misshapen."""
-    own = {n: p for n, p in comp.named_parameters() if compressors.saved(comp.cfg, n)}
+def load_trained(comp: compressors.Compressor, state: dict, saved_under: CompressorConfig | None = None):
+    """Load exactly the tensors `save` wrote; list whatever is missing, unexpected or misshapen. saved_under: the config
+    they were saved under, when it is not the compressor's (GMSA's KEFT starts from a stage-1 run, which holds no
+    decoder q/k/v: those are the base model's)."""
+    own = {n: p for n, p in comp.named_parameters() if compressors.saved(saved_under or comp.cfg, n)}
     if comp.encoder.lm_head is None:   # accepts encoder.lm_head.* (a head this PCC/PIC encoder lacks): dropped
         state = {n: t for n, t in state.items() if not n.startswith("encoder.lm_head.")}
     # accepts GMSA's LSA blocks named `lsa.*` as well as `bridge.lsa.*` (the bridge module's names)
@@ -104,28 +106,29 @@ def saved_config(ckpt_dir: str) -> CompressorConfig:
     return CompressorConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
 
 
-def load(ckpt_dir: str, dtype=torch.float32, device="cpu", trained=True,
-         for_training=False) -> compressors.Compressor:
-    """Rebuild a compressor from a checkpoint: base model(s) from the config, trained tensors on top.
-    trained=False: the same compressor as first built, untrained (seeding torch as the run did reproduces its init).
-    for_training: the base model(s) in `dtype`, the tensors that train or are saved in fp32 (Compressor.set_dtypes;
-    train.py resumes so); else every tensor in `dtype` (evaluation)."""
+def load(ckpt_dir: str, dtype=torch.float32, device="cpu", trained=True) -> compressors.Compressor:
+    """Rebuild a compressor from a checkpoint to evaluate it: base model(s) from the config in `dtype`, trained tensors
+    on top. trained=False: the same compressor as first built, untrained (seeding torch as the run did reproduces its
+    init). A run that resumes builds its own, in its training dtypes (train.build_compressor)."""
     cfg = saved_config(ckpt_dir)
+    validate(cfg)
     decoder, tok = load_pretrained(cfg.model, dtype=dtype, device=device)
     encoder, enc_tok = None, None
     if cfg.encoder == "separate" and cfg.compressor_model:
         encoder, enc_tok = load_pretrained(cfg.compressor_model, dtype=dtype, device=device)
     comp = compressors.Compressor(cfg, decoder, tok, encoder, enc_tok)
-    if for_training:
-        comp.set_dtypes(dtype)
-    if not trained:
-        return comp
+    if trained:
+        load_trained_from(comp, ckpt_dir)
+    return comp
+
+
+def load_trained_from(comp: compressors.Compressor, ckpt_dir: str, saved_under: CompressorConfig | None = None):
+    """The trained tensors of a checkpoint directory (its compressor.safetensors) into `comp` (load_trained)."""
     try:
-        state = load_file(os.path.join(ckpt_dir, "compressor.safetensors"))
+        state = load_file(os.path.join(ckpt_dir, "compressor.safetensors"), device=str(comp.device))
     except Exception as e:
         raise ValueError(f"'{ckpt_dir}/compressor.safetensors' cannot be read ({e}): restore it or retrain") from None
-    load_trained(comp, state)
-    return comp
+    load_trained(comp, state, saved_under)
 
 
 # ---- a training run's checkpoints, RNG states and log ----
@@ -135,7 +138,8 @@ def save_checkpoint(out, step, comp, opt, record: dict, rng, data_key, keep_ever
     """Write everything a run needs to continue into a temporary directory, then rename it into place: a run
     killed at any moment leaves the previous checkpoint or the new one, never half of one. Then point the
     top-level compressor files at it and drop older checkpoints. (Atomic against a killed process; without
-    fsync, not against a power cut.) record: every resolved flag of the run (train.Run.record), as args.json."""
+    fsync, not against a power cut.) record: what the run resolved (cli.Settings.record: the flags, the recipe's
+    values, the config's fields), written as args.json and with the train state; cli.py reads it back on --resume."""
     tmp, final = os.path.join(out, f".tmp-ckpt-{step:06d}"), os.path.join(out, f"ckpt-{step:06d}")
     shutil.rmtree(tmp, ignore_errors=True)
     # compressor.json + compressor.safetensors; whole: the trained tensors and AdamW state gathered from FSDP's shards
@@ -173,7 +177,7 @@ def latest_checkpoint(run_dir, required=True):
                    if os.path.isfile(os.path.join(d, "train_state.pt")))
     if not found and required:
         what = "does not exist" if not os.path.isdir(run_dir) else "holds no checkpoint (no ckpt-*/train_state.pt)"
-        fail(f"cannot resume: {run_dir} {what}")
+        raise FileNotFoundError(f"cannot resume: {run_dir} {what}")
     return found[-1] if found else None
 
 
@@ -183,9 +187,10 @@ def read_train_state(run_dir):
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:   # truncated, overwritten, not a torch file: all one line
-        fail(f"cannot resume: {path} is corrupt ({type(e).__name__}); restore it or start a new run")
+        raise ValueError(f"cannot resume: {path} is corrupt ({type(e).__name__}); restore it or start a new run") \
+            from None
     if not isinstance(state, dict) or not {"step", "optimizer", "rng", "args"} <= state.keys():
-        fail(f"cannot resume: {path} is not a train.py checkpoint")
+        raise ValueError(f"cannot resume: {path} is not a train.py checkpoint")
     return state
 
 

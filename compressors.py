@@ -57,7 +57,7 @@ import positions
 from positions import TASKS
 from lora import add_lora, lora_disabled
 from model import RMSNorm, Transformer, chunked_cross_entropy, copy_model
-from presets import CHAT_MARKERS, TEMPLATES, CompressorConfig, make_config, validate
+from presets import CHAT_MARKERS, TEMPLATES, CompressorConfig, make_config
 
 
 # -----------------------------------------------------------------------------
@@ -373,10 +373,9 @@ class Compressor(nn.Module):
     def __init__(self, cfg: CompressorConfig, decoder: Transformer, tok, encoder: Transformer | None = None,
                  enc_tok=None):
         super().__init__()
-        validate(cfg)
-        # record the base models this compressor was built on, so `load` rebuilds on the same ones
-        self.cfg = cfg = replace(cfg, model=getattr(decoder, "name_or_path", cfg.model),
-                                 compressor_model=getattr(encoder, "name_or_path", cfg.compressor_model))
+        # cfg as made (presets.make_config validates it, checkpoint.load a saved one): it names the base models this
+        # compressor is built on, so that `load` rebuilds on the same ones
+        self.cfg = cfg
         self.tok, self.enc_tok = tok, enc_tok or tok
         decoder.requires_grad_(False)   # the decoder is frozen in every method (KEFT unfreezes q/k/v later)
         self.decoder = decoder          # registered first: tensors an encoder shares with it are named decoder.*
@@ -444,7 +443,8 @@ class Compressor(nn.Module):
                 # GMSA Eq. (8): full fine-tuning of the q, k, v projections in every decoder layer
                 if any(f"self_attn.{m}." in name for m in ("q_proj", "k_proj", "v_proj")) and "lora_" not in name:
                     p.requires_grad_(True)
-            self.cfg.decoder_train = "keft"
+            if self.cfg.decoder_train != "keft":   # a config of its own: the one it was built from stays as made
+                self.cfg = replace(self.cfg, decoder_train="keft")
         elif stage != "ae":
             raise ValueError(f"unknown stage '{stage}': choose ae or keft")
 
@@ -815,5 +815,7 @@ def blocks(comp: Compressor) -> list:
 def build(method: str, decoder: Transformer, tok, encoder_model: Transformer | None = None, encoder_tok=None,
           **overrides) -> Compressor:
     """The compressor of a preset around `decoder`, e.g. build("pic", llm, tok, layout="epl").
-    encoder_model / encoder_tok: the separate compressor LLM of pcc/pic (default: a copy of the decoder)."""
-    return Compressor(make_config(method, **overrides), decoder, tok, encoder_model, encoder_tok)
+    encoder_model / encoder_tok: the separate compressor LLM of pcc/pic (default: a copy of the decoder). The config
+    names the models load_pretrained gave (their name_or_path), so that `load` rebuilds on the same ones."""
+    models = {k: getattr(m, "name_or_path", None) for k, m in (("model", decoder), ("compressor_model", encoder_model))}
+    return Compressor(make_config(method, **models, **overrides), decoder, tok, encoder_model, encoder_tok)

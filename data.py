@@ -20,7 +20,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from presets import fail
 
 
 @dataclass(frozen=True)
@@ -47,34 +46,31 @@ def read_corpus(path):
     if path.startswith("hf://datasets/"):
         path = hub_file(path)
     if not os.path.exists(path):
-        fail(f"data path '{path}' does not exist")
+        raise FileNotFoundError(f"data path '{path}' does not exist")
     files = [path] if os.path.isfile(path) else sorted(
         f for ext in ("txt", "jsonl", "parquet") for f in glob(os.path.join(path, "**", f"*.{ext}"), recursive=True))
     texts, qa = [], []
     for f in files:
-        if f.endswith((".jsonl", ".parquet")):
-            try:
-                for where, rec in records(f):
-                    kind = record_kind(rec)
-                    if kind is None:
-                        fail(f'{f} {where}: expected {{"text"}} or {{"context", "question", "answer"}}')
-                    if kind == "text":
-                        texts.append(rec["text"])
-                        continue
-                    try:
-                        r = qa_record(rec, f"{f} {where}")
-                    except Unanswerable:   # its context is a text all the same (ae, pretrain read it)
-                        texts.append(rec["context"])
-                        continue
-                    qa.append((r["context"], r["question"], first_answer(r["answer"])))
-            except ValueError as e:   # a line that is no JSON, a malformed QA record: one line naming it
-                fail(e)
+        if f.endswith((".jsonl", ".parquet")):   # a line that is no JSON, a malformed record: a ValueError naming it
+            for where, rec in records(f):
+                kind = record_kind(rec)
+                if kind is None:
+                    raise ValueError(f'{f} {where}: expected {{"text"}} or {{"context", "question", "answer"}}')
+                if kind == "text":
+                    texts.append(rec["text"])
+                    continue
+                try:
+                    r = qa_record(rec, f"{f} {where}")
+                except Unanswerable:   # its context is a text all the same (ae, pretrain read it)
+                    texts.append(rec["context"])
+                    continue
+                qa.append((r["context"], r["question"], first_answer(r["answer"])))
         else:
             with open(f, encoding="utf-8", errors="replace") as fh:
                 texts.append(fh.read())   # a whole file is one document: windows never straddle two files
     texts = [t for t in texts if t.strip()]
     if not texts and not qa:
-        fail(f"no text in '{path}' (empty files, or a folder without .txt / .jsonl / .parquet files)")
+        raise ValueError(f"no text in '{path}' (empty files, or a folder without .txt / .jsonl / .parquet files)")
     identity = json.dumps([(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files])
     return texts, qa, identity
 
@@ -152,13 +148,14 @@ def hub_file(url):
     """hf://datasets/OWNER/NAME/PATH -> a local copy (downloaded once into the Hugging Face cache)."""
     parts = url[len("hf://datasets/"):].split("/", 2)
     if len(parts) < 3:
-        fail(f"'{url}' is not hf://datasets/OWNER/NAME/PATH")
+        raise ValueError(f"'{url}' is not hf://datasets/OWNER/NAME/PATH")
     from huggingface_hub import hf_hub_download
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
     try:
         return hf_hub_download("/".join(parts[:2]), parts[2], repo_type="dataset", local_files_only=offline)
     except Exception as e:   # offline, no network, no such repo or file: all one line
-        fail(f"cannot fetch {url}: {type(e).__name__} (offline or not on the hub; pass a local path instead)")
+        raise OSError(f"cannot fetch {url}: {type(e).__name__} (offline or not on the hub; pass a local path "
+                      "instead)") from None
 
 
 def tokenize_corpus(texts, qa, identity, comp, cache_dir, with_qa=True):
@@ -199,29 +196,29 @@ class Corpus:
 
 
 def load_corpus(path, sampling: Sampling, comp, cache_dir: str, answer_tokens: int) -> Corpus:
-    """The corpus, checked against the objective, tokenised once and cached."""
-    try:
-        texts, qa, identity = read_corpus(path)
-    except OSError as e:     # unreadable files: one line
-        fail(e)
+    """The corpus, checked against the objective, tokenised once and cached. A path, a file or a record that cannot
+    serve: OSError or ValueError, its message one line (train.py prints it)."""
+    texts, qa, identity = read_corpus(path)
     if sampling.objective in ("qa", "distill") and not qa:
-        fail(f"--objective {sampling.objective} needs JSON lines with \"context\", \"question\", \"answer\"")
+        raise ValueError(f"--objective {sampling.objective} needs JSON lines with \"context\", \"question\", "
+                         "\"answer\"")
     if sampling.objective in ("pretrain", "ae"):
         texts += [c for c, _, _ in qa]   # QA contexts are text too (ours)
         if sampling.crop == "head" and len(texts) < sampling.batch_size:
             # a head crop is the first n tokens of a document: with fewer documents than a batch, every step would
             # train on the same few texts (a .txt file is one document)
-            fail(f"--crop head trains on the first {sampling.max_len} tokens of each document, and "
-                 f"{path or 'the built-in corpus'} holds {len(texts)} document(s) for a batch of "
-                 f"{sampling.batch_size}: give a .jsonl with one document per line, a folder of files, or use "
-                 "--crop window")
+            raise ValueError(f"--crop head trains on the first {sampling.max_len} tokens of each document, and "
+                             f"{path or 'the built-in corpus'} holds {len(texts)} document(s) for a batch of "
+                             f"{sampling.batch_size}: give a .jsonl with one document per line, a folder of files, "
+                             "or use --crop window")
     if sampling.objective == "distill" and comp.enc_tok is not comp.tok:
-        fail("distill runs the teacher and the student on the same ids: it needs one tokenizer for both models")
+        raise ValueError("distill runs the teacher and the student on the same ids: it needs one tokenizer for both "
+                         "models")
     tensors, key = tokenize_corpus(texts, qa, identity, comp, cache_dir,
                                    with_qa=sampling.objective in ("qa", "distill"))
     # (documents of < 2 tokens are dropped)
     if sampling.objective in ("pretrain", "ae") and len(tensors["tokens"]) == 0:
-        fail(f"no text of 2 tokens or more in {path}")
+        raise ValueError(f"no text of 2 tokens or more in {path}")
     answers_path = os.path.join(cache_dir, f"answers-{key}-{answer_tokens}.pt")
     answers = torch.load(answers_path, weights_only=True) if os.path.exists(answers_path) else {}
     return Corpus(tensors, key, len(texts), len(qa), answers, answers_path)

@@ -88,18 +88,23 @@ def load_examples(path, task, n=None):
     return rows[:n] if n else rows
 
 
-def protocol(comp, ckpt=None, max_len=None, train_args=None, min_len=None):
-    """How the checkpoint was trained, so the evaluation cuts texts the same way (train.py's args, saved with it, or
-    given as train_args by a run that scores itself): head crop -> every text is its first n tokens, padded with EOS
-    to n, and regenerated up to n tokens (AOC code); pretrain -> AE reconstructs the first ⌊|X|/2⌋ tokens (of those n
-    under a head crop), what pretraining compressed (EPL code). max_len: cut every text to its first max_len
-    tokens; min_len: score only texts of at least min_len tokens (default: the run's --min-len, at_trained_length)."""
-    if train_args is None:
-        train_args = (checkpoint.read_checkpoint_config(ckpt).get("train_args") or {}) if ckpt else {}
-    n = max_len or train_args.get("max_len")   # the run's own check cuts at its --max-len (any crop): so does this
-    shortest = train_args.get("min_len") if n else None   # texts shorter than the run's --min-len are not scored
-    return dict(crop=train_args.get("crop", "window"), n=n, min=min_len or (shortest and min(shortest, n)),
-                half=train_args.get("objective") == "pretrain")
+def protocol(crop="window", max_len=None, min_len=None, objective=None) -> dict:
+    """How a run cut its texts, so that an evaluation cuts them the same way: head crop -> every text is its first n
+    tokens, padded with EOS to n, and regenerated up to n tokens (AOC code); pretrain -> AE reconstructs the first
+    ⌊|X|/2⌋ tokens (of those n under a head crop), what pretraining compressed (EPL code). max_len: cut every text to
+    its first max_len tokens; min_len: score only texts of at least min_len tokens (at_trained_length)."""
+    return dict(crop=crop, n=max_len, min=min_len, half=objective == "pretrain")
+
+
+def trained_protocol(ckpt, max_len=None, min_len=None) -> dict:
+    """The protocol of the run that trained `ckpt`, as its record says (train.py saves the run's settings with each
+    checkpoint: compressor.json's "train_args"; none for a compressor saved outside a run). max_len: cut at that
+    length, else at the run's --max-len (as its own held-out check cuts, whatever the crop); min_len: score texts of
+    at least that many tokens, else of at least the run's --min-len (at most the cut)."""
+    run = checkpoint.read_checkpoint_config(ckpt).get("train_args") or {}
+    n = max_len or run.get("max_len")
+    shortest = run.get("min_len") if n else None   # texts shorter than the run's --min-len are not scored
+    return protocol(run.get("crop", "window"), n, min_len or (shortest and min(shortest, n)), run.get("objective"))
 
 
 def at_trained_length(comp, examples, proto, n=None):
@@ -269,7 +274,7 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
     generate=False: the losses only ({"protocol", "loss"}, no regeneration), as recipes/curve.py scores every kept
     checkpoint; modes: which regenerations (train.py --eval-bleu's check: only "compressed", from the memory)."""
     tok, plain = comp.tok, PlainLLM(comp)
-    proto = proto or protocol(comp)
+    proto = proto or protocol()
     pairs = texts_as_trained(comp, [ex["text"] for ex in examples], proto)
     other = derangement(len(pairs))
     rows = []
@@ -466,7 +471,7 @@ def run_interpolate(comp, text0, text1, weights, max_new_tokens=None, proto=None
     (AOC) compresses each prompt padded with EOS to the trained length n, as AOC's compress() does, so the memory and
     [BOS] sit where training put them."""
     tok = comp.tok
-    (x0, ids0), (x1, ids1) = texts_as_trained(comp, [text0, text1], proto or protocol(comp))
+    (x0, ids0), (x1, ids1) = texts_as_trained(comp, [text0, text1], proto or protocol())
     z0, z1 = compress(comp, [comp.encoder_ids(x0)]), compress(comp, [comp.encoder_ids(x1)])
     m0, m1 = sum(z0.mem_counts[0]), sum(z1.mem_counts[0])
     if m0 != m1:
@@ -842,7 +847,7 @@ def main(argv=None):
         examples = load_examples(args.data, args.task, None if text_task else n) if task.examples and (
             args.task != "heatmap" or args.text0 is None) else None
         comp = load_compressor(args)
-        proto = protocol(comp, args.ckpt, args.max_len, min_len=args.min_len)
+        proto = trained_protocol(args.ckpt, args.max_len, args.min_len)
         if text_task:
             examples = at_trained_length(comp, examples, proto, n)
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)   # before the task: figures go next to it

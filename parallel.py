@@ -40,7 +40,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from checkpoint import trained_state
 from compressors import blocks, saved
-from presets import fail
 
 
 def under_torchrun() -> bool:
@@ -52,15 +51,16 @@ def under_torchrun() -> bool:
 def processes(device: str | None, fsdp: bool):
     """(device, rank, world) of this process, inside its process group: torchrun's, or a group of one for --fsdp
     without torchrun (FSDP needs one). The group follows --device (default: CUDA when there is one) and is destroyed
-    on every way out, an error or an early end included."""
+    on every way out, an error or an early end included. More ranks than GPUs: a ValueError, one line."""
     kind = torch.device(device).type if device else ("cuda" if torch.cuda.is_available() else "cpu")
     backend = "nccl" if kind == "cuda" else "gloo"
     if under_torchrun():
         local = int(os.environ["LOCAL_RANK"])
         if kind == "cuda":
             if local >= torch.cuda.device_count():
-                fail(f"torchrun started local rank {local}, and this machine has {torch.cuda.device_count()} "
-                     f"GPU(s): use --nproc_per_node {torch.cuda.device_count()}, or --device cpu")
+                raise ValueError(f"torchrun started local rank {local}, and this machine has "
+                                 f"{torch.cuda.device_count()} GPU(s): use --nproc_per_node "
+                                 f"{torch.cuda.device_count()}, or --device cpu")
             torch.cuda.set_device(local)
         dist.init_process_group(backend)
         here = torch.device("cuda", local) if kind == "cuda" else torch.device("cpu")

@@ -34,7 +34,6 @@ SDPA would (the math path's (B, H, T, S) probabilities, which no GPU run holds).
 `python tests/bench_plan.py --papers` prints tests/README.md's table: every preset at its papers' model and batch.
 """
 
-import argparse
 import os
 from dataclasses import dataclass
 
@@ -46,7 +45,6 @@ import compressors
 import data
 from hf import Tokenizer
 from model import SHAPES, TINY_CONFIG, ModelConfig, Transformer, build_tiny
-from presets import fail
 
 GB = 1e9              # every size the plan prints and compares: GB of 10^9 bytes, the card's "80 GB" included
 CARD_GB = 80          # one H100 / A100 80GB: what "fits" means (80e9 bytes, under the card's 85.5e9: a margin)
@@ -65,8 +63,8 @@ def model_config(name: str, shape: str | None) -> tuple[dict, Tokenizer]:
         return dict(TINY_CONFIG), tok
     folder = os.path.expanduser(name)
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        fail(f"--plan reads config.json from a local model folder, and '{name}' is not one: pass the folder, or "
-             f"--shape {{{','.join(SHAPES)}}}")
+        raise FileNotFoundError(f"--plan reads config.json from a local model folder, and '{name}' is not one: pass "
+                                f"the folder, or --shape {{{','.join(SHAPES)}}}")
     import json
     hf = json.load(open(os.path.join(folder, "config.json")))
     if os.path.isfile(os.path.join(folder, "tokenizer.json")):
@@ -74,39 +72,38 @@ def model_config(name: str, shape: str | None) -> tuple[dict, Tokenizer]:
     return hf, tok
 
 
-def build_on_meta(args, cfg, frozen: torch.dtype) -> compressors.Compressor:
-    """The run's compressor (of `cfg`, cli.parse_args's) on the meta device, in its training dtypes
-    (Compressor.set_dtypes), nothing allocated."""
-    hf, tok = model_config(args.decoder or args.model, args.shape)
+def build_on_meta(cfg, shape: str | None, frozen: torch.dtype) -> compressors.Compressor:
+    """The run's compressor (of `cfg`, as cli.py made it: its models and its stage) on the meta device, in its
+    training dtypes (Compressor.set_dtypes), nothing allocated. shape: --shape, a paper model's shape (model.SHAPES)
+    for the decoder."""
+    hf, tok = model_config(cfg.model, shape)
     with torch.device("meta"):
         decoder = Transformer(ModelConfig.from_hf(hf))
         encoder, enc_tok = None, None
-        if args.decoder:   # --model is then the separate compressor LLM (pcc/pic)
-            enc_hf, enc_tok = model_config(args.model, None)
+        if cfg.compressor_model:   # --decoder: --model is then the separate compressor LLM (pcc/pic)
+            enc_hf, enc_tok = model_config(cfg.compressor_model, None)
             encoder = Transformer(ModelConfig.from_hf(enc_hf))
-    comp = compressors.Compressor(cfg, decoder, tok, encoder, enc_tok)
-    if args.stage == "keft":
-        comp.set_stage("keft")
-    return comp.set_dtypes(frozen)
+    return compressors.Compressor(cfg, decoder, tok, encoder, enc_tok).set_dtypes(frozen)
 
 
-def example_batch(comp, args, micro: int) -> dict:
-    """A micro-batch of the run's objective at its longest lengths, made of random ids, as train.py collates it."""
-    n, rng = args.max_len, np.random.default_rng(0)
+def example_batch(comp, sampling: data.Sampling, answer_tokens: int, micro: int) -> dict:
+    """A micro-batch of the run's objective (`sampling`: the run's) at its longest lengths, made of random ids, as
+    train.py collates it; distill's teacher answers `answer_tokens` long."""
+    n, objective, rng = sampling.max_len, sampling.objective, np.random.default_rng(0)
     ids = lambda k: rng.integers(3, 250, k).tolist()   # below tiny's 259: any vocabulary has these ids
-    if args.objective in ("qa", "distill"):
+    if objective in ("qa", "distill"):
         parts = comp.qa_parts("x", "?")
         qa = dict(prefix=parts["prefix"], dec_context=ids(n), enc_context=ids(n), prompt=parts["prompt"] + ids(16),
                   answer=ids(32))
         tensors = {"qa": [{k: torch.tensor(v) for k, v in qa.items()}], "tokens": None, "offsets": None}
     else:
         tensors = {"tokens": torch.tensor(ids(n)), "offsets": torch.tensor([0, n]), "qa": []}
-    longest = data.Sampling(args.objective, args.crop, n, n, micro, seed=0)
+    longest = data.Sampling(objective, sampling.crop, n, n, micro, seed=0)
     examples = [data.sample_example(tensors, longest, np.random.default_rng(i), comp, 0) for i in range(micro)]
     batch = data.collate(examples)
-    batch.norm = data.step_normalizers(comp, args.objective, examples)
-    if args.objective == "distill":   # the frozen LLM's own answers, at their longest
-        batch.answer = [ids(args.answer_tokens) for _ in examples]
+    batch.norm = data.step_normalizers(comp, objective, examples)
+    if objective == "distill":   # the frozen LLM's own answers, at their longest
+        batch.answer = [ids(answer_tokens) for _ in examples]
     return batch
 
 
@@ -144,18 +141,19 @@ def sdpa(q, k, v, attn_mask=None, **kw):
     return SDPA(q, k, v, attn_mask=attn_mask, **kw)
 
 
-def saved_bytes(comp, args, micro: int, autocast: bool, step_cls, sharded=frozenset()) -> int:
+def saved_bytes(comp, make_step, batch, autocast: bool, grad_ckpt: bool, sharded=frozenset()) -> int:
     """Bytes of every distinct tensor autograd saves for backward in one forward of a micro-batch (parameters
     aside), counted on the meta device; under autocast the model computes in bf16 (see the module docstring), and each
     time a matmul saves an fp32 frozen matrix, autocast's bf16 copy of it counts (not for the blocks in `sharded`:
     FSDP's MixedPrecisionPolicy gathers those in bf16).
-    step_cls: the run's step module (train.TrainStep: train.py hands it over, being the layer above this one)."""
+    make_step: comp -> the run's step module (train.TrainStep with the run's objective: train.py hands it over, being
+    the layer above this one); batch: the micro-batch (example_batch); grad_ckpt: --grad-ckpt."""
     copied = {id(p) for p in comp.parameters() if autocast and not p.requires_grad and p.dtype == torch.float32
               and p.dim() == 2 and id(p) not in sharded}   # (1-D norms are not autocast: no copy)
     if autocast:
         comp = comp.to(torch.bfloat16)   # what autocast computes in; Transformer._apply keeps RoPE in fp32
     for model in (comp.encoder, comp.decoder):
-        model.grad_ckpt = args.grad_ckpt
+        model.grad_ckpt = grad_ckpt
     params = {id(p) for p in comp.parameters()}
     kept = {}
 
@@ -166,8 +164,7 @@ def saved_bytes(comp, args, micro: int, autocast: bool, step_cls, sharded=frozen
         elif id(base) not in params and id(t) not in params:
             kept[id(base)] = (base, base.untyped_storage().nbytes())   # the reference keeps the id unique
         return t
-    batch = example_batch(comp, args, micro)
-    step = step_cls(comp, args.objective, args.lm_weight)
+    step = make_step(comp)
     F.scaled_dot_product_attention = sdpa   # torch.nn.functional, as model.py calls it: put back below
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -197,18 +194,11 @@ class Plan:
         return self.total <= CARD_GB * GB
 
 
-def frozen_dtype(args) -> torch.dtype:
-    """--frozen-dtype as the run resolves it; auto plans for the run's device, CUDA unless --device says otherwise."""
-    cuda = (args.device or "cuda").startswith("cuda")
-    return torch.bfloat16 if args.frozen_dtype == "bf16" or (args.frozen_dtype == "auto" and cuda) else torch.float32
-
-
-def make_plan(args, cfg, step_cls, micro: int | None = None) -> Plan:
-    frozen = frozen_dtype(args)
-    autocast = frozen == torch.bfloat16 or (args.device or "cuda").startswith("cuda")
-    gpus, fsdp = args.gpus or 1, bool(args.fsdp)
-    micro = micro or args.micro_batch or max(1, args.batch_size // gpus)
-    comp = build_on_meta(args, cfg, frozen)
+def make_plan(cfg, run, make_step, shape: str | None = None) -> Plan:
+    """The memory per GPU of `run` (a cli.Run: its micro-batch, processes, --fsdp, --grad-ckpt and dtypes) training
+    the compressor of `cfg`; make_step: comp -> the run's step module (saved_bytes); shape: --shape."""
+    autocast, gpus, fsdp, micro = run.bf16, run.world, run.fsdp, run.micro
+    comp = build_on_meta(cfg, shape, run.frozen)
     blocks = compressors.blocks(comp)
     sharded = {id(p) for b in blocks for p in b.parameters()} if fsdp else set()
     params, weights, trained, root, root_trained = {}, 0, 0, 0, 0
@@ -221,13 +211,14 @@ def make_plan(args, cfg, step_cls, micro: int | None = None) -> Plan:
             root += p.numel() * p.element_size()
             root_trained += p.numel() if p.requires_grad else 0
     copies = 2 * (root_trained if fsdp else trained) if autocast else 0   # autocast's cached bf16 copies
-    saved = saved_bytes(comp, args, micro, autocast, step_cls, sharded) + copies
-    if args.grad_ckpt:   # backward recomputes one block at a time and keeps its activations meanwhile: one
+    batch = example_batch(comp, run.sampling, run.answer_tokens, micro)
+    saved = saved_bytes(comp, make_step, batch, autocast, run.grad_ckpt, sharded) + copies
+    if run.grad_ckpt:   # backward recomputes one block at a time and keeps its activations meanwhile: one
         # block's share of what the run without checkpointing saves (the decoder's layer count, an upper bound where
         # a shorter encoder's blocks are larger)
-        whole = saved_bytes(build_on_meta(args, cfg, frozen), argparse.Namespace(**{**vars(args), "grad_ckpt": False}),
-                            micro, autocast, step_cls, sharded)
-        saved += whole // comp.decoder.config.num_hidden_layers
+        whole = build_on_meta(cfg, shape, run.frozen)
+        saved += saved_bytes(whole, make_step, example_batch(whole, run.sampling, run.answer_tokens, micro), autocast,
+                             False, sharded) // comp.decoder.config.num_hidden_layers
     activations = int(OVERHEAD * saved)
     if not fsdp:   # every GPU holds everything; DDP adds its gradient buckets
         return Plan(params, weights, 4 * trained * (2 if gpus > 1 else 1), 8 * trained, activations, micro, gpus)
@@ -237,14 +228,17 @@ def make_plan(args, cfg, step_cls, micro: int | None = None) -> Plan:
                 8 * -(-trained // gpus), activations, micro, gpus, fsdp)
 
 
-def describe(args, plan: Plan) -> str:
+def describe(plan: Plan, cfg, run, shape: str | None, frozen_dtype: str) -> str:
+    """The plan as train.py --plan prints it: of `run` (a cli.Run) training `cfg`'s compressor; shape: --shape;
+    frozen_dtype: the flag as typed (auto, fp32 or bf16)."""
     gb = lambda b: f"{b / GB:8.2f} GB"
-    where = args.shape and f"a {args.shape} shape" or args.decoder or args.model
+    where = shape and f"a {shape} shape" or cfg.model
     spread = (f", --fsdp over {plan.gpus} GPU(s)" if plan.fsdp else f", DDP over {plan.gpus} GPUs" if plan.gpus > 1
               else "")
-    lines = [f"memory plan: {args.method} ({args.objective}) on {where}, micro-batch {plan.micro} per GPU of batch "
-             f"{args.batch_size}{spread}, |X| up to {args.max_len}{', --grad-ckpt' if args.grad_ckpt else ''}, "
-             f"--frozen-dtype {args.frozen_dtype} (per GPU, GB = 10^9 bytes, nothing allocated: plan.py)"]
+    lines = [f"memory plan: {cfg.method} ({run.sampling.objective}) on {where}, micro-batch {plan.micro} per GPU of "
+             f"batch {run.sampling.batch_size}{spread}, |X| up to {run.sampling.max_len}"
+             f"{', --grad-ckpt' if run.grad_ckpt else ''}, --frozen-dtype {frozen_dtype} (per GPU, GB = 10^9 bytes, "
+             "nothing allocated: plan.py)"]
     for (kind, dtype), n in sorted(params.items() if (params := plan.params) else []):
         lines.append(f"  parameters {kind:7} {dtype:8} {n:>15,}")
     shards = "   (the shards; the root unit whole and two blocks gathered)" if plan.fsdp else ""
@@ -258,6 +252,6 @@ def describe(args, plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def show(args, cfg, step_cls):
-    """train.py --plan: print the plan and exit."""
-    print(describe(args, make_plan(args, cfg, step_cls)))
+def show(cfg, run, make_step, shape: str | None, frozen_dtype: str):
+    """train.py --plan: print the plan of `run` (a cli.Run) training `cfg`'s compressor, and exit."""
+    print(describe(make_plan(cfg, run, make_step, shape), cfg, run, shape, frozen_dtype))

@@ -1,12 +1,13 @@
 """
-What each method is and what a run of it uses: the compressor's settings (CompressorConfig, one field per axis), the
-papers' presets (PRESETS: each method's settings and training recipe, with the sources both follow), the tiny demo's
-settings (ours), and recipe_for, the one place that says what a run's training settings are and where each comes from.
+What each method is: the compressor's settings (CompressorConfig, one field per axis, with each flag's help and
+choices), the papers' presets (PRESETS: each method's settings and training recipe, with the sources both follow), and
+make_config, the one way a preset becomes a validated config.
 
     python presets.py                                # the presets as the README's method table
-    presets.recipe_for("aoc", None, "tiny")          # {"lr": Setting(0.003, "demo"), "betas": ..., ...}
+    presets.make_config("pic", mem=8)                # PCC's settings, PIC's mask, 8 memory slots per chunk
 
-compressors.py holds the machinery these settings drive; train.py turns recipe_for's values into its flags' defaults.
+compressors.py holds the machinery these settings drive; cli.py turns the recipes into a run's settings (what the
+tiny demo changes, and where each value comes from).
 """
 
 from dataclasses import dataclass, field, fields, replace
@@ -14,12 +15,6 @@ from types import MappingProxyType
 from typing import Mapping, NamedTuple
 
 import masks
-
-
-def fail(message) -> None:
-    """A one-line error, no traceback: bad flags, paths, data or checkpoints end here (train.py and the modules it
-    reads through: data.py, checkpoint.py)."""
-    raise SystemExit(f"train.py: error: {message}")
 
 
 # -----------------------------------------------------------------------------
@@ -125,11 +120,6 @@ def recipe_field(help):
     return field(metadata=dict(help=help))
 
 
-class Setting(NamedTuple):
-    value: object
-    source: str     # "paper", "code" (its public code), "ours", "demo" (ours: --model tiny), "flag", or how derived
-
-
 @dataclass(frozen=True)
 class Recipe:
     """A paper's training recipe: train.py's defaults for the flags of the same names (any flag overrides them).
@@ -150,14 +140,6 @@ class Recipe:
     per_objective: Mapping = recipe_field("objective -> the recipe values that change for it (qa: fine-tuning)")
     sources: Mapping = recipe_field("where a value comes from when it is not the paper's: field (or objective.field, "
                                     "for a per_objective value) -> 'code' (the paper's public code) or 'ours'")
-
-    def settings(self, objective: str) -> dict:
-        """Every value of this recipe under `objective` (what changes for it applied), with where it comes from:
-        "paper", or as `sources` says, "code" or "ours"."""
-        changed = self.per_objective.get(objective, {})
-        return {f.name: Setting(changed.get(f.name, getattr(self, f.name)),
-                                self.sources.get(f"{objective}.{f.name}" if f.name in changed else f.name, "paper"))
-                for f in fields(self) if f.name not in ("per_objective", "sources")}
 
 
 def readonly(**kw) -> MappingProxyType:
@@ -285,7 +267,8 @@ def make_config(method: str, defaults: dict | None = None, **overrides) -> Compr
     """The preset `method` with `overrides` (None values are ignored) applied on top, validated. `defaults`: settings
     that replace the preset's own without counting as given (train.py: a recipe row's, the tiny demo's), so the
     mappings below read the overrides only (the demo's CompLLM ratio 1 is not a typed --ratio).
-    Two documented mappings between the three settings of the compression ratio (their flags' help says the same):
+    Two documented mappings between the three settings of the compression ratio (ratio_mapping; their flags' help
+    says the same):
       * `mem` given without `ratio`: a fixed budget, so a preset's ratio (CompLLM's C = 2) becomes 0;
       * `ratio` R > 0 on group merging (GMSA): its one compression ratio, i.e. ratios = (R,) and ratio = 0."""
     if method not in PRESETS:
@@ -296,10 +279,7 @@ def make_config(method: str, defaults: dict | None = None, **overrides) -> Compr
         if k not in known:
             raise ValueError(f"unknown compressor setting '{k}': known settings are {', '.join(sorted(known))}")
     values = {**PRESETS[method].compressor, **(defaults or {}), **overrides}
-    if "mem" in overrides and "ratio" not in overrides:   # mapping 1 (docstring): a fixed budget, no ratio
-        values["ratio"] = 0.0
-    if values.get("source") == "group_mean" and values.get("ratio", 0) > 0:   # mapping 2: ratio R -> ratios (R,)
-        values["ratios"], values["ratio"] = (values["ratio"],), 0.0
+    values.update((k, v) for k, (v, _) in ratio_mapping(values, overrides).items())
     if "ratios" in values:   # group sizes are whole numbers of tokens
         values["ratios"] = tuple(int(r) if float(r).is_integer() else r for r in values["ratios"])
     for k in ("lora_targets", "ratios"):
@@ -308,6 +288,17 @@ def make_config(method: str, defaults: dict | None = None, **overrides) -> Compr
     cfg = CompressorConfig(method=method, **values)
     validate(cfg)
     return cfg
+
+
+def ratio_mapping(values: Mapping, given: Mapping) -> dict:
+    """make_config's two mappings between mem, ratio and ratios, each changed setting with why (the label a run's
+    first log line gives it): field -> (value, why). `values`: the settings before the mapping (preset, defaults and
+    `given`); `given`: the settings the caller set (train.py: the typed flags)."""
+    if "mem" in given and "ratio" not in given and values.get("ratio"):   # 1: a fixed budget, no ratio (so not 2)
+        return {"ratio": (0.0, "--mem: a fixed budget")}
+    if values.get("source") == "group_mean" and values.get("ratio", 0) > 0:   # 2: ratio R -> ratios (R,)
+        return {"ratios": ((values["ratio"],), "--ratio"), "ratio": (0.0, "--ratio: as ratios")}
+    return {}
 
 
 def validate(cfg: CompressorConfig):
@@ -350,145 +341,6 @@ def validate(cfg: CompressorConfig):
         raise ValueError("delimiters surround memory embeddings in the decoder input: they need --carrier embeds")
     if cfg.encoder in ("lora", "first_k") and cfg.lora_r < 1:
         raise ValueError(f"encoder {cfg.encoder} needs --lora-r >= 1, got {cfg.lora_r}")
-
-
-# -----------------------------------------------------------------------------
-# the tiny demo (ours), and what a run's settings are and where each comes from
-
-# --model tiny (a random 4-layer Llama, a byte tokenizer, the built-in corpus) is a CPU demo that compresses (ours):
-# `python train.py --method aoc --mem 4` then `python evaluate.py --ckpt runs/aoc --task ae` take under two minutes
-# together on 2 CPU cores and print held-out own/other <= 0.5 with 16 bytes in 4 memory slots, 4x (the README's
-# Quickstart; --mem 16, m = n, is the sanity check; each preset's measured number and wall time: recipes/README.md).
-# Every method trains AE (what evaluate.py --task ae scores) on the first n bytes of each document (a head crop:
-# evaluate.py cuts its held-out texts the same way), batch 4, lr 3e-3 decaying linearly to 0 (TINY_ALL), with the
-# text length n, steps and memory size m of its row (TINY): m = n (ICAE 2n; GMSA 5: [BOS] and the 8 bytes in groups
-# of 2), n = 16 for AOC and 8 for the others (which do not carry 16 bytes within two minutes); AOC at batch 16 and lr
-# 1e-2, which reach 4x within two minutes (batch 4 at lr 3e-3: 0.514 after 3,000 steps). These fill only the flags
-# not given, in place of the paper's recipe; any other model keeps the paper's.
-TINY_ALL = dict(objective="ae", crop="head", batch_size=4, lr=3e-3, schedule="linear")
-TINY = {   # ours: measured on this repository's 2-core CPU, recipes/README.md "The tiny demo, each preset"
-    "icae": dict(lengths=(8, 8), mem=16, steps=3000),   # (at m = 8: own/other 0.514 at step 3000)
-    "500x": dict(lengths=(8, 8), mem=8, steps=3000),
-    "pcc": dict(lengths=(8, 8), mem=8, steps=3000),
-    "pic": dict(lengths=(8, 8), mem=8, steps=3000),
-    "compllm": dict(lengths=(8, 8), ratio=1.0, steps=3000),   # one concept embedding per byte (the paper: C = 2)
-    "gmsa": dict(lengths=(8, 8), ratios=(2,), steps=3000),    # groups of 2 (the paper samples 4 or 8)
-    "aoc": dict(lengths=(16, 16), steps=2000, batch_size=16, lr=1e-2),   # --mem 4 (4x): 0.438 at step 2000
-}
-
-
-def on_tiny(model, decoder=None) -> bool:
-    """Does the run train the built-in tiny model (its demo settings, its built-in held-out check)?"""
-    return model == "tiny" and decoder is None
-
-
-def recipe_for(method: str, model: str = "tiny", decoder: str | None = None, stage: str = "ae",
-               flags: Mapping = readonly(), init: Mapping | None = None) -> dict:
-    """Every training setting of a run and where its value comes from: a flag typed on the command line (`flags`:
-    name -> value, the None ones not given), else on --model tiny the demo (ours), else the preset's recipe (the
-    paper's, its code's, or ours where both are silent). Besides the recipe's fields (its `lengths` as min_len and
-    max_len) and warmup, the compressor settings the objective or the demo change (500x's ae: the original 500x code;
-    the demo's memory sizes), unless the run starts from `init` (the --init run's config: its settings stay)."""
-    flags = {k: v for k, v in flags.items() if v is not None}
-    preset, demo = PRESETS[method], ({**TINY_ALL, **TINY[method]} if on_tiny(model, decoder) else {})
-    recipe = preset.recipe
-    objective = (Setting(flags["objective"], "flag") if "objective" in flags else
-                 Setting("qa", "--stage keft") if stage == "keft" else
-                 Setting(demo["objective"], "demo") if demo else
-                 recipe.settings("")["objective"])
-    out = {"objective": objective}
-    out |= {k: s for k, s in recipe.settings(objective.value).items() if k != "objective"}
-    out |= {k: Setting(v, "code") for k, v in preset.compressor_for(objective.value).items()}   # the objective's code
-    out |= {k: Setting(v, "demo") for k, v in demo.items() if k != "objective"}
-    compressor = {f.name for f in FLAG_FIELDS}
-    if init:   # the compressor settings are the --init run's
-        out = {k: s for k, s in out.items() if k not in compressor}
-    out |= {k: Setting(v, "flag") for k, v in flags.items() if k in out or k in ("warmup", "min_len", "max_len")}
-    if "warmup" not in flags:   # a short run still reaches its peak lr (ours: warmup is at most 10% of the run)
-        w, steps = out["warmup"], out["steps"].value
-        out["warmup"] = w if w.value <= steps // 10 else Setting(steps // 10, "ours: 10% of --steps")
-    # lengths: the paper's, shrunk with the chunk so that a context still spans the same number of chunks (EPL: p =
-    # |X|/2 is 1 to 2 chunks of 510); the tiny demo's as they are
-    chunk_len = (init or {}).get("chunk_len") or flags.get("chunk_len") or out.get("chunk_len", Setting(
-        preset.compressor.get("chunk_len", CompressorConfig.chunk_len), "")).value
-    scale = 1.0 if demo else min(1.0, chunk_len / preset.compressor.get("chunk_len", CompressorConfig.chunk_len))
-    (lo, hi), source = out.pop("lengths")
-    source += ", scaled by --chunk-len" if scale < 1 else ""
-    if "max_len" not in flags:
-        out["max_len"] = Setting(max(flags.get("min_len", 2), round(hi * scale)), source)
-    if out["crop"].value == "head":   # AOC: every text is the first n = --max-len tokens of its document
-        out["min_len"] = Setting(out["max_len"].value, "--crop head: --max-len")
-    elif "min_len" not in flags:
-        out["min_len"] = Setting(min(out["max_len"].value, max(2, round(lo * scale))), source)
-    return out
-
-
-def compressor_settings(method: str, cfg: CompressorConfig, typed: Mapping, settings: Mapping,
-                        given_by: str | None = None) -> dict:
-    """Every compressor setting of `cfg` (one per flag) and where its value comes from: a flag (`typed`), the demo or
-    the objective's code (recipe_for named those in `settings`), the preset (its paper's code), CompressorConfig's
-    default shared by every preset, one of make_config's two mappings; `given_by`: the run it came from (--init,
-    --resume)."""
-    preset, out = PRESETS[method].compressor, {}
-    for f in FLAG_FIELDS:
-        source = (given_by if given_by else "flag" if f.name in typed else settings[f.name].source
-                  if f.name in settings else "preset" if f.name in preset else "default")
-        out[f.name] = Setting(getattr(cfg, f.name), source)
-    if not given_by and "mem" in typed and "ratio" not in typed and preset.get("ratio"):   # make_config's mapping 1
-        out["ratio"] = Setting(cfg.ratio, "--mem: a fixed budget")
-    if not given_by and "ratio" in typed and cfg.source == "group_mean":                 # mapping 2
-        out["ratios"], out["ratio"] = Setting(cfg.ratios, "--ratio"), Setting(cfg.ratio, "--ratio: as ratios")
-    return out
-
-
-def first_lines(method: str, settings: Mapping) -> list:
-    """A run's first log lines: every setting with its source ("settings: objective ae (demo), lr 0.003 (demo), ..."),
-    then on --model tiny what the demo (ours) changes of the paper's recipe, each value beside the paper's (no such
-    line on any other model, or where the demo changes nothing)."""
-    show = lambda v: ",".join(map(str, v)) if isinstance(v, (tuple, list)) else f"{v:g}" if isinstance(v, float) else v
-    lines = ["settings: " + ", ".join(f"{k} {show(s.value)} ({s.source})" for k, s in settings.items())]
-    paper = PRESETS[method].recipe
-    values = {k: s.value for k, s in paper.settings(paper.objective).items()}
-    was = {**values, "min_len": values["lengths"][0], "max_len": values["lengths"][1],
-           **{f.name: f.default for f in FLAG_FIELDS}, **PRESETS[method].compressor}
-    changed = [f"{k} {show(s.value)} (the paper's {show(was[k])})" for k, s in settings.items()
-               if s.source == "demo" and was[k] != s.value]
-    if changed:
-        lines.append("--model tiny is a CPU demo (ours), not the paper's run: it changes " + ", ".join(changed)
-                     + "; any other --model trains the paper's recipe")
-    return lines
-
-
-def objective_changes(method, objective, cfg=None) -> str:
-    """The compressor settings that --objective changes on this preset, as "k=v, ..." ("" for none): e.g. 500x's ae
-    is the original 500xCompressor code, with another special token, init, LoRA and template. With the run's
-    config `cfg`, only those it took (a flag overrides any of them)."""
-    return ", ".join(f"{k}={v}" for k, v in PRESETS[method].compressor_for(objective).items()
-                     if cfg is None or getattr(cfg, k) == v)
-
-
-def defaults_table() -> str:
-    """The per-method defaults as the table train.py --help prints."""
-    rows = ["per-method defaults (flags override; presets.PRESETS gives the sources of each):",
-            f"  {'method':8} {'objective':9} {'lr':>7} {'betas':>11} {'wd':>5} {'schedule':9} {'warmup':>6} "
-            f"{'batch':>5} {'clip':>4} {'steps':>6}  |X|"]
-    for m, r in ((m, p.recipe) for m, p in PRESETS.items()):
-        rows.append(f"  {m:8} {r.objective:9} {r.lr:7.0e} {str(r.betas):>11} {r.weight_decay:5} "
-                    f"{r.schedule:9} {r.warmup:6} {r.batch_size:5} {r.clip:4} {r.steps:6}  "
-                    f"{r.lengths[0]}-{r.lengths[1]}" + "".join(f"   {o}: {dict(v)}" for o, v in r.per_objective.items()))
-    rows += [f"--objective {o} on {m} also sets: {objective_changes(m, o)}"
-             for m, p in PRESETS.items() for o in p.objective_compressor]
-    common = ", ".join(f"{k.replace('_', ' ')} {v:g}" if isinstance(v, float) else f"{k.replace('_', ' ')} {v}"
-                       for k, v in TINY_ALL.items())
-    rows += ["", "--model tiny (the default): a CPU demo that compresses (ours; README, Quickstart). In place of the "
-             "rows above,", f"every method trains with {common},",
-             "on the first n bytes of each document (n also caps QA contexts), and:",
-             f"  {'method':8} {'n':>3} {'steps':>6}  other (the rest: its row above)"]
-    for m, d in TINY.items():
-        rows.append(f"  {m:8} {d['lengths'][1]:3} {d['steps']:6}  " + " ".join(
-            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else f'{v:g}'}"
-            for k, v in d.items() if k not in ("lengths", "steps")))
-    return "\n".join(rows)
 
 
 def method_table() -> str:

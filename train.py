@@ -1,7 +1,7 @@
 """
 Train a soft context compressor: one script for every method in compressors.py.
 
-    python train.py --method aoc --mem 4           # CPU, under two minutes: --model tiny's demo (presets.TINY), 4x
+    python train.py --method aoc --mem 4           # CPU, under two minutes: --model tiny's demo (cli.TINY), 4x
 
 It reads in the order it runs, main() last: the settings (cli.py resolves every flag once, each with its source:
 the first log line), the processes (parallel.py: torchrun, DDP, FSDP), the run's set-up, the compressor, the
@@ -21,7 +21,7 @@ Every run can be stopped and continued exactly: a checkpoint (trained tensors, o
 written as a unit every --save-every steps, at the end, after --stop-after K, and on Ctrl-C / SIGTERM; the batch of
 step s is drawn from generators seeded with (seed, s, sample index), so the data position is just the step number.
 Out of memory, or a non-finite loss, ends the run with one line and keeps the last good checkpoint. The default
-model, `tiny`, is a CPU demo (ours) with settings of its own (presets.TINY); any other model trains with the paper's
+model, `tiny`, is a CPU demo (ours) with settings of its own (cli.TINY); any other model trains with the paper's
 recipe. On a GPU with a paper model (bf16 autocast, same flags):
 
     python train.py --method aoc --mem 16 --model meta-llama/Llama-3.2-1B-Instruct --data corpus/ --steps 20000
@@ -32,8 +32,8 @@ import math
 import os
 import signal
 import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager, nullcontext
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -46,83 +46,38 @@ import compressors
 import data
 import parallel
 import plan
-import presets
 from checkpoint import gather_rng_states, is_out_of_memory, latest_checkpoint, save_checkpoint, set_rng_state, \
     trim_log, write_log
+from cli import Run, fail
 from heldout import first_carrying_step, prepare, run_check
 from model import load_pretrained
-from presets import fail
-
-# ---- the run ----
-
-
-@dataclass
-class Run:
-    """Everything the loop needs, fixed for the run: where it runs (one process per GPU under torchrun), how a step's
-    batch is split, the schedule, and where it saves. main() makes it from the resolved settings."""
-    device: torch.device
-    rank: int               # this process (0 logs and writes)
-    world: int              # processes
-    micro: int              # examples per forward pass and process
-    accum: int              # micro-batches per step and process
-    start: int              # steps done (the data position is this number)
-    end: int                # the last step of this job (--stop-after K, else --steps)
-    steps: int              # the run's length (the schedule's)
-    lr: float               # peak learning rate, reached after `warmup` steps, then `schedule`
-    warmup: int
-    schedule: str
-    clip: float             # gradient-norm clipping (0 = off)
-    sampling: data.Sampling    # how a step's examples are drawn
-    answer_tokens: int      # distill: the teacher's longest answer
-    frozen: torch.dtype     # the frozen base weights' dtype (--frozen-dtype)
-    autocast: object        # bf16 autocast on CUDA or with bf16 frozen weights, else nothing
-    out: str                # the run directory (--out)
-    save_every: int
-    keep_every: int | None
-    grad_ckpt: bool         # activation checkpointing (an out-of-memory error suggests it when off)
-    fsdp: bool
-    record: dict            # every resolved flag, as each checkpoint and args.json save them
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
 
 # ---- the compressor ----
 
 
-def build_compressor(cfg, device, frozen=torch.float32, ckpt_dir=None, init=None, warm=None, stage="ae"):
-    """The compressor of `cfg` (cli.parse_args made it, once), of the --init run, or of the checkpoint to resume
-    (`ckpt_dir`); `warm`: --warm-start's run. Trained weights are fp32 (AdamW's master weights), frozen base weights
-    `frozen` (--frozen-dtype, Compressor.set_dtypes); CUDA runs, and bf16 ones anywhere, compute in bf16 through
-    autocast."""
-    if warm and not ckpt_dir:
-        check_warm_start(warm, init)
-    if ckpt_dir or init:   # its config + its trained tensors
-        comp = checkpoint.load(ckpt_dir or init, dtype=frozen, device=device, for_training=True)
-    else:
-        # --model compresses and decodes; with --decoder, --model is only the compressor (pcc/pic): cfg.model decodes
-        decoder, tok = load_pretrained(cfg.model, dtype=frozen, device=device)
-        encoder, enc_tok = load_pretrained(cfg.compressor_model, dtype=frozen, device=device) \
-            if cfg.compressor_model else (None, None)
-        # its dtypes set before any load_trained
-        comp = compressors.Compressor(cfg, decoder, tok, encoder, enc_tok).set_dtypes(frozen)
-        if warm:
-            warm_start(comp, warm, device)
-    if stage == "keft" and comp.cfg.decoder_train != "keft":
+def build_compressor(cfg, device, frozen=torch.float32, weights=None, weights_cfg=None, warm=None):
+    """The compressor of `cfg` (cli.py made it, once), with the trained tensors it starts from: `weights`, a checkpoint
+    directory (--resume's newest, or the --init run) whose tensors were saved under `weights_cfg`, or `warm`,
+    --warm-start's run. Trained weights are fp32 (AdamW's master weights), frozen base weights `frozen`
+    (--frozen-dtype, Compressor.set_dtypes, before any tensor is loaded: they load unrounded); CUDA runs, and bf16
+    ones anywhere, compute in bf16 through autocast."""
+    # --model compresses and decodes; with --decoder, --model is only the compressor (pcc/pic): cfg.model decodes
+    decoder, tok = load_pretrained(cfg.model, dtype=frozen, device=device)
+    encoder, enc_tok = load_pretrained(cfg.compressor_model, dtype=frozen, device=device) \
+        if cfg.compressor_model else (None, None)
+    # a KEFT config (GMSA §3.5) freezes encoder + LSA and trains decoder W_q, W_k, W_v from here on (set_stage)
+    comp = compressors.Compressor(cfg, decoder, tok, encoder, enc_tok).set_dtypes(frozen)
+    # KEFT starts here (not a resumed KEFT run, nor one from --init of a KEFT run): from a stage-1 run's tensors
+    if cfg.decoder_train == "keft" and (weights_cfg is None or weights_cfg.decoder_train != "keft"):
         if comp.shares_decoder:   # the LoRA encoder IS the decoder: training its q/k/v would move the encoder too
-            fail(f"--stage keft trains the decoder's q/k/v, which {comp.cfg.method}'s LoRA encoder shares")
-        if not init:
+            fail(f"--stage keft trains the decoder's q/k/v, which {cfg.method}'s LoRA encoder shares")
+        if not weights:
             fail("--stage keft starts from a stage-1 (ae) run: pass --init DIR")
-        comp.set_stage("keft")    # GMSA §3.5: freeze encoder + LSA, train decoder W_q, W_k, W_v
-    return comp.set_dtypes(frozen)   # (after set_stage: what it unfroze trains in fp32)
-
-
-def check_warm_start(run_dir, init):
-    """--warm-start RUN (ours) needs a finished run's compressor, and no --init (which already starts from one)."""
-    if init or not os.path.isfile(os.path.join(run_dir, "compressor.safetensors")):
-        fail(f"--warm-start {run_dir}: " + ("--init already starts from a run: use one of them" if init
-             else "no compressor.safetensors there (pass a train.py --out folder)"))
+    if weights:
+        checkpoint.load_trained_from(comp, weights, weights_cfg)
+    elif warm:
+        warm_start(comp, warm, device)
+    return comp
 
 
 def warm_start(comp, run_dir, device):
@@ -166,17 +121,16 @@ def make_optimizer(comp, lr, betas, weight_decay, mem_lr, device):
 # ---- the log ----
 
 
-def open_log(run: Run, comp, corpus: data.Corpus, settings: dict, n_params: int, from_init: bool):
-    """log.jsonl (a resumed run rewrites the steps after its checkpoint), and the run's first lines: every setting
-    with its source (cli.parse_args), what the tiny demo changes, then what trains on what."""
+def open_log(run: Run, method: str, corpus: data.Corpus, lines: list, changes: str, n_params: int):
+    """log.jsonl (a resumed run rewrites the steps after its checkpoint), and the run's first lines: `lines`, every
+    setting with its source and what the tiny demo changes (cli.first_lines), then what trains on what; changes: the
+    compressor settings --objective changed on this preset ("" for none)."""
     os.makedirs(run.out, exist_ok=True)
     trim_log(os.path.join(run.out, "log.jsonl"), run.start)
-    print("\n".join(presets.first_lines(comp.cfg.method, settings)))
-    objective, method = settings["objective"].value, comp.cfg.method
+    print("\n".join(lines))
+    objective = run.sampling.objective
     read = f"{corpus.documents:,} documents" + (f", {corpus.questions:,} QA examples" if corpus.questions else "")
-    changes = presets.objective_changes(method, objective, comp.cfg)
-    # (with --init, the compressor settings are that run's)
-    note = f" (--objective {objective} on {method} also sets: {changes})" if changes and not from_init else ""
+    note = f" (--objective {objective} on {method} also sets: {changes})" if changes else ""
     print(f"{method}: {objective} objective{note} on {read}, {n_params:,} trained parameters, batch "
           f"{run.sampling.batch_size} ({run.accum} x {run.micro} x {run.world}), |X| in [{run.sampling.min_len}, "
           f"{run.sampling.max_len}], lr {run.lr:g}, {run.schedule} after {run.warmup} warmup steps, steps "
@@ -186,9 +140,10 @@ def open_log(run: Run, comp, corpus: data.Corpus, settings: dict, n_params: int,
 # ---- the loop ----
 
 
-def loop(run: Run, comp, step_module, opt, params, corpus: data.Corpus, check, log) -> int:
+def loop(run: Run, comp, step_module, opt, params, corpus: data.Corpus, check, log, write) -> int:
     """The training loop, from the run's start to its end (--steps, or --stop-after K): the step, its log row, the
-    held-out check, a checkpoint on schedule. Returns the last step done."""
+    held-out check, a checkpoint on schedule (written by `write`, checkpoint.save_checkpoint with the run's record).
+    Returns the last step done."""
     # Ctrl-C / SIGTERM: finish the step, save, stop (a second Ctrl-C stops at once)
     stop = {"signal": None}
 
@@ -201,7 +156,7 @@ def loop(run: Run, comp, step_module, opt, params, corpus: data.Corpus, check, l
     bar = tqdm(total=run.steps, initial=run.start, disable=not run.master, desc=comp.cfg.method, dynamic_ncols=True)
     try:
         if check and run.master and run.start == 0:
-            run_check(comp, check, log, 0, run.device, run.autocast)   # at init: what an untrained memory carries
+            held_out(run, comp, check, log, 0)   # at init: what an untrained memory carries
         for step in range(run.start, end):
             lr = lr_at(step, run.lr, run.warmup, run.steps, run.schedule)   # set by hand: a function of the step
             row = train_step(run, comp, step_module, opt, params, corpus, lr, step, stop)
@@ -209,11 +164,11 @@ def loop(run: Run, comp, step_module, opt, params, corpus: data.Corpus, check, l
                 write_log(log, bar, row, run.steps, check and check.last)
             done = step + 1
             if check and run.master and (done % check.every == 0 or done == run.steps):
-                run_check(comp, check, log, done, run.device, run.autocast)
+                held_out(run, comp, check, log, done)
             # save on schedule, at the end of this job, or when asked to stop: never after a bad step (train_step)
             if row["stop"] or done == end or done % run.save_every == 0 or (run.keep_every and
                                                                             done % run.keep_every == 0):
-                save(run, comp, opt, corpus, done)
+                save(run, comp, opt, corpus, done, write)
             if row["stop"]:
                 end = done
                 if run.master:
@@ -226,6 +181,14 @@ def loop(run: Run, comp, step_module, opt, params, corpus: data.Corpus, check, l
         if log:
             log.close()
     return end
+
+
+def held_out(run: Run, comp, check, log, step: int):
+    """The held-out check at `step` (heldout.run_check); one that cannot score ends the run with one line."""
+    try:
+        run_check(comp, check, log, step, run.device, run.autocast)
+    except ValueError as e:
+        fail(e)
 
 
 def lr_at(step, lr, warmup, steps, schedule):
@@ -367,97 +330,101 @@ def loss_distill(comp, batch: data.Batch):
 # ---- checkpoints ----
 
 
-def save(run: Run, comp, opt, corpus: data.Corpus, done: int):
+def save(run: Run, comp, opt, corpus: data.Corpus, done: int, write):
     """A checkpoint of step `done` (every rank hands rank 0 its RNG state; under FSDP every rank gathers, rank 0
-    writes)."""
+    writes with `write`: checkpoint.save_checkpoint, the run's record bound to it by main)."""
     rng = gather_rng_states(run.world, run.device)
     whole = parallel.gathered_state(comp, opt, run.master) if run.fsdp else None
     if run.master:
-        save_checkpoint(run.out, done, comp, opt, run.record, rng, corpus.key, run.keep_every, whole)
+        write(run.out, done, comp, opt, rng=rng, data_key=corpus.key, keep_every=run.keep_every, whole=whole)
         if corpus.answers:   # distill: the teacher's answers so far
             data.save_answers(corpus)
+
+
+def load_corpus(run: Run, comp, path: str | None, cache_dir: str, saved_key: str | None, resume: str | None):
+    """The run's corpus (data.load_corpus); a resumed run's must be the one it was trained on: saved_key, the data key
+    its checkpoint holds (None: a checkpoint without one, which resumes on any corpus)."""
+    try:   # a missing path, a malformed record, data the objective cannot use: one line
+        corpus = data.load_corpus(path, run.sampling, comp, cache_dir, run.answer_tokens)
+    except (ValueError, OSError) as e:
+        fail(e)
+    if saved_key not in (None, corpus.key):
+        fail(f"cannot resume: {resume} was trained on another corpus than {path or 'the built-in corpus'} is now "
+             f"(data key {saved_key}, now {corpus.key}): resume it on the data it was trained on, or start a new run "
+             "with another --out")
+    return corpus
+
+
+def restore(run: Run, opt, optimizer_state: dict, rng_states: list):
+    """A resumed run's optimizer moments and step counts, and every RNG where it stood (this rank's, or rank 0's when
+    the run has more processes now than when it was saved)."""
+    try:
+        if run.fsdp:   # the one-process moments, cut into this rank's shards
+            optimizer_state = parallel.shard_optimizer_state(opt, optimizer_state)
+        opt.load_state_dict(optimizer_state)
+    except (ValueError, KeyError) as e:
+        fail(f"mismatched checkpoint: its optimizer state does not fit this compressor ({e})")
+    set_rng_state(rng_states[run.rank if run.rank < len(rng_states) else 0], run.device)
 
 
 # ---- main ----
 
 
 def main(argv=None):
-    args, resume_state, settings, cfg = cli.parse_args(argv)   # every setting, resolved once, with its source
-    if args.plan:   # what the run would need, built on the meta device: nothing is allocated or written
-        return plan.show(args, cfg, TrainStep)
-    if not args.resume and latest_checkpoint(args.out, required=False):
-        fail(f"{args.out} already holds a checkpoint: continue it with --resume {args.out}, or pick another --out")
-    with parallel.processes(args.device, args.fsdp) as (device, rank, world):   # torchrun's, or this one
-        micro = args.micro_batch or args.batch_size // world   # the batch split over the processes
-        if micro < 1 or args.batch_size % (micro * world):
-            fail(f"--batch-size {args.batch_size} must be a multiple of --micro-batch {micro} x {world} GPU(s)")
+    s = cli.parse_args(argv)   # every setting, resolved once, with its source
+    step_of = partial(TrainStep, objective=s.objective, lm_weight=s.lm_weight)   # comp -> the objective as a module
+    if s.plan:   # what the run would need, built on the meta device: nothing is allocated or written
+        try:
+            return plan.show(s.config, cli.planned(s), step_of, s.shape, s.frozen_dtype)
+        except OSError as e:   # a --model that is no local folder
+            fail(e)
+    if not s.resume and latest_checkpoint(s.out, required=False):
+        fail(f"{s.out} already holds a checkpoint: continue it with --resume {s.out}, or pick another --out")
+    with ExitStack() as group:
+        try:   # torchrun's processes, or this one
+            device, rank, world = group.enter_context(parallel.processes(s.device, s.fsdp))
+        except ValueError as e:
+            fail(e)
+        run = cli.place(s, device, rank, world)   # the batch split over the processes, the dtypes, the seed
         # torch's RNG draws the init of memory tokens / LoRA / bridges (one stream per process: DDP then copies rank
         # 0's weights to every process) and LoRA dropout; the data, GMSA's rates included, has generators of its own
         # (step_examples), so torch's is the only global generator a run draws from
-        torch.manual_seed(args.seed + rank)
-        # --frozen-dtype auto: bf16 on CUDA (the EPL and AOC code's dtype), fp32 elsewhere. bf16 weights need
-        # autocast on the CPU too (a matmul of fp32 activations with bf16 weights is an error outside it)
-        frozen = torch.bfloat16 if args.frozen_dtype == "bf16" or (args.frozen_dtype == "auto" and
-                                                                   device.type == "cuda") else torch.float32
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" or \
-            frozen == torch.bfloat16 else nullcontext()
-        start = resume_state["step"] if resume_state else 0
-        sampling = data.Sampling(args.objective, args.crop, args.min_len, args.max_len, args.batch_size, args.seed,
-                                 tuple(args.len_curriculum) if args.len_curriculum else None)
-        run = Run(device=device, rank=rank, world=world, micro=micro,
-                  accum=args.batch_size // (micro * world), start=start,
-                  end=min(args.steps, args.stop_after or args.steps), steps=args.steps, lr=args.lr, warmup=args.warmup,
-                  schedule=args.schedule, clip=args.clip, sampling=sampling, answer_tokens=args.answer_tokens,
-                  frozen=frozen, autocast=autocast, out=args.out, save_every=args.save_every,
-                  keep_every=args.keep_every, grad_ckpt=args.grad_ckpt, fsdp=args.fsdp, record=vars(args))
+        torch.manual_seed(run.seed)
         if run.start >= run.steps:
-            print(f"{args.resume} is already at step {run.start} of {run.steps}: nothing to do (raise --steps)")
+            print(f"{s.resume} is already at step {run.start} of {run.steps}: nothing to do (raise --steps)")
             return parallel.leave_rank()
         # the compressor (from the checkpoint when resuming), and the objective as a module, wrapped for the processes
         try:   # a bad model name, a corrupt checkpoint: one line, not a traceback
-            comp = build_compressor(cfg, device, frozen, latest_checkpoint(args.resume) if args.resume else None,
-                                    args.init, args.warm_start, args.stage)
+            comp = build_compressor(s.config, device, run.frozen, s.weights, s.weights_config, s.warm_start)
         except (ValueError, OSError) as e:
             fail(e)
         for model in (comp.encoder, comp.decoder):   # activation checkpointing per block (model.py)
-            model.grad_ckpt = args.grad_ckpt
-        if args.compile:
+            model.grad_ckpt = run.grad_ckpt
+        if s.compile:
             compile_blocks(comp)
-        if args.fsdp and args.objective == "distill":   # the teacher generates outside the step, on sharded weights
-            fail("--fsdp does not run distill (its frozen teacher generates outside the training step): use DDP")
-        step_module = parallel.wrap(comp, TrainStep(comp, args.objective, args.lm_weight), args.fsdp, device, world,
-                                    bf16=not isinstance(autocast, nullcontext))
-        corpus = data.load_corpus(args.data, run.sampling, comp, args.cache_dir or os.path.join(args.out, "cache"),
-                                  args.answer_tokens)
-        if resume_state and resume_state.get("data", corpus.key) != corpus.key:   # (an old checkpoint has no key)
-            fail(f"cannot resume: {args.resume} was trained on another corpus than {args.data or 'the built-in corpus'}"
-                 f" is now (data key {resume_state['data']}, now {corpus.key}): resume it on the data it was trained "
-                 "on, or start a new run with another --out")
+        step_module = parallel.wrap(comp, step_of(comp), run.fsdp, device, world, bf16=run.bf16)
+        state = s.resume_state or {}
+        corpus = load_corpus(run, comp, s.data, s.cache_dir, state.get("data"), s.resume)
         params = comp.trainable_parameters()   # what compressors.py leaves trainable for this method and stage
-        opt = make_optimizer(comp, args.lr, args.betas, args.weight_decay, args.mem_lr, device)
-        if resume_state:
-            try:   # a resumed run's optimizer moments and step counts, and every RNG where it stood
-                if args.fsdp:   # the one-process moments, cut into this rank's shards
-                    resume_state["optimizer"] = parallel.shard_optimizer_state(opt, resume_state["optimizer"])
-                opt.load_state_dict(resume_state["optimizer"])
-            except (ValueError, KeyError) as e:
-                fail(f"mismatched checkpoint: its optimizer state does not fit this compressor ({e})")
-            set_rng_state(resume_state["rng"][rank if rank < len(resume_state["rng"]) else 0], device)
-        log = open_log(run, comp, corpus, settings, sum(p.numel() for p in params), bool(args.init)) if run.master \
-            else None
-        every = args.eval_every if args.eval_every is not None else args.save_every
-        if args.fsdp and every > 0:   # rank 0 alone would score a model whose weights are spread over every rank
-            every = 0
-            if run.master:
-                print("no held-out check runs under --fsdp: score a checkpoint with evaluate.py --ckpt")
-        check = prepare(comp, run.record, every, presets.on_tiny(args.model, args.decoder), run.start > 0,
-                        run.master) if every > 0 else None
-        end = loop(run, comp, step_module, opt, params, corpus, check, log)
+        opt = make_optimizer(comp, s.lr, s.betas, s.weight_decay, s.mem_lr, device)
+        if state:
+            restore(run, opt, state["optimizer"], state["rng"])
+        log = open_log(run, s.method, corpus, cli.first_lines(s.method, s.shown), s.changes,
+                       sum(p.numel() for p in params)) if run.master else None
+        if run.fsdp and s.eval_every > 0 and run.master:   # rank 0 alone would score weights spread over every rank
+            print("no held-out check runs under --fsdp: score a checkpoint with evaluate.py --ckpt")
+        try:
+            check = prepare(comp, run.eval_every, run.sampling.objective, run.sampling.crop, run.sampling.min_len,
+                            run.sampling.max_len, run.warmup, s.eval_data, s.eval_n, s.eval_bleu, s.builtin_check,
+                            run.out, run.start > 0, run.master) if run.eval_every > 0 else None
+        except ValueError as e:
+            fail(e)
+        end = loop(run, comp, step_module, opt, params, corpus, check, log, partial(save_checkpoint, record=s.record))
         if run.master and check and check.rows:
             print(first_carrying_step(check))
         if run.master and end == run.steps:
             print(f"done: {run.steps} steps; the compressor is in {run.out} (checkpoint.load, evaluate.py --ckpt)")
-        elif run.master and end == args.stop_after:
+        elif run.master and end == s.stop_after:
             print(f"stopped after step {end} (--stop-after); continue with --resume {run.out}")
         parallel.leave_rank()   # here, while the model, optimizer and data are still alive
 

@@ -12,7 +12,7 @@ itself (older records in recipes/results) has no such rows: then every kept chec
 
 Without logged checks, each checkpoint is scored once (its ckpt-*/eval_curve.json is kept; teacher-forced losses
 only: evaluate.run_ae with generate=False), on the first --n held-out texts cut as the arm was trained
-(evaluate.protocol: a window-cropped arm's texts are cut to its --max-len), which is what train.py's check logs. Writes OUT/ARM/eval_curve.json (the points, the first step at or below the threshold, the median
+(evaluate.trained_protocol: a window-cropped arm's texts are cut to its --max-len), which is what train.py's check logs. Writes OUT/ARM/eval_curve.json (the points, the first step at or below the threshold, the median
 seconds per training step), OUT/curve.json, OUT/curve.md and OUT/curve.png (when matplotlib is installed).
 """
 
@@ -45,7 +45,7 @@ def score(ckpt, examples, n=None):
     comp = checkpoint.load(ckpt).eval()
     # the texts as the arm was trained on them, as evaluate.py scores them: those of at least its --min-len tokens,
     # the first n of them, cut to its --max-len
-    proto = E.protocol(comp, ckpt)
+    proto = E.trained_protocol(ckpt)
     ae = E.run_ae(comp, E.at_trained_length(comp, examples, proto, n), proto=proto, generate=False)
     L = ae["loss"]
     point = dict(own=L["own"], other=L["other"], none=L["none"], ratio=L["own_other_ratio"],

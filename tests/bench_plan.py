@@ -88,16 +88,17 @@ def paper_row(method, shape, batch, source, frozen="auto") -> str:
     import plan
     import train
     argv = ["--method", method, "--shape", shape, "--plan", "--batch-size", str(batch), "--frozen-dtype", frozen]
-    def at(*extra, micro=None):
-        args, _, _, cfg = cli.parse_args(argv + list(extra))
-        return plan.make_plan(args, cfg, train.TrainStep, micro)
+    def at(*extra):
+        s = cli.parse_args(argv + list(extra))
+        return plan.make_plan(s.config, cli.planned(s), lambda comp: train.TrainStep(comp, s.objective, s.lm_weight),
+                              s.shape)
     whole, ckpt = at(), at("--grad-ckpt")
     fixed = whole.weights + whole.grads + whole.optimizer
     trained = sum(n for (kind, _), n in whole.params.items() if kind == "trained")
     lo, hi = 0, batch   # the largest micro-batch m <= batch whose plan fits
     while lo < hi:
         m = (lo + hi + 1) // 2
-        lo, hi = (m, hi) if at("--grad-ckpt", micro=m).fits else (lo, m - 1)
+        lo, hi = (m, hi) if at("--grad-ckpt", "--micro-batch", str(m)).fits else (lo, m - 1)
     gpus = next((str(n) for n in (1, 2, 4, 8, 16, 32, 64)
                  if at("--grad-ckpt", "--fsdp", "--gpus", str(n), "--micro-batch", "1").fits), "> 64")
     gb = lambda b: f"{b / plan.GB:.1f}"
@@ -148,8 +149,9 @@ def main():
                     str(a.max_len), "--objective", "ae" if method in ("aoc", "gmsa") else "pretrain",
                     "--device", a.device, "--eval-every", "0", "--save-every", "1000"] + \
                 (["--grad-ckpt"] if a.grad_ckpt else [])
-            args, _, _, cfg = cli.parse_args(argv + ["--plan", "--out", tmp])
-            pl = plan.make_plan(args, cfg, train.TrainStep)
+            s = cli.parse_args(argv + ["--plan", "--out", tmp])
+            pl = plan.make_plan(s.config, cli.planned(s), lambda comp: train.TrainStep(comp, s.objective,
+                                                                                       s.lm_weight))
             counted = pl.activations / plan.OVERHEAD
             got = measure(argv)
             planned = pl.grads + pl.optimizer + pl.activations

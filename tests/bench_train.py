@@ -6,7 +6,7 @@
     python tests/bench_train.py --profile --method aoc --model DIR --batch-size 4   # on CUDA: kernels vs launches
 
 Default: each method runs its defaults on `tiny` through train.py, as the quickstart does (there: the tiny demo's
-settings, presets.TINY: AE on 16-byte texts, batch 4; on another --model, the paper's recipe); the median over
+settings, cli.TINY: AE on 16-byte texts, batch 4; on another --model, the paper's recipe); the median over
 the steps after the first two is reported.
 tok/s counts every token a step reads: the compressed contexts plus every decoder sequence (train.py's log).
 

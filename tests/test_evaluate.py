@@ -647,7 +647,7 @@ def test_head_cropped_evaluation_compresses_what_training_compressed(objective, 
     data = dict(tokens=torch.tensor(ids), offsets=torch.tensor([0, len(ids)]))
     s = D.Sampling(objective, "head", 16, 16, batch_size=1, seed=0)
     trained = D.draw_text(data, s, np.random.default_rng(0), comp, step=0)["context"]
-    proto = E.protocol(comp, train_args=dict(crop="head", max_len=16, objective=objective))
+    proto = E.protocol("head", max_len=16, objective=objective)
     seen, budgets = [], []
     compress, generate = comp.compress, comp.generate
     monkeypatch.setattr(comp, "compress", lambda ctx, **kw: seen.append(ctx) or compress(ctx, **kw))

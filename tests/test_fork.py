@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import cli  # noqa: E402
 import presets as P  # noqa: E402
 import masks  # noqa: E402
 import checkpoint  # noqa: E402
@@ -35,7 +36,7 @@ def test_the_readme_fork_it_example_trains_with_its_new_mask(tmp_path, monkeypat
     monkeypatch.setattr(P, "PRESETS", dict(P.PRESETS))
     monkeypatch.setattr(P, "METHODS", P.METHODS)
     monkeypatch.setattr(P, "CHOICES", dict(P.CHOICES))
-    monkeypatch.setattr(P, "TINY", dict(P.TINY))
+    monkeypatch.setattr(cli, "TINY", dict(cli.TINY))
     monkeypatch.setattr(masks, "ENCODER", dict(masks.ENCODER))
     code = fork_it_block()
     assert len(code.splitlines()) <= 25, "keep the README example short"

@@ -176,7 +176,7 @@ def test_curve_scores_texts_cut_as_the_arm_was_trained(tmp_path):
     examples = E.load_examples(None, "ae")[:4]
     assert all(len(comp.tok.encode(ex["text"])) > 8 for ex in examples)   # the cut matters
     point = curve.score(str(out / "ckpt-000002"), examples)
-    want = E.run_ae(comp, examples, max_new_tokens=1, proto=E.protocol(comp, str(out), max_len=8))["loss"]
+    want = E.run_ae(comp, examples, max_new_tokens=1, proto=E.trained_protocol(str(out), max_len=8))["loss"]
     assert (point["own"], point["other"], point["none"]) == pytest.approx((want["own"], want["other"], want["none"]))
 
 

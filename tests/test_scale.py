@@ -98,7 +98,7 @@ def test_bf16_frozen_weights_train_as_fp32_within_bf16_rounding(method, tmp_path
         assert abs(a["grad_norm"] - b["grad_norm"]) <= BF16_GRAD_RTOL * a["grad_norm"], (a, b)
     assert any(a["loss"] != b["loss"] for a, b in zip(same_weights, bf16))
     # what a bf16 run keeps in which dtype: frozen base weights bf16, everything trained or saved fp32
-    cfg = cli.parse_args(base + ["--frozen-dtype", "bf16", "--out", str(tmp_path / "x")])[3]
+    cfg = cli.parse_args(base + ["--frozen-dtype", "bf16", "--out", str(tmp_path / "x")]).config
     comp = train.build_compressor(cfg, torch.device("cpu"), frozen=torch.bfloat16)
     for name, p in comp.named_parameters():
         want = torch.float32 if p.requires_grad or C.saved(comp.cfg, name) else torch.bfloat16
@@ -164,10 +164,15 @@ import plan  # noqa: E402
 from model import SHAPES  # noqa: E402
 
 
-def plan_of(argv, micro=None):
-    """train.py ARGV --plan's plan (plan.make_plan of the resolved flags and compressor config)."""
-    args, _, _, cfg = cli.parse_args([*argv, "--plan"])
-    return plan.make_plan(args, cfg, train.TrainStep, micro)
+def step_of(s):
+    """comp -> the run's step module, as train.main hands it to the plan."""
+    return lambda comp: train.TrainStep(comp, s.objective, s.lm_weight)
+
+
+def plan_of(argv):
+    """train.py ARGV --plan's plan (plan.make_plan of the resolved settings and compressor config)."""
+    s = cli.parse_args([*argv, "--plan"])
+    return plan.make_plan(s.config, cli.planned(s), step_of(s), s.shape)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -195,7 +200,7 @@ def test_plan_counts_the_parameters_of_a_real_build(method, tmp_path):
     for dtype in ("fp32", "bf16"):
         argv = ["--method", method, "--frozen-dtype", dtype, "--device", "cpu", "--out", str(tmp_path)]
         got = plan_of(argv)
-        comp = train.build_compressor(cli.parse_args(argv)[3], torch.device("cpu"),
+        comp = train.build_compressor(cli.parse_args(argv).config, torch.device("cpu"),
                                       frozen=torch.bfloat16 if dtype == "bf16" else torch.float32)
         want, trained = {}, 0
         for p in comp.parameters():
@@ -218,9 +223,10 @@ def test_plan_counts_the_activations_a_real_step_saves(tmp_path):
     2.79 against 2.30 MB: the meta device's attention keeps the (B, H, T, S) probabilities, the CPU's fused SDPA
     only its output and log-sum-exp), and --grad-ckpt keeps far fewer."""
     argv = ["--method", "aoc", "--device", "cpu", "--out", str(tmp_path), "--frozen-dtype", "fp32"]
-    args, _, _, cfg = cli.parse_args(argv + ["--plan"])
-    comp = train.build_compressor(cfg, torch.device("cpu"))
-    real = plan.saved_bytes(comp, args, args.batch_size, False, train.TrainStep)
+    s = cli.parse_args(argv + ["--plan"])
+    comp = train.build_compressor(s.config, torch.device("cpu"))
+    batch = plan.example_batch(comp, cli.planned(s).sampling, s.answer_tokens, s.batch_size)
+    real = plan.saved_bytes(comp, step_of(s), batch, False, False)
     on_meta = plan_of(argv).activations / plan.OVERHEAD
     assert 0 < real <= on_meta <= 1.3 * real, (real, on_meta)
     ckpt = plan_of(argv + ["--grad-ckpt"]).activations
@@ -236,8 +242,8 @@ def test_an_fsdp_run_that_ends_early_or_fails_closes_its_process_group(tmp_path,
     assert not torch.distributed.is_initialized()
     train.main(["--resume", str(tmp_path / "a"), "--fsdp", "--device", str(device)])   # already at step 1: nothing to do
     assert not torch.distributed.is_initialized()
-    with pytest.raises(SystemExit):   # refused after the group is open: --warm-start names no run
-        train.main(flags + ["--out", str(tmp_path / "c"), "--warm-start", str(tmp_path / "none")])
+    with pytest.raises(SystemExit):   # refused after the group is open: --data names no file
+        train.main(flags + ["--out", str(tmp_path / "c"), "--data", str(tmp_path / "none.jsonl")])
     assert not torch.distributed.is_initialized()
     train.main(flags + ["--out", str(tmp_path / "b")])   # and the next run starts
     assert len(rows(tmp_path / "b")) == 1
@@ -246,11 +252,11 @@ def test_an_fsdp_run_that_ends_early_or_fails_closes_its_process_group(tmp_path,
 def test_plan_speaks_one_unit_and_fits_in_it(capsys):
     """GB is 10^9 bytes when the plan prints a size and when it decides "fits" (it printed GiB labelled GB and
     compared with 80e9 bytes: issue 45): a total of 80.1e9 bytes prints as 80.10 GB and does not fit, 79.9e9 does."""
-    args, *_ = cli.parse_args(["--method", "aoc", "--plan"])
+    s = cli.parse_args(["--method", "aoc", "--plan"])
     for total, fits in ((80.1e9, False), (79.9e9, True)):
         p = plan.Plan({}, int(total), 0, 0, 0, 1)
         assert p.fits is fits
-        text = plan.describe(args, p)
+        text = plan.describe(p, s.config, cli.planned(s), s.shape, s.frozen_dtype)
         assert f"{total / 1e9:8.2f} GB" in text and ("does not fit" not in text) is fits
 
 
@@ -261,7 +267,7 @@ def test_plan_per_gpu_under_fsdp_and_ddp(tmp_path):
     batch / N. Each term is checked against a real build's parameters (tiny, pcc: a fully trained encoder)."""
     argv = ["--method", "pcc", "--batch-size", "8", "--out", str(tmp_path)]
     one, ddp, fsdp = (plan_of(argv + extra) for extra in ([], ["--gpus", "4"], ["--gpus", "4", "--fsdp"]))
-    comp = train.build_compressor(cli.parse_args(argv + ["--frozen-dtype", "bf16"])[3], torch.device("cpu"),
+    comp = train.build_compressor(cli.parse_args(argv + ["--frozen-dtype", "bf16"]).config, torch.device("cpu"),
                                   frozen=torch.bfloat16)
     in_blocks = {id(p) for b in C.blocks(comp) for p in b.parameters()}
     size = lambda ps: sum(p.numel() * p.element_size() for p in ps)
@@ -286,8 +292,8 @@ def test_plan_counts_autocasts_copies_of_fp32_frozen_matrices_at_each_use(tmp_pa
     from torch.overrides import TorchFunctionMode
     argv = ["--method", "aoc", "--out", str(tmp_path)]
     plans = {d: plan_of(argv + ["--frozen-dtype", d]) for d in ("fp32", "bf16")}
-    args, _, _, cfg = cli.parse_args(argv + ["--frozen-dtype", "fp32", "--device", "cpu"])
-    comp = train.build_compressor(cfg, torch.device("cpu"))
+    s = cli.parse_args(argv + ["--frozen-dtype", "fp32", "--device", "cpu"])
+    comp = train.build_compressor(s.config, torch.device("cpu"))
     frozen = {id(p): p.numel() for p in comp.parameters() if not p.requires_grad and p.dim() == 2}
     del frozen[id(comp.decoder.lm_head.weight)]   # the loss's lm_head runs under checkpoint: none of it is saved
     uses = []
@@ -298,7 +304,7 @@ def test_plan_counts_autocasts_copies_of_fp32_frozen_matrices_at_each_use(tmp_pa
                 uses.append(frozen[id(a[1])])   # (a matmul whose input needs no gradient saves nothing)
             return func(*a, **(kw or {}))
     with Linears():
-        train.TrainStep(comp, args.objective, args.lm_weight)(plan.example_batch(comp, args, args.batch_size))
+        step_of(s)(comp)(plan.example_batch(comp, cli.planned(s).sampling, s.answer_tokens, s.batch_size))
     copies = 2 * sum(uses)
     extra = (plans["fp32"].activations - plans["bf16"].activations) / plan.OVERHEAD
     assert uses and abs(extra - copies) <= 0.01 * copies + 64, (extra, copies)
@@ -459,14 +465,18 @@ def test_the_plans_docstring_describes_the_attention_count_it_uses():
     assert plan.sdpa.__doc__ and "CudaAttention" in plan.sdpa.__doc__
 
 
-def test_torchrun_with_more_processes_than_gpus_is_one_line(monkeypatch):
+def test_torchrun_with_more_processes_than_gpus_is_one_line(monkeypatch, tmp_path):
     """Under torchrun a rank takes the GPU of its LOCAL_RANK: rank 1 on a machine with one GPU asked for cuda:1 and
-    failed deep in CUDA (issue 45). It stops first, with the fix, before any process group is made."""
+    failed deep in CUDA (issue 45). It stops first, with the fix, before any process group is made: parallel.py
+    raises, train.py prints the one line."""
     import parallel
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(ValueError, match="--nproc_per_node 1, or --device cpu"):
         with parallel.processes("cuda", False):
             pass
+    with pytest.raises(SystemExit) as e:
+        train.main(["--method", "aoc", "--device", "cuda", "--out", str(tmp_path / "x")])
+    assert str(e.value).startswith("train.py: error: torchrun started local rank 1") and "\n" not in str(e.value)
     assert "--nproc_per_node 1, or --device cpu" in str(e.value) and not torch.distributed.is_initialized()

@@ -180,7 +180,7 @@ def test_pcc_and_pic_train_and_evaluate_under_epl_positions(method, tmp_path, ru
 
 
 def test_quickstart_on_the_real_tiny_model_runs_and_logs(tmp_path, run_train, capsys):
-    """The README command, shortened: --model tiny's demo settings (TINY) fill the flags; every log field is there."""
+    """The README command, shortened: --model tiny's demo settings (cli.TINY) fill the flags; every log field is there."""
     out = str(tmp_path / "aoc")
     run_train(["--method", "aoc", "--mem", "4", "--steps", "3", "--out", out])
     rows = log_rows(out)
@@ -199,49 +199,49 @@ def test_quickstart_on_the_real_tiny_model_runs_and_logs(tmp_path, run_train, ca
 def test_tiny_takes_the_demo_settings_and_a_real_model_the_papers(method, files):
     """--model tiny (the default): every flag left unset comes from TINY_ALL + TINY[method], the paper's recipe
     fills the rest; a flag wins; a real model (a local folder) keeps the paper's recipe."""
-    demo = {**P.TINY_ALL, **P.TINY[method]}
-    args, *_ = cli.parse_args(["--method", method])
-    assert (args.model, args.objective, args.crop, args.batch_size, args.lr, args.steps) == \
+    demo = {**cli.TINY_ALL, **cli.TINY[method]}
+    s = cli.parse_args(["--method", method])
+    assert (s.model, s.objective, s.crop, s.batch_size, s.lr, s.steps) == \
         ("tiny", demo["objective"], demo["crop"], demo["batch_size"], demo["lr"], demo["steps"])
-    assert [args.min_len, args.max_len] == list(demo["lengths"])
-    assert args.warmup == min(P.PRESETS[method].recipe.warmup, demo["steps"] // 10)
-    for k, v in demo.items():   # anything else a row sets (a compressor setting) lands in its flag
-        if k in vars(args):
-            assert getattr(args, k) == (list(v) if isinstance(v, tuple) else v), k
-    args, *_ = cli.parse_args(["--method", method, "--lr", "1e-3", "--max-len", "24", "--objective", "pretrain"])
-    assert (args.lr, args.max_len, args.objective, args.steps) == (1e-3, 24, "pretrain", demo["steps"])
+    assert (s.min_len, s.max_len) == demo["lengths"]
+    assert s.warmup == min(P.PRESETS[method].recipe.warmup, demo["steps"] // 10)
+    for k, v in demo.items():   # anything else a row sets (a compressor setting) lands in the config
+        if k in cli.COMPRESSOR_FLAGS:
+            assert getattr(s.config, k) == v, k
+    s = cli.parse_args(["--method", method, "--lr", "1e-3", "--max-len", "24", "--objective", "pretrain"])
+    assert (s.lr, s.max_len, s.objective, s.steps) == (1e-3, 24, "pretrain", demo["steps"])
     paper = P.PRESETS[method].recipe
-    args, *_ = cli.parse_args(["--method", method, "--model", files["model"]])
-    assert (args.objective, args.crop, args.batch_size, args.lr, args.steps) == \
+    s = cli.parse_args(["--method", method, "--model", files["model"]])
+    assert (s.objective, s.crop, s.batch_size, s.lr, s.steps) == \
         (paper.objective, paper.crop, paper.batch_size, paper.lr, paper.steps)
-    assert (args.min_len, args.max_len) == paper.lengths
+    assert (s.min_len, s.max_len) == paper.lengths
 
 
 def test_recipe_for_names_each_settings_value_and_source():
-    """presets.recipe_for answers "what does this run use, and why": a flag, the tiny demo (ours, never called the
+    """cli.recipe_for answers "what does this run use, and why": a flag, the tiny demo (ours, never called the
     paper's), the paper's recipe, its code's, or ours; derived values say how (issue 39)."""
     for method in P.METHODS:
-        tiny = P.recipe_for(method, "tiny")
-        demo = {**P.TINY_ALL, **P.TINY[method]}
+        tiny = cli.recipe_for(method, "tiny")
+        demo = {**cli.TINY_ALL, **cli.TINY[method]}
         for k, v in demo.items():   # every demo value is there, as the demo's
             if k == "lengths":
                 assert (tiny["max_len"].value, tiny["max_len"].source) == (v[1], "demo"), method
             else:
                 assert tiny[k] == (v, "demo"), (method, k)
         assert all(s.source != "paper" or k not in demo for k, s in tiny.items())
-        real = P.recipe_for(method, "org/model")
+        real = cli.recipe_for(method, "org/model")
         recipe = P.PRESETS[method].recipe
-        assert real["lr"].value == recipe.settings(real["objective"].value)["lr"].value and "demo" not in {
+        assert real["lr"].value == cli.recipe_settings(recipe, real["objective"].value)["lr"].value and "demo" not in {
             s.source for s in real.values()}
-    aoc = P.recipe_for("aoc", "org/model")
+    aoc = cli.recipe_for("aoc", "org/model")
     assert aoc["lr"] == (2e-4, "paper") and aoc["betas"] == ((0.9, 0.999), "code") and aoc["steps"].source == "ours"
     assert aoc["min_len"] == (96, "--crop head: --max-len") and aoc["warmup"] == (300, "paper")
-    short = P.recipe_for("aoc", "org/model", flags=dict(steps=100, lr=1e-3, objective=None))
+    short = cli.recipe_for("aoc", "org/model", flags=dict(steps=100, lr=1e-3, objective=None))
     assert short["lr"] == (1e-3, "flag") and short["steps"] == (100, "flag")
     assert short["warmup"] == (10, "ours: 10% of --steps") and short["objective"] == ("ae", "paper")
-    assert P.recipe_for("500x", "org/model", flags=dict(objective="ae"))["ae_token"] == ("bos", "code")
-    assert P.recipe_for("gmsa", "org/model", stage="keft")["objective"] == ("qa", "--stage keft")
-    scaled = P.recipe_for("icae", "org/model", flags=dict(chunk_len=255))
+    assert cli.recipe_for("500x", "org/model", flags=dict(objective="ae"))["ae_token"] == ("bos", "code")
+    assert cli.recipe_for("gmsa", "org/model", stage="keft")["objective"] == ("qa", "--stage keft")
+    scaled = cli.recipe_for("icae", "org/model", flags=dict(chunk_len=255))
     assert scaled["max_len"] == (1020, "paper, scaled by --chunk-len")
 
 
@@ -277,11 +277,11 @@ def test_mem_on_tiny_compllm_is_a_fixed_budget_as_documented(device):
     """make_config's rule, on tiny too: --mem without --ratio sets the ratio to 0 (a fixed budget). The demo row's
     ratio 1 is a default, not a typed --ratio: --mem 2 gives 2 slots for an 8-byte text, not one per byte."""
     for argv, slots in ((["--mem", "2"], 2), ([], 8)):
-        cfg = cli.parse_args(["--method", "compllm", *argv])[3]
+        cfg = cli.parse_args(["--method", "compllm", *argv]).config
         comp = train.build_compressor(cfg, device)
         assert sum(comp.compress([list(b"8 bytes!")]).mem_counts[0]) == slots, argv
-    args, *_ = cli.parse_args(["--method", "compllm", "--mem", "2", "--ratio", "4"])   # both typed: the ratio
-    assert (args.mem, args.ratio) == (2, 4.0)
+    cfg = cli.parse_args(["--method", "compllm", "--mem", "2", "--ratio", "4"]).config   # both typed: the ratio
+    assert (cfg.mem, cfg.ratio) == (2, 4.0)
 
 
 def test_the_tiny_demo_table_states_each_presets_n_m_and_steps(device):
@@ -291,14 +291,14 @@ def test_the_tiny_demo_table_states_each_presets_n_m_and_steps(device):
     readme = (Path(__file__).resolve().parents[1] / "recipes" / "README.md").read_text()
     rows = {m: (int(n), int(k), int(steps.replace(",", ""))) for m, n, k, steps in
             re.findall(r"^\| `(\w+(?: --[\w-]+ \S+)*)` \| (\d+) \| (\d+) \| ([\d,]+) \|", readme, flags=re.M)}
-    assert {m.split()[0] for m in rows} == set(P.TINY) and "aoc --mem 4" in rows
+    assert {m.split()[0] for m in rows} == set(cli.TINY) and "aoc --mem 4" in rows
     for command, (n, m, steps) in rows.items():
         method, *flags = command.split()
-        args, _, _, cfg = cli.parse_args(["--method", method, *flags])
-        comp = train.build_compressor(cfg, device)
-        x = list(D.BUILTIN_TEXTS[0].encode())[:args.max_len]
+        s = cli.parse_args(["--method", method, *flags])
+        comp = train.build_compressor(s.config, device)
+        x = list(D.BUILTIN_TEXTS[0].encode())[:s.max_len]
         ratios = [comp.cfg.ratios[0]] if comp.cfg.source == "group_mean" else None
-        assert (args.max_len, sum(comp.compress([comp.encoder_ids(x)], ratios=ratios).mem_counts[0]), args.steps) \
+        assert (s.max_len, sum(comp.compress([comp.encoder_ids(x)], ratios=ratios).mem_counts[0]), s.steps) \
             == (n, m, steps), method
 
 
@@ -309,7 +309,7 @@ def test_head_crop_min_len_is_an_error_and_evaluate_lm_cuts_at_the_checkpoints_n
     ae, lm and interpolate (it compressed whole held-out texts: 58 and 81 tokens)."""
     assert_one_line_error(["--method", "aoc", "--min-len", "4", "--max-len", "8", "--out", str(tmp_path / "x")],
                           "--min-len 4 does not apply", capsys, device)
-    assert cli.parse_args(["--method", "aoc", "--min-len", "8", "--max-len", "8"])[0].min_len == 8
+    assert cli.parse_args(["--method", "aoc", "--min-len", "8", "--max-len", "8"]).min_len == 8
     n = json.loads((Path(finished_run) / "args.json").read_text())["max_len"]
     result = E.main(["--ckpt", finished_run, "--task", "lm", "--n", "3", "--device", str(device),
                      "--out", str(tmp_path / "lm.json")])
@@ -325,7 +325,7 @@ def test_the_log_and_help_say_where_tiny_changes_the_papers_objective(tmp_path, 
         train.main(["--help"])
     text = capsys.readouterr().out
     assert "--model tiny (the default): a CPU demo" in text and "objective ae, crop head" in text
-    for method, row in P.TINY.items():
+    for method, row in cli.TINY.items():
         assert f"\n  {method:8} {row['lengths'][1]:3} {row['steps']:6}" in text
 
 
@@ -373,6 +373,29 @@ def test_stop_after_then_resume_equals_an_uninterrupted_run(method, flags, tmp_p
     w_full, w_part = (load_file(str(tmp_path / d / "compressor.safetensors")) for d in ("full", "part"))
     for name in w_full:
         torch.testing.assert_close(w_part[name], w_full[name], rtol=0, atol=1e-6)
+
+
+def test_resume_reads_a_record_of_flags_without_the_config_fields(tmp_path, run_train):
+    """A checkpoint records the run's flags, the recipe's values and the config's fields (cli.Settings.record);
+    --resume also takes a record of the flags and the recipe alone (a compressor flag neither typed nor set by the
+    recipe None, no compressor_model or decoder_train), and that run continues as an uninterrupted one."""
+    base = ["--method", "aoc", "--mem", "4", "--batch-size", "2", "--lr", "3e-3", "--steps", "4", "--eval-every", "0"]
+    run_train(base + ["--out", str(tmp_path / "full")])
+    part = str(tmp_path / "part")
+    run_train(base + ["--out", part, "--stop-after", "2"])
+    path = os.path.join(checkpoint.latest_checkpoint(part), "train_state.pt")
+    state = torch.load(path, weights_only=True)
+    assert {"compressor_model", "decoder_train", "carrier"} <= state["args"].keys() and state["args"]["carrier"] == "kv"
+    old = {k: None if k in cli.COMPRESSOR_FLAGS and k != "mem" else v for k, v in state["args"].items()
+           if k not in ("compressor_model", "decoder_train")}
+    torch.save({**state, "args": old}, path)
+    Path(part, "args.json").write_text(json.dumps(old))
+    run_train(["--resume", part, "--mem", "4"])   # a typed flag is compared with the older record too
+    full, resumed = log_rows(tmp_path / "full"), log_rows(part)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(full, resumed):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a, b)
+    assert json.loads(Path(part, "args.json").read_text())["carrier"] == "kv"   # written again: the config's fields
 
 
 def test_a_checkpoint_that_travels_in_pieces_resumes_exactly(tmp_path, run_train):
@@ -501,7 +524,9 @@ def test_eval_bleu_logs_what_evaluate_scores_the_regenerations(held_texts, tmp_p
                   "--dtype", "float32", "--task", "ae", "--out", str(tmp_path / "eval.json")])["scores"]["compressed"]
     assert (last["bleu4_words"], last["rougeL"]) == pytest.approx((got["bleu4_words"], got["rougeL"]), abs=1e-9)
     comp = checkpoint.load(out, device=device).eval()
-    ho = heldout.prepare(comp, json.load(open(os.path.join(out, "args.json"))), 1, True, False, True)
+    run = json.load(open(os.path.join(out, "args.json")))   # the run's settings, as the check takes them
+    ho = heldout.prepare(comp, 1, run["objective"], run["crop"], run["min_len"], run["max_len"], run["warmup"],
+                         run["eval_data"], run["eval_n"], run["eval_bleu"], True, out, False, True)
     refs = {}
     real = E.texts_as_trained
 
@@ -817,48 +842,46 @@ def test_schedules():
 
 
 def test_paper_defaults_fill_the_unset_flags_and_flags_win(tmp_path):
-    args, *_ = cli.parse_args(["--method", "icae", "--model", "meta-llama/Llama-3.2-1B", "--steps", "20000"])
-    assert (args.objective, args.lr, args.betas, args.weight_decay, args.schedule, args.warmup, args.batch_size,
-            args.clip, args.min_len, args.max_len) == ("pretrain", 1e-4, [0.9, 0.95], 0.1, "constant", 300, 16,
-                                                      2.0, 510, 2040)   # EPL App. C, Table 8
-    args, *_ = cli.parse_args(["--method", "icae", "--model", "x/y", "--objective", "qa", "--lr", "3e-5"])
-    assert args.lr == 3e-5
-    args, *_ = cli.parse_args(["--method", "icae", "--model", "x/y", "--objective", "qa"])
-    assert args.lr == 5e-5                                        # EPL fine-tuning
-    args, *_ = cli.parse_args(["--method", "icae", "--model", "x/y", "--chunk-len", "255"])
-    assert (args.min_len, args.max_len) == (255, 1020)            # half the chunk: half the lengths
-    args, *_ = cli.parse_args(["--method", "compllm", "--model", "x/y"])
-    assert (args.objective, args.lr, args.weight_decay, args.batch_size) == ("distill", 1e-4, 0.0, 4)
+    s = cli.parse_args(["--method", "icae", "--model", "meta-llama/Llama-3.2-1B", "--steps", "20000"])
+    assert (s.objective, s.lr, s.betas, s.weight_decay, s.schedule, s.warmup, s.batch_size,
+            s.clip, s.min_len, s.max_len) == ("pretrain", 1e-4, (0.9, 0.95), 0.1, "constant", 300, 16,
+                                              2.0, 510, 2040)   # EPL App. C, Table 8
+    s = cli.parse_args(["--method", "icae", "--model", "x/y", "--objective", "qa", "--lr", "3e-5"])
+    assert s.lr == 3e-5
+    s = cli.parse_args(["--method", "icae", "--model", "x/y", "--objective", "qa"])
+    assert s.lr == 5e-5                                        # EPL fine-tuning
+    s = cli.parse_args(["--method", "icae", "--model", "x/y", "--chunk-len", "255"])
+    assert (s.min_len, s.max_len) == (255, 1020)            # half the chunk: half the lengths
+    s = cli.parse_args(["--method", "compllm", "--model", "x/y"])
+    assert (s.objective, s.lr, s.weight_decay, s.batch_size) == ("distill", 1e-4, 0.0, 4)
 
 
 def test_recipes_of_the_papers_code(tmp_path):
     # EPL's 500xCompressor branch (pretrain): learned [AE]/[LM]; the original 500x code (ae): [BOS], N(0, 1) memory
     # tokens, no [BOS] context, LoRA r 64 α 32 dropout 0.05, HF Trainer's AdamW (wd 0, clip 1.0), first 500 tokens
-    args, *_ = cli.parse_args(["--method", "500x", "--model", "x/y"])
-    assert (args.ae_token, args.lm_token, args.bos) == (None, None, None)     # the preset's: learned, learned, BOS
-    assert P.make_config("500x").ae_token == "learned" and P.make_config("500x").bos
-    args, *_ = cli.parse_args(["--method", "500x", "--model", "x/y", "--objective", "ae"])
-    assert (args.ae_token, args.mem_init, args.bos, args.lora_r, args.lora_alpha, args.lora_dropout) == \
-        ("bos", "normal", False, 64, 32, 0.05)
-    assert (args.weight_decay, args.clip, args.crop, args.max_len) == (0.0, 1.0, "head", 500)
-    args, *_ = cli.parse_args(["--method", "500x", "--model", "x/y", "--objective", "ae", "--ae-token", "learned"])
-    assert args.ae_token == "learned"                                         # a flag wins over the recipe
+    s = cli.parse_args(["--method", "500x", "--model", "x/y"])
+    assert (s.config.ae_token, s.config.lm_token, s.config.bos) == ("learned", "learned", True)   # the preset's
+    assert [s.shown[k].source for k in ("ae_token", "lm_token", "bos")] == ["default", "default", "preset"]
+    s = cli.parse_args(["--method", "500x", "--model", "x/y", "--objective", "ae"])
+    assert (s.config.ae_token, s.config.mem_init, s.config.bos, s.config.lora_r, s.config.lora_alpha,
+            s.config.lora_dropout) == ("bos", "normal", False, 64, 32, 0.05)
+    assert (s.weight_decay, s.clip, s.crop, s.max_len) == (0.0, 1.0, "head", 500)
+    s = cli.parse_args(["--method", "500x", "--model", "x/y", "--objective", "ae", "--ae-token", "learned"])
+    assert s.config.ae_token == "learned"                                     # a flag wins over the recipe
     # PCC code (PIC follows it): AdamW (0.9, 0.999), wd 0, cosine, warmup 300, clip 0.5; QA lr 5e-5, warmup 100
-    args, *_ = cli.parse_args(["--method", "pic", "--model", "x/y"])
-    assert (args.betas, args.weight_decay, args.schedule, args.warmup, args.clip) == ([0.9, 0.999], 0.0, "cosine",
-                                                                                      300, 0.5)
-    args, *_ = cli.parse_args(["--method", "pic", "--model", "x/y", "--objective", "qa"])
-    assert (args.lr, args.schedule, args.warmup) == (5e-5, "cosine", 100)
+    s = cli.parse_args(["--method", "pic", "--model", "x/y"])
+    assert (s.betas, s.weight_decay, s.schedule, s.warmup, s.clip) == ((0.9, 0.999), 0.0, "cosine", 300, 0.5)
+    s = cli.parse_args(["--method", "pic", "--model", "x/y", "--objective", "qa"])
+    assert (s.lr, s.schedule, s.warmup) == (5e-5, "cosine", 100)
     # AOC's LoRA baseline runs from flags: q, k, v, o, dropout 0.05
-    args, *_ = cli.parse_args(["--method", "500x", "--model", "x/y", "--objective", "ae", "--lora-targets",
-                                "q_proj", "k_proj", "v_proj", "o_proj", "--lora-r", "64", "--lora-alpha", "32"])
-    cfg = P.make_config("500x", **{k: getattr(args, k) for k in cli.COMPRESSOR_FLAGS})
+    cfg = cli.parse_args(["--method", "500x", "--model", "x/y", "--objective", "ae", "--lora-targets",
+                          "q_proj", "k_proj", "v_proj", "o_proj", "--lora-r", "64", "--lora-alpha", "32"]).config
     assert cfg.lora_targets == ("q_proj", "k_proj", "v_proj", "o_proj") and cfg.lora_dropout == 0.05
     # CompLLM's teacher answers are long (149-273 tokens on average): 512 by default, recorded with the run
-    assert cli.parse_args(["--method", "compllm", "--model", "x/y"])[0].answer_tokens == 512
+    assert cli.parse_args(["--method", "compllm", "--model", "x/y"]).answer_tokens == 512
     # GMSA §4.1: AE texts of at most 512 tokens (PwC), QA contexts up to 3072
-    assert cli.parse_args(["--method", "gmsa", "--model", "x/y"])[0].max_len == 512
-    assert cli.parse_args(["--method", "gmsa", "--model", "x/y", "--objective", "qa"])[0].max_len == 3072
+    assert cli.parse_args(["--method", "gmsa", "--model", "x/y"]).max_len == 512
+    assert cli.parse_args(["--method", "gmsa", "--model", "x/y", "--objective", "qa"]).max_len == 3072
 
 
 def test_gmsa_recipe_is_table_3_and_appendix_c():
@@ -872,15 +895,15 @@ def test_gmsa_recipe_is_table_3_and_appendix_c():
     paper = {"ae": dict(steps=10000, batch_size=4, schedule="linear", clip=2.0),
              "keft": dict(steps=5000, batch_size=16, schedule="linear", clip=2.0)}
     for stage, values in paper.items():
-        settings = P.recipe_for("gmsa", model="meta-llama/Llama-2-7b-chat-hf", stage=stage)
+        settings = cli.recipe_for("gmsa", model="meta-llama/Llama-2-7b-chat-hf", stage=stage)
         assert settings["objective"].value == {"ae": "ae", "keft": "qa"}[stage]
-        args, *_ = cli.parse_args(["--method", "gmsa", "--model", "meta-llama/Llama-2-7b-chat-hf", "--stage", stage])
+        run = cli.parse_args(["--method", "gmsa", "--model", "meta-llama/Llama-2-7b-chat-hf", "--stage", stage])
         for name, value in values.items():
-            assert settings[name] == P.Setting(value, "paper"), (stage, name)
-            assert getattr(args, name) == value, (stage, name)
+            assert settings[name] == cli.Setting(value, "paper"), (stage, name)
+            assert getattr(run, name) == value, (stage, name)
         # Scheduler Linear: from the peak after warmup down to 0 at the last step
-        lr = [train.lr_at(s, args.lr, args.warmup, args.steps, args.schedule) for s in (args.warmup, args.steps - 1)]
-        assert lr[0] == args.lr and lr[1] == pytest.approx(args.lr / (args.steps - args.warmup))
+        lr = [train.lr_at(s, run.lr, run.warmup, run.steps, run.schedule) for s in (run.warmup, run.steps - 1)]
+        assert lr[0] == run.lr and lr[1] == pytest.approx(run.lr / (run.steps - run.warmup))
     comp = C.build("gmsa", *build_tiny(), lora_r=4, lora_alpha=8)
     opt = train.make_optimizer(comp, 1e-4, (0.9, 0.999), 0.01, None, torch.device("cpu"))
     assert type(opt) is torch.optim.AdamW                                                # Optimizer: AdamW
@@ -1186,10 +1209,10 @@ def test_resume_takes_a_run_flag_typed_with_its_default_value(tmp_path, run_trai
                "--save-every", "1", "--eval-every", "0", "--out", out])
     parser = cli.build_parser()
     assert (parser.get_default("eval_n"), parser.get_default("save_every")) == (32, 1000)
-    args, *_ = cli.parse_args(["--resume", out, "--eval-n", "32", "--save-every", "1000"])
-    assert (args.eval_n, args.save_every) == (32, 1000)
-    args, *_ = cli.parse_args(["--resume", out])   # untyped: the run's own
-    assert (args.eval_n, args.save_every) == (4, 1)
+    s = cli.parse_args(["--resume", out, "--eval-n", "32", "--save-every", "1000"])
+    assert (s.eval_n, s.save_every) == (32, 1000)
+    s = cli.parse_args(["--resume", out])   # untyped: the run's own
+    assert (s.eval_n, s.save_every) == (4, 1)
 
 
 def test_a_run_with_relative_paths_resumes_from_another_directory(tmp_path, run_train, monkeypatch):
@@ -1231,8 +1254,8 @@ def test_init_from_a_run_saved_before_a_setting_existed(finished_run, tmp_path, 
     meta = json.loads(Path(run, "compressor.json").read_text())
     del meta["config"]["mem_norm"]
     Path(run, "compressor.json").write_text(json.dumps(meta))
-    args, *_ = cli.parse_args(["--init", run, "--method", "aoc", "--out", str(tmp_path / "new")])
-    assert args.mem_norm is None and checkpoint.load(run).cfg.mem_norm is False
+    s = cli.parse_args(["--init", run, "--method", "aoc", "--out", str(tmp_path / "new")])
+    assert s.config.mem_norm is False and checkpoint.load(run).cfg.mem_norm is False
     assert_one_line_error(["--init", run, "--method", "aoc", "--mem-norm", "--out", str(tmp_path / "new")],
                           "was trained with mem_norm=False: drop --mem-norm", capsys, device)
 
