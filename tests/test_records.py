@@ -477,6 +477,9 @@ def main_at_the_levers_end():
 
 # (README, the words around the numbers, one {} each, what the records give: a function of nothing)
 PROSE = [
+    ("README.md", "([its record](recipes/results/first): {} s of training with its {} checks, {} s to evaluate, on",
+     lambda: [(w := record(RESULTS / "first", "wall_time"))["train_s"],
+              sum("eval" in r for r in log_rows(RESULTS / "first")), w["evaluate_s"]]),
     ("README.md", "text at {} bytes a slot (another text's memory: a [{}×](recipes/results/tiny/aoc_mem4) "
                   "higher loss)",
      lambda: [scored(RESULTS / "tiny/aoc_mem4")["tokens_per_slot"]["mean"],      # a ratio: the loss other / own
