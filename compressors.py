@@ -228,7 +228,7 @@ def build_encoder(cfg: CompressorConfig, decoder: Transformer, encoder: Transfor
         if enc.lm_head.weight is not enc.model.embed_tokens.weight:
             # PCC code reads the compressor's hidden states (output_hidden_states), never its logits: an untied
             # lm_head would train nothing and cost 525M fp32 parameters at Llama-3-8B, with gradients and AdamW
-            # states in the plan (issue 45). A tied one is the embedding, which the encoder reads
+            # states in the plan. A tied one is the embedding, which the encoder reads
             enc.lm_head = None
     if cfg.carrier == "kv":
         d, e = decoder.config, enc.config

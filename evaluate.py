@@ -108,7 +108,7 @@ def trained_protocol(ckpt, max_len=None, min_len=None) -> dict:
 
 
 def at_trained_length(comp, examples, proto, n=None):
-    """The texts an ae or lm score reads (ours, issue 37): those of at least the run's --min-len tokens, then the first
+    """The texts an ae or lm score reads (ours): those of at least the run's --min-len tokens, then the first
     n. A run trained on texts of 64 tokens into 16 slots is then scored at 4 tokens per slot, not on the shorter
     held-out texts its memory was never asked to hold (cut to the trained length by texts_as_trained)."""
     if proto.get("min"):
@@ -146,7 +146,7 @@ def texts_as_trained(comp, texts, proto):
 
 def accelerator(device) -> str:
     """The machine a number was measured on, for the record: the GPU's name (torch.cuda.get_device_name), else "cpu"
-    with the processor's name where the platform gives one (ours, issue 37: "H100" in a README names a record)."""
+    with the processor's name where the platform gives one (ours: "H100" in a README names a record)."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -307,7 +307,7 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
 
 def tokens_per_slot(rows):
     """The compression each memory was scored at: the text's tokens over its memory's slots, mean, min and max over
-    the scored texts (ours, issue 37: a "4x" label is checked against this, not against the flags)."""
+    the scored texts (ours: a "4x" label is checked against this, not against the flags)."""
     r = [len(row["reference_ids"]) / row["memory_slots"] for row in rows]
     return {"mean": sum(r) / len(r), "min": min(r), "max": max(r)}
 
