@@ -21,11 +21,13 @@ evaluate.py defaults to bf16 there; the few tests that compare such runs across 
 so and compare within a bf16 tolerance on CUDA only.
 """
 
+import ast
 import copy
 import inspect
 import os
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -61,6 +63,19 @@ def pytest_report_header(config):
 REDUCED_PRECISION = re.compile(r"bf16|bfloat16|float16|autocast")
 
 
+def runs_reduced_precision(source, case="", cases=()):
+    """Whether a test function (its source) runs reduced-precision arithmetic on the CPU in its case (`case`, its
+    parametrization's id, among its function's `cases`): its code names one (its docstring and comments, which
+    may speak of CUDA's bf16 autocast, do not count), and where some of its cases' ids name one, this case's does
+    (FSDP's pcc-bf16, not its fp32 cases)."""
+    tree = ast.parse(textwrap.dedent(source)).body[0]
+    body = tree.body[1:] if ast.get_docstring(tree) is not None else tree.body
+    code = "\n".join(ast.unparse(node) for node in [*tree.decorator_list, *body])
+    if not REDUCED_PRECISION.search(code):
+        return False
+    return not any(REDUCED_PRECISION.search(c) for c in cases) or bool(REDUCED_PRECISION.search(case))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "reduced_precision: the test runs bf16 or fp16 arithmetic (marked at collection "
                             "from its code); .ci/run runs these on AVX2 kernels too")
@@ -89,8 +104,11 @@ def pytest_collection_modifyitems(config, items):
     c = max(2, items per worker // 4)), the rest of the batch and the common queue filling in behind. Without it, one
     batch could hold several of them and one worker end the suite alone. Only the order changes: without xdist, or
     if the scheduler ever batches otherwise, every test still runs."""
-    for item in items:
-        if isinstance(item, pytest.Function) and REDUCED_PRECISION.search(inspect.getsource(item.function)):
+    tests = [item for item in items if isinstance(item, pytest.Function)]
+    for item in tests:
+        cases = [it.callspec.id for it in tests if it.function is item.function and hasattr(it, "callspec")]
+        case = item.callspec.id if hasattr(item, "callspec") else ""
+        if runs_reduced_precision(inspect.getsource(item.function), case, cases):
             item.add_marker(pytest.mark.reduced_precision)
     workers = getattr(config, "workerinput", {}).get("workercount", 1)   # (a worker's own option.dist reads "no")
     if workers < 2:

@@ -216,3 +216,25 @@ def test_tests_readme_opens_with_the_table_from_each_paper_item_to_its_test():
     assert len(cited) >= 30, f"the extractor found only {len(cited)} cited items: its pattern broke"
     problems = table_problems(cited, readme_rows(README.read_text()), has_test)
     assert not problems, "\n".join(problems)
+
+
+# ---- the suite itself: which tests the second CI step runs on AVX2's kernels ----
+
+
+def test_the_reduced_precision_marker_follows_the_arithmetic_not_the_prose():
+    """conftest marks a test `reduced_precision` (run again under AVX2 by .ci/run) when its code, not its docstring
+    or comments, names a reduced precision, and, where its cases' ids name one, in those cases only."""
+    import inspect
+    import test_scale
+    import test_train
+    from conftest import runs_reduced_precision
+    fsdp = inspect.getsource(test_scale.test_fsdp_saves_mid_run_and_trains_and_resumes_as_one_process)
+    cases = list(test_scale.FSDP_RUNS)
+    assert [c for c in cases if runs_reduced_precision(fsdp, c, cases)] == ["pcc-bf16"]
+    frozen = inspect.getsource(test_scale.test_bf16_frozen_weights_train_as_fp32_within_bf16_rounding)
+    assert all(runs_reduced_precision(frozen, m, ["icae", "pcc"]) for m in ("icae", "pcc"))
+    # bf16 named in the docstring only (CUDA's autocast): fp32 on the CPU
+    micro = inspect.getsource(test_train.test_micro_batches_give_the_full_batch_step)
+    assert "bf16" in micro and not runs_reduced_precision(micro, "ae", ["ae", "qa"])
+    prose = 'def test_x():\n    """On CUDA, bf16."""\n    x = 1   # autocast elsewhere\n'
+    assert not runs_reduced_precision(prose) and runs_reduced_precision(prose.replace("x = 1", "x = 'bf16'"))
