@@ -39,10 +39,12 @@ else
   [ "$SMOKE" = 1 ] && EVERY=1
   SEEDS=${SEEDS:-0 1}
   [ "$SMOKE" = 1 ] && SEEDS=0   # CI: one seed (the second runs the same code)
+  LENGTHS=${LENGTHS:-16 32}
+  [ "$SMOKE" = 1 ] && LENGTHS=16   # CI: 1:1 only (2x runs the same lines)
   ARMS=""
   SEED0=$(echo $SEEDS | cut -d' ' -f1)
   for seed in $SEEDS; do
-    for n in 16 32; do
+    for n in $LENGTHS; do
       COMMON=(--mem 16 --max-len $n --batch-size 4 --steps $STEPS --save-every $EVERY --eval-every $EVERY --eval-n ${N:-48} "${HELD_EVAL[@]}" --seed $seed
               "${TRAIN_TEXT[@]}")
       train_arm aoc_n${n}_s$seed --method aoc "${COMMON[@]}"
@@ -59,8 +61,9 @@ else
   eval_arm aocmlp_n16 ae "${HELD_TEXT[@]}" --n ${N:-48}
   diagnose_arm aocmlp_n16 "${HELD_TEXT[@]}"
   by_n() { for seed in $SEEDS; do echo "aoc_n$1_s$seed lora_n$1_s$seed"; done; }
-  $PY recipes/curve.py --out "$OUT" "${HELD_TEXT[@]}" --n ${N:-48} --title "AOC vs LoRA" \
-    --group "m = n = 16" $(by_n 16) aocmlp_n16 --group "2x: n = 32, m = 16" $(by_n 32)
+  groups=(--group "m = n = 16" $(by_n 16) aocmlp_n16)
+  [[ " $LENGTHS " = *" 32 "* ]] && groups+=(--group "2x: n = 32, m = 16" $(by_n 32))
+  $PY recipes/curve.py --out "$OUT" "${HELD_TEXT[@]}" --n ${N:-48} --title "AOC vs LoRA" "${groups[@]}"
   $PY recipes/diagnosis.py --runs "$OUT/aoc_n16_s$SEED0" "$OUT/aocmlp_n16" "$OUT/lora_n16_s$SEED0" \
     "${HELD_TEXT[@]}" --out "$OUT/diagnosis"
   $PY recipes/summarize.py --out "$OUT" --arms $ARMS aocmlp_n16 --curves loss \
@@ -69,7 +72,7 @@ else
     --metric "ROUGE-L (rouge 1.0.1)=ae:scores.compressed.aoc_rougeL" --metric "own/other=ae:loss.own_other_ratio" \
     "${TOKENS_PER_SLOT[@]}" --metric "first step at own/other 0.5=curve:first_at_threshold" \
     --metric "trained encoder parameters=params:" --note "model $MODEL_NAME; own/other along the runs: curve.md, curve.png"
-  for n in 16 32; do
+  for n in $LENGTHS; do
     runs() { for seed in $SEEDS; do echo "$1_n${n}_s$seed"; done; }
     $PY recipes/verdict.py --out "$OUT" --claim "AOC vs its LoRA baseline at n = $n, m = 16" \
       --arm AOC $(runs aoc) --arm LoRA $(runs lora) --expect AOC LoRA \

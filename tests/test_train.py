@@ -115,10 +115,18 @@ def paper_schedule(method):
 
 
 @pytest.mark.parametrize("method", P.METHODS)
-def test_every_method_learns_memories_that_carry_their_own_text(method, tmp_path, run_train, device):
+def test_every_method_learns_memories_that_carry_their_own_text(method, tmp_path, run_train, device, capsys):
+    """Held-out own/other below each method's bound (the comment above). AOC's run is also checked on held-out texts
+    every 100 steps while it trains: no constant-prompt warning (its memory carries; a memory that ignores its text
+    gets one, test_a_constant_memory_gets_the_prompt_warning), and own/other never reached 0.5."""
     flags, max_ratio = RUNS[method]
     out = str(tmp_path / method)
-    run_train(["--method", method, "--model", "tiny", "--out", out, *WINDOWS, *flags, *paper_schedule(method)])
+    checks = ["--eval-every", "100"] if method == "aoc" else []
+    run_train(["--method", method, "--model", "tiny", "--out", out, *WINDOWS, *flags, *paper_schedule(method), *checks])
+    if checks:
+        text = capsys.readouterr().out
+        assert "warning" not in text and "never <= 0.5 within 300 steps" in text
+        assert [r["step"] for r in eval_rows(out)] == [0, 100, 200, 300] and eval_rows(out)[-1]["eval"]["own_other"] < 0.95
     losses = [r["loss"] for r in log_rows(out)]
     assert len(losses) == 300 and sum(losses[-10:]) / 10 < 0.9 * losses[0]
     comp = checkpoint.load(out, device=device).eval()
@@ -578,19 +586,12 @@ def test_held_out_check_does_not_touch_training(held_texts, tmp_path, run_train)
     assert [r["step"] for r in eval_rows(tmp_path / "on")] == [0, 2, 4, 6]
 
 
-def test_a_constant_memory_gets_the_prompt_warning_and_a_carrying_one_does_not(tmp_path, run_train, monkeypatch,
-                                                                              capsys):
+def test_a_constant_memory_gets_the_prompt_warning(tmp_path, run_train, monkeypatch, capsys):
     """A memory that is the same for every text (every context replaced by one fixed text before compressing)
-    scores own/other 1.0 and the run warns once; AOC on tiny carries its text within 300 steps (the run of
-    test_every_method_learns_memories_that_carry_their_own_text: 0.70-0.88 over seeds and devices) and the run does
-    not warn. Both print where own/other first reached 0.5, or that it never did."""
+    scores own/other 1.0 and the run warns once, and prints that own/other never reached 0.5. (A memory that carries
+    its text gets no warning: AOC's run in test_every_method_learns_memories_that_carry_their_own_text.)"""
     base = ["--method", "aoc", "--mem", "16", "--model", "tiny", "--max-len", "16", "--warmup", "10",
             *paper_schedule("aoc")]
-    run_train(base + ["--lr", "1e-2", "--batch-size", "8", "--steps", "300", "--eval-every", "100",
-                      "--out", str(tmp_path / "carries")])
-    text = capsys.readouterr().out
-    ratios = [r["eval"]["own_other"] for r in eval_rows(tmp_path / "carries")]
-    assert ratios[-1] < 0.95 and "warning" not in text and "never <= 0.5 within 300 steps" in text
     compress = C.Compressor.compress
     monkeypatch.setattr(C.Compressor, "compress", lambda self, contexts, **kw: compress(
         self, [[65] * 8] * len(contexts), **kw))   # one memory for every text: that of "AAAAAAAA"
