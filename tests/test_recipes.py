@@ -42,9 +42,10 @@ def run_recipe(paper, out, hide_matplotlib, expect_ok=True, **extra_env):
 # then run again over its records without their weights.
 DRAWS_FIGURES = "gmsa"
 # each SMOKE test's cost, in seconds at load ~8 on the 2-core machine (`pytest -n 2 --durations`; the ladder's includes
-# its two runs over its records; the ladder's and pic's scaled down by the CPU time their SMOKE runs measured after
-# the ladder kept one preset per carrier, pic 8 held-out texts and aoc its 1:1 length): conftest.py starts them first, spread over the
-# pytest-xdist workers by these weights, so that no worker is left to end the suite alone on several of them
+# its two runs over its records; the ladder's, pic's and aoc's scaled down by the CPU time their SMOKE runs measured
+# after the ladder kept one preset per carrier, pic 8 held-out texts and aoc its 1:1 length): conftest.py starts
+# them first, spread over the pytest-xdist workers by these weights, so that no worker is left to end the suite
+# alone on several of them
 SMOKE_SECONDS = {"ladder": 340, "aoc": 250, "epl": 215, "pic": 150, "compllm": 175, "gmsa": 140}
 
 
