@@ -158,8 +158,12 @@ def loop(run: Run, comp, step_module, opt, params, corpus: data.Corpus, check, l
         if check and run.master and run.start == 0:
             held_out(run, comp, check, log, 0)   # at init: what an untrained memory carries
         for step in range(run.start, end):
+            t0 = time.time()
             lr = lr_at(step, run.lr, run.warmup, run.steps, run.schedule)   # set by hand: a function of the step
-            row = train_step(run, comp, step_module, opt, params, corpus, lr, step, stop)
+            batches = micro_batches(run, comp, corpus, step)   # this process's share of the step's examples
+            row = train_step(run, step_module, opt, params, batches, lr, step, stop)
+            dt = time.time() - t0   # the whole step, its examples drawn included
+            row.update(dt=dt, tokens_per_s=row["tokens"] / dt)
             if run.master:
                 write_log(log, bar, row, run.steps, check and check.last)
             done = step + 1
@@ -202,13 +206,12 @@ def lr_at(step, lr, warmup, steps, schedule):
     return lr * ((1 - done) if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * done)))
 
 
-def train_step(run: Run, comp, step_module, opt, params, corpus: data.Corpus, lr: float, step: int, stop: dict) -> dict:
-    """One optimizer step at learning rate `lr`: forward and backward over this process's micro-batches, clip,
-    step. Returns the step's log row, with "stop" when any process was asked to stop (by now)."""
-    t0 = time.time()
+def train_step(run: Run, step_module, opt, params, batches: list, lr: float, step: int, stop: dict) -> dict:
+    """One optimizer step at learning rate `lr`: forward and backward over this process's micro-batches
+    (`batches`, micro_batches), clip, step. Returns the step's log row, with "stop" when any process was asked to
+    stop (by now)."""
     for group in opt.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)   # --mem-lr's group runs at its own peak
-    batches = micro_batches(run, comp, corpus, step)
     with step_guard(run, step, batches):
         sums = 0.0   # the loss and its parts, added up on the device in fp64 (as Python adds floats): read once
         for m, batch in enumerate(batches):
@@ -236,10 +239,9 @@ def train_step(run: Run, comp, step_module, opt, params, corpus: data.Corpus, lr
     opt.step()
     opt.zero_grad(set_to_none=True)
     if run.device.type == "cuda":
-        torch.cuda.synchronize()     # dt measures the step, not just its kernel launches
-    dt = time.time() - t0
-    return dict(step=step + 1, loss=total, lr=lr, grad_norm=grad_norm, dt=dt, tokens_per_s=tokens / dt,
-                tokens=int(tokens), **dict(zip(names, parts)), stop=bool(stopping))
+        torch.cuda.synchronize()     # the loop's dt measures the step, not just its kernel launches
+    return dict(step=step + 1, loss=total, lr=lr, grad_norm=grad_norm, tokens=int(tokens),
+                **dict(zip(names, parts)), stop=bool(stopping))
 
 
 def micro_batches(run: Run, comp, corpus: data.Corpus, step: int) -> list:

@@ -15,7 +15,7 @@ training step of the preset runs (train.main with the tiny demo's settings, one 
 data, the step, the checkpoint). The last column is the whole run that step sits in (whole_run): the distinct
 functions of the project, and the files they are in, that `python train.py --method METHOD --steps 1 --eval-every 0`
 calls, settings, build, data, step and save. The last column follows one training step of that run (step_path:
-train.train_step, from drawing its batch to the optimizer step): the project functions in the order first called,
+train.train_step: forward, backward, clip and the optimizer step over the micro-batches the loop drew): the project functions in the order first called,
 and how often that order turns from one file to another.
 
     python tests/reading_guide.py --step METHOD   # that order, function by function
