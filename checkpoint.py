@@ -33,7 +33,7 @@ from presets import CompressorConfig, validate
 
 def trained_state(comp: compressors.Compressor) -> dict:
     """The tensors a checkpoint holds (saved), by name."""
-    return {n: p.detach().contiguous() for n, p in comp.named_parameters() if compressors.saved(comp.cfg, n)}
+    return {n: p.detach().contiguous() for n, p in comp.named_parameters() if compressors.is_saved(comp.cfg, n)}
 
 
 def save(comp: compressors.Compressor, out_dir: str, extra: dict | None = None, state: dict | None = None):
@@ -58,7 +58,7 @@ def load_trained(comp: compressors.Compressor, state: dict, saved_under: Compres
     """Load exactly the tensors `save` wrote; list whatever is missing, unexpected or misshapen. saved_under: the config
     they were saved under, when it is not the compressor's (GMSA's KEFT starts from a stage-1 run, which holds no
     decoder q/k/v: those are the base model's)."""
-    own = {n: p for n, p in comp.named_parameters() if compressors.saved(saved_under or comp.cfg, n)}
+    own = {n: p for n, p in comp.named_parameters() if compressors.is_saved(saved_under or comp.cfg, n)}
     if comp.encoder.lm_head is None:   # accepts encoder.lm_head.* (a head this PCC/PIC encoder lacks): dropped
         state = {n: t for n, t in state.items() if not n.startswith("encoder.lm_head.")}
     # accepts GMSA's LSA blocks named `lsa.*` as well as `bridge.lsa.*` (the bridge module's names)

@@ -31,6 +31,13 @@ One interface for every method (train.py and evaluate.py use nothing else):
     loss, n = comp.lm_loss(memory, "ae", follow)      # AE / LM / QA cross-entropy on the decoder
     ids = comp.generate(memory, "ae", max_new_tokens=...)   # a batch, one list of ids per sample
 
+Notation, one name per thing: `mem`, the config's memory budget (slots per chunk; CompLLM's `ratio` C and GMSA's
+`ratios` r set it per token instead); `slots`, a text's memory slots per chunk (Memory.slots; slots_for(n), an
+n-token chunk's), which positions.py and masks.py take as `num_mem` (the public name SPEC.md fixes); `M`, their
+tensor dimension ([B, M, d]; a K/V prefix of P rows); an *index*, a position in a decoder row (next_token_targets,
+follow_index), apart from a position ID (positions.py); "ae", autoencoding: the objective, the task and GMSA's
+first stage (PIC's TR).
+
 Chunks are always separate rows of one batched encoder forward. That *is* the block-diagonal
 `masks.segments` mask (no chunk can see another), computed at linear cost instead of on one long
 sequence with a dense mask; tests/test_compressors.py checks the two agree.
@@ -70,11 +77,11 @@ class Memory:
     kv: list | None                 # carrier "kv": per decoder layer (k, v), each [B, Hkv, M, D], RoPE applied
     valid: torch.Tensor             # [B, M] bool; False = padding (samples compress to different sizes)
     chunk_lens: list                # per sample, context tokens in each chunk
-    mem_counts: list                # per sample, memory slots of each chunk
+    slots: list                     # per sample, memory slots of each chunk
 
     def lerp(self, other: "Memory", w: float) -> "Memory":
         """AOC Eq. (5): Z = Z0 + w (Z1 - Z0), on every tensor the decoder reads."""
-        if self.mem_counts != other.mem_counts:
+        if self.slots != other.slots:
             raise ValueError("can only interpolate memories of the same shape (same number of memory slots)")
         mix = lambda a, b: torch.lerp(a, b, w)   # exact at w = 0 and w = 1
         return replace(self, embeds=None if self.embeds is None else mix(self.embeds, other.embeds),
@@ -94,7 +101,7 @@ class Chunk(NamedTuple):
 class DecoderBatch(dict):
     """The decoder's keyword inputs, `decoder(**batch)`: inputs_embeds (B, T, d), position_ids (B, T), attn_mask
     (B, T, P+T) or None, past_kv or None. And, as an attribute, `supervised`: where the loss is taken, one
-    (flat slot b*T + t, the token it predicts) per supervised prediction, as Python numbers, so that no step ever
+    (flat index b*T + t, the token it predicts) per supervised prediction, as Python numbers, so that no step ever
     waits for the GPU to say where (Compressor.decoder_batch sets it)."""
 
 
@@ -121,7 +128,7 @@ class Embeds:
     @staticmethod
     def decoder_rows(comp, memory: Memory, b: int) -> list:
         """Sample b's memory as decoder input rows, chunk after chunk: a list of (m, d_dec) pieces."""
-        counts = memory.mem_counts[b]
+        counts = memory.slots[b]
         blocks = torch.split(memory.embeds[b, :sum(counts)], counts)
         if not comp.cfg.delimiters:
             return list(blocks)
@@ -329,9 +336,9 @@ def special_token(cfg: CompressorConfig, task: str) -> str:
 
 
 def next_token_targets(ids: list, n_supervised: int, first: int) -> list:
-    """The one target rule of every decoder input: the slot before a supervised token predicts it (next-token
-    prediction). ids: the follow tokens, ids[t] in slot first + t; the last n_supervised of them are supervised, except
-    one in slot 0, which no slot precedes. Returns [(slot, token)], in slot order."""
+    """The one target rule of every decoder input: the input before a supervised token predicts it (next-token
+    prediction). ids: the follow tokens, ids[t] at input index first + t; the last n_supervised of them are supervised,
+    except one at index 0, which no input precedes. Returns [(index, token)], in index order."""
     return [(first + t - 1, ids[t]) for t in range(len(ids) - n_supervised, len(ids)) if first + t - 1 >= 0]
 
 
@@ -350,7 +357,7 @@ def sentence_segments(ids: list, S: int, ends_sentence) -> list:
     return segments
 
 
-def saved(cfg: CompressorConfig, name: str) -> bool:
+def is_saved(cfg: CompressorConfig, name: str) -> bool:
     """Whether a checkpoint holds the tensor `name`: exactly what is not rebuilt from the base model(s), i.e.
     everything of the compressor's own (memory and special tokens, bridge, LSA blocks, a fully trained encoder),
     the LoRA matrices of a LoRA'd encoder (its base weights are the LLM's), and the decoder's q/k/v after KEFT.
@@ -383,8 +390,8 @@ class Compressor(nn.Module):
         # memory source: learned memory tokens, shared by every chunk (ICAE §3.1; AOC Eq. 2 "Y_m")
         self.mem_tokens = None
         if cfg.source == "mem_tokens":
-            n_mem = cfg.mem if cfg.ratio <= 0 else cfg.chunk_len   # ratio mode: at most one per token
-            self.mem_tokens = nn.Parameter(draw(cfg.mem_init, n_mem, self.encoder))
+            n_tokens = cfg.mem if cfg.ratio <= 0 else cfg.chunk_len   # ratio mode: at most one per token
+            self.mem_tokens = nn.Parameter(draw(cfg.mem_init, n_tokens, self.encoder))
         # the encoder's padding id (0 for a tokenizer without one: padded slots are masked, any id will do)
         self.enc_pad_id = self.enc_tok.pad_id if self.enc_tok.pad_id is not None else 0
         # the id in each memory slot of the encoder input: CompLLM §3's EOS, else padding that the memory tokens
@@ -409,10 +416,11 @@ class Compressor(nn.Module):
         self.context_bos, self.target_bos = ([self.enc_tok.start_id], [self.tok.start_id]) if cfg.bos else ([], [])
         # ... and the delimiters' leading BOS (PCC code): every decoder input starts [BOS] <mem> m.. </mem>
         self.decoder_bos = [self.tok.start_id] if cfg.delimiters else []
-        # per task, the slot of follow[0] in a decoder row with no prefix (follow_slot; an embeds memory counts as its
-        # first row, all that matters there: whether any slot precedes follow[0]). Fixed here, a plain number, so that
-        # a step's examples count the tokens their loss supervises (data.supervised_tokens) without calling back here
-        self.follow_start = {t: self.follow_slot(t, len(self.decoder_bos), cfg.carrier == "embeds") for t in TASKS}
+        # per task, the index of follow[0] in a decoder row with no prefix (follow_index; an embeds memory counts as
+        # its first row, all that matters there: whether any input precedes follow[0]). Fixed here, a plain number,
+        # so that a step's examples count the tokens their loss supervises (data.supervised_tokens) without calling
+        # back here
+        self.follow_start = {t: self.follow_index(t, len(self.decoder_bos), cfg.carrier == "embeds") for t in TASKS}
         self._sentence_end = {}   # token id -> ends a sentence? (CompLLM segmentation cache)
         if cfg.decoder_train == "keft":
             self.set_stage("keft")
@@ -471,8 +479,8 @@ class Compressor(nn.Module):
         Each piece is tokenised on its own and the ids concatenated, as EPL's code does."""
         prefix, ctx, prompt = self.template()
 
-        def pieces(fmt, slot, value, tok):   # "### Context:\n{context}" -> ids("### Context:\n") + ids(context)
-            before, _, after = fmt.partition(slot)
+        def pieces(fmt, field, value, tok):   # "### Context:\n{context}" -> ids("### Context:\n") + ids(context)
+            before, _, after = fmt.partition(field)
             return sum((tok.encode(s) for s in (before, value, after) if s), [])
         return dict(prefix=self.tok.encode(prefix) if prefix else [],
                     dec_context=pieces(ctx, "{context}", context, self.tok),
@@ -503,7 +511,7 @@ class Compressor(nn.Module):
             self._sentence_end[t] = self.enc_tok.decode([t]).rstrip(" ").endswith((".", "!", "?", "\n"))
         return self._sentence_end[t]
 
-    def num_mem(self, n: int) -> int:
+    def slots_for(self, n: int) -> int:
         """Memory slots for a chunk of n tokens: ceil(n / ratio) (CompLLM's ceil(n/C)), or the fixed --mem budget,
         also for a short last chunk (EPL, PCC, AOC code); cap_mem (ours) gives a short chunk at most n slots."""
         if self.cfg.ratio > 0:
@@ -534,7 +542,7 @@ class Compressor(nn.Module):
         contexts = [self.context_bos + list(c) for c in contexts]
         if self.cfg.source == "group_mean":
             return self._compress_merge(contexts, ratios)
-        rows = self._chunk_rows(contexts, lambda b, n: self.num_mem(n))
+        rows = self._chunk_rows(contexts, lambda b, n: self.slots_for(n))
         parts = self._encode(rows) if cache is None else self._encode_cached(rows, cache)
         return self._gather(rows, parts, self.carrier)
 
@@ -594,7 +602,7 @@ class Compressor(nn.Module):
         padded = [torch.stack([pad_to(torch.cat([part[i] for _, part in s])) for s in per_sample])
                   for i in range(len(parts[0]))]
         return Memory(**carrier.memory(self, padded, valid), valid=valid.to(self.device), chunk_lens=chunk_lens,
-                      mem_counts=counts)
+                      slots=counts)
 
     def _compress_merge(self, contexts: list, ratios: list | None) -> Memory:
         """GMSA §3.2: encode with the first k layers, mean-pool consecutive groups of r hidden states."""
@@ -659,32 +667,32 @@ class Compressor(nn.Module):
             x = ([embed_ids(before)] if before else []) + mem_rows
             x += [special[None].to(embed.weight.dtype)] if special is not None else []
             rows.append(torch.cat(x + [embed_ids(ids)]))                                  # (n_b, d)
-            first = self.follow_slot(task, len(before), sum(len(r) for r in mem_rows))   # the slot of follow[0]
+            first = self.follow_index(task, len(before), sum(len(r) for r in mem_rows))   # the index of follow[0]
             targets.append(next_token_targets(ids, len(ids) if n_supervised is None else n_supervised[b], first))
             # EPL §3.2 / Tables 13-15: DPL numbers the inputs physically (after the k|M| cached slots of the KV
             # carrier); EPL (CPL) keeps the memory at its encoder positions, [AE] at 0 or [LM] at p, the text after
             pos.append(positions.decoder_inputs(cfg.layout, cfg.carrier, task, memory.chunk_lens[b],
-                                                memory.mem_counts[b], sum(memory.chunk_lens[b]), len(ids),
+                                                memory.slots[b], sum(memory.chunk_lens[b]), len(ids),
                                                 span=self.nominal_len, n_prefix=len(before) - len(self.decoder_bos),
                                                 delimiters=cfg.delimiters, special=special is not None))
         T = max(len(r) for r in rows)
-        shift = [T - len(r) if left_pad else 0 for r in rows]        # left padding moves row b's slots by shift[b]
+        shift = [T - len(r) if left_pad else 0 for r in rows]        # left padding moves row b's inputs by shift[b]
         x = torch.stack([F.pad(r, (0, 0, shift[b], T - len(r) - shift[b])) for b, r in enumerate(rows)])  # (B, T, d)
         pos = torch.tensor([[0] * shift[b] + p + [0] * (T - len(p) - shift[b]) for b, p in enumerate(pos)],
                            device=dev)                                                    # (B, T)
         valid = [[False] * shift[b] + [True] * len(r) + [False] * (T - len(r) - shift[b]) for b, r in enumerate(rows)]
         if P:
-            valid = [[j < sum(memory.mem_counts[b]) for j in range(P)] + v for b, v in enumerate(valid)]
+            valid = [[j < sum(memory.slots[b]) for j in range(P)] + v for b, v in enumerate(valid)]
         # nothing padded: the mask is the model's default (prefix + causal), and passing None lets SDPA use its fused
         # causal kernel instead of the dense-mask one; else built on the host, moved once
         attn_mask = None if all(all(v) for v in valid) else \
             masks.with_padding(masks.with_prefix(masks.causal(T), P), torch.tensor(valid)).to(dev)
         batch = DecoderBatch(inputs_embeds=x, position_ids=pos, attn_mask=attn_mask, past_kv=past_kv)
-        batch.supervised = [(b * T + shift[b] + slot, token) for b, row in enumerate(targets) for slot, token in row]
+        batch.supervised = [(b * T + shift[b] + i, token) for b, row in enumerate(targets) for i, token in row]
         return batch
 
     def _supervised(self, memory, task, follow, n_supervised, last_tokens, prefix):
-        """The decoder's final hidden states at the slots that predict a supervised token, and those tokens:
+        """The decoder's final hidden states at the inputs that predict a supervised token, and those tokens:
         (h (N, d), targets (N,), row of each (N,)). Logits are never made for every position: B*T*vocab would
         dwarf everything else."""
         with self.decoding():   # the frozen LLM: its inputs (embeddings) and its forward
@@ -706,11 +714,11 @@ class Compressor(nn.Module):
         # in chunks of positions, each chunk's fp32 logits recomputed in backward instead of kept (model.py)
         return chunked_cross_entropy(h, self.decoder.lm_head, tgt) / (normalize_by or max(len(tgt), 1)), len(tgt)
 
-    def follow_slot(self, task: str, n_before: int, n_memory: int) -> int:
+    def follow_index(self, task: str, n_before: int, n_memory: int) -> int:
         """The decoder row layout, one rule for decoder_batch and follow_start: the ids before the memory
         (n_before: PCC's delimiter [BOS], a chat template's prefix), the memory's rows in the input (n_memory, its
         delimiters included; a K/V memory has none there, it is the cache), the special token (special_token), then
-        the follow tokens. Returns the slot of follow[0]."""
+        the follow tokens. Returns the index of follow[0] in the row."""
         return n_before + n_memory + (special_token(self.cfg, task) != "none")
 
     @torch.no_grad()
@@ -754,8 +762,8 @@ class Compressor(nn.Module):
         T = batch["inputs_embeds"].shape[1]
         loss = 0.0
         for b, a in enumerate(answers):
-            at_t = slice(len(rows[b]) - len(a), len(rows[b]))      # the answer's own slots in the teacher ...
-            # ... and in the student: the slot after each one that predicts an answer token (right-padded rows)
+            at_t = slice(len(rows[b]) - len(a), len(rows[b]))      # the answer's own inputs in the teacher ...
+            # ... and in the student: the input after each one that predicts an answer token (right-padded rows)
             first = min(i for i, _ in batch.supervised if i // T == b) % T + 1
             at_s = slice(first, first + len(a))
             example = 0.0
@@ -787,13 +795,13 @@ class Compressor(nn.Module):
     def set_dtypes(self, frozen: torch.dtype) -> "Compressor":
         """The training precision: every tensor that trains, or that a checkpoint holds (the compressor's own, even
         when frozen: PCC's delimiters, GMSA's stage-1 tensors under KEFT), in fp32, AdamW's master weights; every
-        frozen tensor of the base LLM(s) (`saved` is False: rebuilt from the checkpoint) in `frozen`. bf16 there is
+        frozen tensor of the base LLM(s) (`is_saved` is False: rebuilt from the checkpoint) in `frozen`. bf16 there is
         the dtype the EPL and AOC code train their frozen LLM in, and halves its memory (train.py --frozen-dtype).
         A tensor shared by two names (tied embeddings, an encoder embedding with the decoder's table) is one
         Parameter: it takes the dtype of its first name, the decoder's. Called after set_stage (KEFT unfreezes the
         decoder's q/k/v: fp32 from then on) and before checkpoint.load_trained (so trained tensors load unrounded)."""
         for name, p in self.named_parameters():
-            want = torch.float32 if p.requires_grad or saved(self.cfg, name) else frozen
+            want = torch.float32 if p.requires_grad or is_saved(self.cfg, name) else frozen
             if p.dtype != want:
                 p.data = p.data.to(want)   # in place of the tensor: every module holding p sees the new dtype
         return self

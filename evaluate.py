@@ -161,10 +161,11 @@ def batches(items, size):
 # ---- running the compressor and the plain LLM ----
 
 
-def compress(comp, contexts, ratio=None, cache=None):
-    """comp.compress with a fixed compression ratio for group merging: GMSA samples r per example while training
-    (§4.1); an evaluation must be repeatable, so it uses --ratio, else the first of the preset's ratios (4x)."""
-    ratios = [ratio or comp.cfg.ratios[0]] * len(contexts) if comp.cfg.source == "group_mean" else None
+def compress(comp, contexts, group_size=None, cache=None):
+    """comp.compress with a fixed group size for group merging (GMSA's compression ratio r): GMSA samples r per
+    example while training (§4.1); an evaluation must be repeatable, so it uses --ratio (group_size), else the first
+    of the preset's ratios (4x)."""
+    ratios = [group_size or comp.cfg.ratios[0]] * len(contexts) if comp.cfg.source == "group_mean" else None
     return comp.compress(contexts, ratios=ratios, cache=cache)
 
 
@@ -253,10 +254,10 @@ def derangement(n, k=1):
     return [nxt(i) + min(i % k, n - nxt(i) - 1) for i in range(n)]
 
 
-def memory_nll(comp, task, enc, follow, ratio=None, cache=None, **nll_args):
+def memory_nll(comp, task, enc, follow, group_size=None, cache=None, **nll_args):
     """Compress `enc` (encoder ids per row) and score `follow` after that memory, teacher-forced (comp.nll): (memory,
     per row (summed NLL, tokens)). The own and the other memory of the own/other test both go through it."""
-    memory = compress(comp, enc, ratio, cache=cache)
+    memory = compress(comp, enc, group_size, cache=cache)
     return memory, list(zip(*comp.nll(memory, task, follow, **nll_args)))
 
 
@@ -265,7 +266,7 @@ def memory_nll(comp, task, enc, follow, ratio=None, cache=None, **nll_args):
 
 
 @torch.no_grad()
-def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=None, generate=True,
+def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, group_size=None, generate=True,
            modes=("compressed", "full", "none")):
     """Reconstruction: compress each text, regenerate it greedily from its memory (ICAE's AE task, AOC §3, EPL Table
     6), in batches. Default budget: the compressed length for a head-cropped checkpoint (AOC code: n; after
@@ -283,9 +284,10 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
         n_new = max_new_tokens or (len(xs[0]) if proto["crop"] == "head" else max(len(r) for r in refs) + 8)
         # targets: the AE target (comp.ae_target); the loss counts the text and its EOS, not a leading [BOS]
         follow, n_text = [comp.ae_target(x) for x in xs], [len(x) + 1 for x in xs]
-        own, nll_own = memory_nll(comp, "ae", [comp.encoder_ids(x) for x in xs], follow, ratio, n_supervised=n_text)
+        own, nll_own = memory_nll(comp, "ae", [comp.encoder_ids(x) for x in xs], follow, group_size,
+                                  n_supervised=n_text)
         nll_other = other and memory_nll(comp, "ae", [comp.encoder_ids(pairs[other[i]][0]) for i in idx], follow,
-                                         ratio, n_supervised=n_text)[1]
+                                         group_size, n_supervised=n_text)[1]
         nll_none = plain.nll([[tok.start_id]] * len(xs), [x + [tok.eos_id] for x in xs])
         regenerate = {"compressed": lambda: comp.generate(own, "ae", max_new_tokens=n_new),
                       "full": lambda: plain.generate([[tok.start_id] + x + tok.encode(SEP) for x in xs], n_new),
@@ -293,7 +295,7 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, ratio=
         outs = {mode: regenerate[mode]() for mode in modes} if generate else {}
         for j, i in enumerate(idx):
             row = {"text": examples[i]["text"], "reference": tok.decode(refs[j]), "reference_ids": refs[j],
-                   "memory_slots": sum(own.mem_counts[j]),
+                   "memory_slots": sum(own.slots[j]),
                    "loss": {"own": nll_own[j], "other": other and nll_other[j], "none": nll_none[j]}}
             for mode, gen in outs.items():
                 ids = gen[j]
@@ -313,7 +315,7 @@ def tokens_per_slot(rows):
 
 
 @torch.no_grad()
-def run_lm(comp, examples, batch_size=8, ratio=None, max_len=None):
+def run_lm(comp, examples, batch_size=8, group_size=None, max_len=None):
     """Completion: cut each text at p = ⌊|X|/2⌋ (EPL §4.1; at least 1, as train.py cuts), compress the first half and
     score the second half and EOS (the LM target of the EPL and PCC code) given that memory (PIC Eq. 7, EPL Table 4),
     the memory of another text's first half, the full first half, or nothing. Perplexity is exp(Σ NLL / Σ tokens) over
@@ -332,14 +334,14 @@ def run_lm(comp, examples, batch_size=8, ratio=None, max_len=None):
     for idx in tqdm(batches(list(range(len(cuts))), batch_size), desc="lm", leave=False):
         ctx, cont = [cuts[i][0] for i in idx], [cuts[i][1] for i in idx]
         # the decoder reads each memory with the last token of the text it compressed (the LM token, comp.nll)
-        lm_nll = lambda cs: memory_nll(comp, "lm", [comp.encoder_ids(c) for c in cs], cont, ratio,
+        lm_nll = lambda cs: memory_nll(comp, "lm", [comp.encoder_ids(c) for c in cs], cont, group_size,
                                        last_tokens=[c[-1] for c in cs])
         own, nll_own = lm_nll(ctx)
         nll_other = other and lm_nll([cuts[other[i]][0] for i in idx])[1]
         nlls = {"compressed": nll_own, "full": plain.nll([[tok.start_id] + c for c in ctx], cont),
                 "none": plain.nll([[tok.start_id]] * len(idx), cont)}
         for j, i in enumerate(idx):
-            row = {"text": examples[i]["text"], "context_tokens": len(ctx[j]), "memory_slots": sum(own.mem_counts[j]),
+            row = {"text": examples[i]["text"], "context_tokens": len(ctx[j]), "memory_slots": sum(own.slots[j]),
                    "loss": {"own": nll_own[j], "other": other and nll_other[j], "none": nlls["none"][j]}}
             for mode in MODES:
                 nll, n = nlls[mode][j]
@@ -369,7 +371,7 @@ def concatenated(examples, k):
 
 
 @torch.no_grad()
-def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat=1, reuse=True, max_len=None,
+def run_qa(comp, examples, max_new_tokens=None, batch_size=8, group_size=None, concat=1, reuse=True, max_len=None,
            generate=True, score=qa_scores, losses=True):
     """Answer from memory + question (PIC/PCC SQuAD, EPL, CompLLM, GMSA KEFT), with the checkpoint's template
     (Compressor.qa_parts) in all three rows. The whole generation up to EOS is scored, as the papers' scripts do, by
@@ -398,18 +400,18 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, ratio=None, concat
         full = [lead + p["prefix"] + p["dec_context"] + p["prompt"] for p in ps]    # the plain LLM's prompts
         none = [lead + p["prefix"] + p["prompt"] for p in ps]
         follow, n_ans = [q + a for q, a in zip(prompt, ans)], [len(a) for a in ans]
-        memory = compress(comp, [p["enc_context"] for p in ps], ratio, cache=cache)
+        memory = compress(comp, [p["enc_context"] for p in ps], group_size, cache=cache)
         if losses:
             nll_own = list(zip(*comp.nll(memory, "qa", follow, n_ans, prefix=prefix)))
-            nll_other = other and memory_nll(comp, "qa", [parts[other[i]]["enc_context"] for i in idx], follow, ratio,
-                                             cache, n_supervised=n_ans, prefix=prefix)[1]
+            nll_other = other and memory_nll(comp, "qa", [parts[other[i]]["enc_context"] for i in idx], follow,
+                                             group_size, cache, n_supervised=n_ans, prefix=prefix)[1]
             nll_none, nll_full = plain.nll(none, ans), plain.nll(full, ans)
         outs = {"compressed": comp.generate(memory, "qa", prompt=prompt, max_new_tokens=n_new, prefix=prefix),
                 "full": plain.generate(full, n_new), "none": plain.generate(none, n_new)} if generate else {}
         for j, i in enumerate(idx):
             ex = examples[i]
             row = {"context": ex["context"], "question": ex["question"], "answer": ex["answer"],
-                   "memory_slots": sum(memory.mem_counts[j])}
+                   "memory_slots": sum(memory.slots[j])}
             if losses:
                 row["loss"] = {"own": nll_own[j], "other": other and nll_other[j], "none": nll_none[j],
                                "full": nll_full[j]}
@@ -473,7 +475,7 @@ def run_interpolate(comp, text0, text1, weights, max_new_tokens=None, proto=None
     tok = comp.tok
     (x0, ids0), (x1, ids1) = texts_as_trained(comp, [text0, text1], proto or protocol())
     z0, z1 = compress(comp, [comp.encoder_ids(x0)]), compress(comp, [comp.encoder_ids(x1)])
-    m0, m1 = sum(z0.mem_counts[0]), sum(z1.mem_counts[0])
+    m0, m1 = sum(z0.slots[0]), sum(z1.slots[0])
     if m0 != m1:
         raise ValueError(f"interpolate needs two memories of the same size: text0 compresses to {m0} slots and "
                          f"text1 to {m1} ({comp.cfg.method} sizes memory by length): pick texts of equal length")
@@ -536,7 +538,7 @@ def encoder_attention(comp, enc_ids):
     # the probabilities SDPA applied in each layer, averaged over heads, then over layers
     probs = sum(attn.weights(x, cos, sin, mask).mean(1) for attn, x, cos, sin, mask in calls) / len(calls)  # (R, T, T)
     # one encoder row per chunk, laid out [chunk (n), memory (m), padding]: gather memory -> context
-    lens, counts = memory.chunk_lens[0], memory.mem_counts[0]
+    lens, counts = memory.chunk_lens[0], memory.slots[0]
     out = torch.zeros(sum(counts), sum(lens))
     row0 = col0 = 0
     for r, (n, m) in enumerate(zip(lens, counts)):
@@ -661,7 +663,7 @@ def needle_grid(rows, lengths):
 
 
 @torch.no_grad()
-def run_needle(comp, examples, lengths=None, n=None, seed=0, max_new_tokens=None, batch_size=8, ratio=None,
+def run_needle(comp, examples, lengths=None, n=None, seed=0, max_new_tokens=None, batch_size=8, group_size=None,
                png=None):
     """Passkey retrieval at each depth x length, scored in the three rows of run_qa (without its losses, which need a
     reference answer shared by the rows). Lengths count the context's tokens, needle included; the plain LLM's prompt
@@ -675,7 +677,7 @@ def run_needle(comp, examples, lengths=None, n=None, seed=0, max_new_tokens=None
         raise ValueError(f"--lengths {max(lengths)} is beyond the model's {max_pos} positions (with the template, "
                          f"question and answer, {extra} tokens): use lengths up to {max_pos - extra}")
     samples = needle_examples(comp.tok, [ex["text"] for ex in examples], lengths, n or NEEDLE_N, seed)
-    result = run_qa(comp, samples, n_new, batch_size, ratio, reuse=False, score=passkey_score, losses=False)
+    result = run_qa(comp, samples, n_new, batch_size, group_size, reuse=False, score=passkey_score, losses=False)
     for row, sample in zip(result["examples"], samples):   # run_qa keeps the order: add where each needle landed
         row.update((k, sample[k]) for k in ("length", "depth", "context_tokens", "needle_at", "landed_depth"))
     result.update(seed=seed, n=n or NEEDLE_N, depths=list(DEPTHS), lengths=lengths,

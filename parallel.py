@@ -39,7 +39,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from checkpoint import trained_state
-from compressors import blocks, saved
+from compressors import blocks, is_saved
 
 
 def under_torchrun() -> bool:
@@ -142,7 +142,7 @@ def shard(comp, step_fn, device, bf16):
     on every rank.)"""
     with torch.no_grad():
         for name, p in comp.named_parameters():
-            if p.requires_grad or saved(comp.cfg, name):
+            if p.requires_grad or is_saved(comp.cfg, name):
                 dist.broadcast(p.data, src=0)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # bf16 runs: the blocks' weights gathered in bf16, gradients reduced in fp32 (what autocast computes). Inputs are

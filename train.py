@@ -172,7 +172,7 @@ def loop(run: Run, comp, step_module, opt, params, corpus: data.Corpus, check, l
             # save on schedule, at the end of this job, or when asked to stop: never after a bad step (train_step)
             if row["stop"] or done == end or done % run.save_every == 0 or (run.keep_every and
                                                                             done % run.keep_every == 0):
-                save(run, comp, opt, corpus, done, write)
+                save_run(run, comp, opt, corpus, done, write)
             if row["stop"]:
                 end = done
                 if run.master:
@@ -332,7 +332,7 @@ def loss_distill(comp, batch: data.Batch):
 # ---- checkpoints ----
 
 
-def save(run: Run, comp, opt, corpus: data.Corpus, done: int, write):
+def save_run(run: Run, comp, opt, corpus: data.Corpus, done: int, write):
     """A checkpoint of step `done` (every rank hands rank 0 its RNG state; under FSDP every rank gathers, rank 0
     writes with `write`: checkpoint.save_checkpoint, the run's record bound to it by main)."""
     rng = gather_rng_states(run.world, run.device)

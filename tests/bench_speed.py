@@ -111,7 +111,7 @@ def run_speed(comp, lengths, max_new_tokens=None, repeats=3):
             cache = {}
             E.compress(comp, [enc], cache=cache)
             t_cached, _ = timed(lambda: E.compress(comp, [enc], cache=cache), dev, repeats)
-            M = sum(memory.mem_counts[0])
+            M = sum(memory.slots[0])
             full = dict(input_ids=torch.tensor([[tok.start_id] + ctx + question], device=dev))
             t_full, (kv_full, first_full) = timed(lambda: prefill(comp, full), dev, repeats)
             mem_in = comp.decoder_batch(memory, "qa", [question], [0])   # [memory, special, question], as generate

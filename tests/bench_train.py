@@ -176,7 +176,7 @@ def bench_shape(shape, method, device, steps, batch=4, frozen=torch.float32, com
     if fused:   # the evaluation side: a memory and a few generated tokens, the math path still shut
         with torch.no_grad(), autocast, fused_only():
             comp.generate(comp.compress(ids[:2], ratios=ratios and ratios[:2]), "ae", max_new_tokens=4)
-    m = sum(memory.mem_counts[0])
+    m = sum(memory.slots[0])
     enc_tokens, dec_tokens = batch * (n + m), batch * (n + 2 + (m if comp.cfg.carrier == "embeds" else 0))
     flops = 6 * enc_params * enc_tokens + 6 * dec_params * dec_tokens
     return statistics.median(times[2:] or times), enc_tokens + dec_tokens, flops

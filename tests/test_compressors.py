@@ -321,7 +321,7 @@ def test_compllm_segments_ce_counts_and_reusability(device):
     assert len(segs) > len(ids) / 20                             # sentences really cut early
     memory = comp.compress([ids])
     n_ce = sum(math.ceil(len(s) / 2) for s in segs)              # Σ ⌈n_i / C⌉, C = 2
-    assert memory.valid.sum().item() == n_ce == sum(memory.mem_counts[0])
+    assert memory.valid.sum().item() == n_ce == sum(memory.slots[0])
     with torch.no_grad():   # a non-trivial LoRA, so the check is not vacuous
         for n, p in dec.named_parameters():
             if "lora_B" in n:
@@ -498,7 +498,7 @@ def test_gmsa_ratio_fixes_the_group_size(device):
     assert cfg.ratios == (2,) and cfg.ratio == 0.0
     comp = C.Compressor(cfg, *tiny(device))
     memory = comp.compress([list(range(9))])
-    assert memory.mem_counts == [[5]]          # [BOS] and 9 tokens in groups of 2, every time
+    assert memory.slots == [[5]]          # [BOS] and 9 tokens in groups of 2, every time
 
 
 # ---------------------------------------------------------------------------- faithful to the papers' code
@@ -571,13 +571,13 @@ def test_epl_chunks_as_the_code_cuts_them_bos_first_full_memory_nominal_upl(devi
     with torch.no_grad():
         memory = comp.compress([x])
     enc_ids, enc_pos = calls[0]["inputs_embeds"], calls[0]["position_ids"]
-    assert memory.chunk_lens == [[510, 3]] and memory.mem_counts == [[102, 102]]   # BOS + 509, then 3 tokens
+    assert memory.chunk_lens == [[510, 3]] and memory.slots == [[102, 102]]   # BOS + 509, then 3 tokens
     torch.testing.assert_close(enc_ids[0, 0], dec.model.embed_tokens.weight[tok.bos_id])
     assert enc_pos[1, :3].tolist() == [511, 512, 513]
     assert enc_pos[1, 3:105].tolist() == list(range(513, 1019, 5))                # as a full chunk 2 (Table 12)
     assert comp.ae_target(x[:3]) == [tok.bos_id] + x[:3] + [tok.eos_id]           # AE rebuilds [BOS] x [EOS]
     ours = C.build("icae", *tiny(device), layout="epl", lora_r=2, lora_alpha=4, cap_mem=True)
-    assert ours.compress([x]).mem_counts == [[102, 3]]
+    assert ours.compress([x]).slots == [[102, 3]]
 
 
 def test_saved_tensors_are_exactly_what_trains(tmp_path, device):
@@ -601,7 +601,7 @@ def test_pcc_decoder_input_is_bos_then_delimited_memory_per_segment(device):
     comp = C.build("pcc", dec, tok, encoder_model=small_compressor(dec))
     x = torch.randint(0, 250, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     memory = comp.compress([x])
-    assert memory.mem_counts == [[16, 16]]                       # a 44-token second segment keeps its 16
+    assert memory.slots == [[16, 16]]                       # a 44-token second segment keeps its 16
     emb = comp.decoder_batch(memory, "ae", [comp.ae_target(x[:5])])["inputs_embeds"][0]
     W = dec.model.embed_tokens.weight
     rows = [W[tok.bos_id], comp.mem_open, *memory.embeds[0, :16], comp.mem_close,
@@ -819,16 +819,16 @@ def test_one_name_for_the_special_token(device):
 
 def test_supervised_tokens_counts_by_decoder_batchs_own_target_rule(device, monkeypatch):
     """The step's count of supervised tokens (data.supervised_tokens) reads where follow[0] sits from the compressor's
-    follow_start, which the compressor fixes with decoder_batch's own layout rule (follow_slot), and counts by its
+    follow_start, which the compressor fixes with decoder_batch's own layout rule (follow_index), and counts by its
     target rule (next_token_targets): the counts agree, slot 0 (nothing before follow[0]) included."""
     calls = []
-    layout = C.Compressor.follow_slot
-    monkeypatch.setattr(C.Compressor, "follow_slot", lambda *a, **k: calls.append(a) or layout(*a, **k))
+    layout = C.Compressor.follow_index
+    monkeypatch.setattr(C.Compressor, "follow_index", lambda *a, **k: calls.append(a) or layout(*a, **k))
     for method, kw in (("aoc", dict(lm_token="none")), ("500x", {}), ("icae", {}), ("pcc", {})):   # aoc lm: slot 0
         dec, tok = tiny(device)   # a fresh decoder: a LoRA encoder changes it
         calls.clear()
         comp = C.build(method, dec, tok, mem=4, chunk_len=16, **kw)
-        assert len(calls) == 3, "follow_start must be follow_slot's, once per task"
+        assert len(calls) == 3, "follow_start must be follow_index's, once per task"
         memory = comp.compress([tok.encode("abcdefgh"), tok.encode("xyz")])
         for task in ("ae", "lm", "qa"):
             follow, n = [tok.encode("hello"), tok.encode("hi")], [5, 1]

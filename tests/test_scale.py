@@ -101,7 +101,7 @@ def test_bf16_frozen_weights_train_as_fp32_within_bf16_rounding(method, tmp_path
     cfg = cli.parse_args(base + ["--frozen-dtype", "bf16", "--out", str(tmp_path / "x")]).config
     comp = train.build_compressor(cfg, torch.device("cpu"), frozen=torch.bfloat16)
     for name, p in comp.named_parameters():
-        want = torch.float32 if p.requires_grad or C.saved(comp.cfg, name) else torch.bfloat16
+        want = torch.float32 if p.requires_grad or C.is_saved(comp.cfg, name) else torch.bfloat16
         assert p.dtype == want, (name, p.dtype)
     assert comp.decoder.model.embed_tokens.weight.dtype == torch.bfloat16   # the bulk is bf16
     assert comp.decoder.lm_head.weight is comp.decoder.model.embed_tokens.weight   # still tied

@@ -287,7 +287,7 @@ def test_mem_on_tiny_compllm_is_a_fixed_budget_as_documented(device):
     for argv, slots in ((["--mem", "2"], 2), ([], 8)):
         cfg = cli.parse_args(["--method", "compllm", *argv]).config
         comp = train.build_compressor(cfg, device)
-        assert sum(comp.compress([list(b"8 bytes!")]).mem_counts[0]) == slots, argv
+        assert sum(comp.compress([list(b"8 bytes!")]).slots[0]) == slots, argv
     cfg = cli.parse_args(["--method", "compllm", "--mem", "2", "--ratio", "4"]).config   # both typed: the ratio
     assert (cfg.mem, cfg.ratio) == (2, 4.0)
 
@@ -306,7 +306,7 @@ def test_the_tiny_demo_table_states_each_presets_n_m_and_steps(device):
         comp = train.build_compressor(s.config, device)
         x = list(D.BUILTIN_TEXTS[0].encode())[:s.max_len]
         ratios = [comp.cfg.ratios[0]] if comp.cfg.source == "group_mean" else None
-        assert (s.max_len, sum(comp.compress([comp.encoder_ids(x)], ratios=ratios).mem_counts[0]), s.steps) \
+        assert (s.max_len, sum(comp.compress([comp.encoder_ids(x)], ratios=ratios).slots[0]), s.steps) \
             == (n, m, steps), method
 
 
@@ -544,9 +544,9 @@ def test_eval_bleu_logs_what_evaluate_scores_the_regenerations(held_texts, tmp_p
         return pairs
     monkeypatch.setattr(E, "texts_as_trained", remember)
     monkeypatch.setattr(type(comp), "generate", lambda self, memory, task, max_new_tokens: [
-        list(refs.values())[i] for i in range(len(memory.mem_counts))])
+        list(refs.values())[i] for i in range(len(memory.slots))])
     perfect = heldout.score(comp, ho, device, nullcontext())
-    monkeypatch.setattr(type(comp), "generate", lambda self, memory, task, max_new_tokens: [[]] * len(memory.mem_counts))
+    monkeypatch.setattr(type(comp), "generate", lambda self, memory, task, max_new_tokens: [[]] * len(memory.slots))
     empty = heldout.score(comp, ho, device, nullcontext())
     # 1.0 but for BLEU's smoothing of texts under 4 words (16 bytes: 0.85 here)
     assert perfect["rougeL"] == 1.0 and perfect["bleu4_words"] > 0.8 and empty["bleu4_words"] == empty["rougeL"] == 0.0
@@ -828,7 +828,7 @@ def test_qa_loss_is_on_the_answer_and_eos_only(tmp_path, device):
     for b, (i, answer) in enumerate(zip(which, answers)):
         rows = [(slot % T, token) for slot, token in dec_in.supervised if slot // T == b]
         assert [token for _, token in rows] == answer, b
-        question_end = sum(memory.mem_counts[b]) + 1 + len(parts[i]["prompt"]) - 1   # memory, [LM], question
+        question_end = sum(memory.slots[b]) + 1 + len(parts[i]["prompt"]) - 1   # memory, [LM], question
         assert [slot for slot, _ in rows] == list(range(question_end, question_end + len(answer))), b
     with torch.no_grad(), comp.decoding():
         logp = torch.log_softmax(comp.decoder(**dec_in).logits.float(), -1).flatten(0, 1)   # (B*T, V)
@@ -948,7 +948,7 @@ def test_gmsa_draws_each_examples_ratio_from_4_and_8_and_compresses_it_by_that_r
         assert batch.ratios == [ex["ratio"][0] for ex in examples]
         with torch.no_grad():
             train.loss_ae(comp, batch)
-        counts = memories[-1].mem_counts
+        counts = memories[-1].slots
         assert counts == [[math.ceil((1 + len(x)) / r)] for x, r in zip(batch.context, batch.ratios)], step
         drawn += batch.ratios
         mixed += len(set(batch.ratios)) == 2
@@ -956,7 +956,7 @@ def test_gmsa_draws_each_examples_ratio_from_4_and_8_and_compresses_it_by_that_r
     ids = tok.encode(DOC[:31])
     torch.manual_seed(0)
     with torch.no_grad():
-        counts = compress([ids] * 16).mem_counts   # (1 + 31) / 4 = 8 vectors, or 32 / 8 = 4
+        counts = compress([ids] * 16).slots   # (1 + 31) / 4 = 8 vectors, or 32 / 8 = 4
     assert sorted({c for [c] in counts}) == [4, 8], counts
 
 
