@@ -506,6 +506,13 @@ class Compressor(nn.Module):
             return [ids[s:s + L] for s in range(0, len(ids), L)]
         return sentence_segments(ids, self.cfg.chunk_len, self._ends_sentence)
 
+    def chunk_slots(self, n: int) -> list:
+        """[(tokens, slots)] of each chunk of an n-token context (fixed chunking, as compress cuts it; CompLLM's
+        sentence segments depend on the text, and ceil(n/C) never gives a segment more slots than tokens)."""
+        if self.cfg.chunking != "fixed":
+            return []
+        return [(len(c), self.slots_for(len(c))) for c in self.chunks(list(range(n)))]
+
     def _ends_sentence(self, t: int) -> bool:
         if t not in self._sentence_end:   # cut after any token whose text ends with . ! ? or a newline
             self._sentence_end[t] = self.enc_tok.decode([t]).rstrip(" ").endswith((".", "!", "?", "\n"))

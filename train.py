@@ -121,6 +121,21 @@ def make_optimizer(comp, lr, betas, weight_decay, mem_lr, device):
 # ---- the log ----
 
 
+def chunk_warning(comp, sampling) -> list:
+    """A warning line (ours) where the AE objective's longest context ends in a chunk with more memory slots than
+    tokens: e.g. ICAE's [BOS] + 64 tokens at --chunk-len 64, cut 64 + 1, 32 slots, a measured 2x where 4x was
+    asked: the run says so in its first lines."""
+    n = sampling.max_len + len(comp.context_bos)   # the longest context the encoder reads
+    cut = comp.chunk_slots(n) if sampling.objective == "ae" else []
+    if len(cut) < 2 or cut[-1][1] <= cut[-1][0]:
+        return []
+    slots = sum(m for _, m in cut)
+    return [f"warning: a {n}-token context ({'[BOS] + ' if comp.context_bos else ''}{sampling.max_len}) is cut into "
+            f"chunks of {' + '.join(str(t) for t, _ in cut)} tokens with {slots} slots: {sampling.max_len / slots:.2f} "
+            f"text tokens per slot, not {cut[0][0] / cut[0][1]:.2f}; --chunk-len {n} keeps it one chunk (--cap-mem "
+            f"gives a short chunk as many slots as tokens)"]
+
+
 def open_log(run: Run, method: str, corpus: data.Corpus, lines: list, changes: str, n_params: int):
     """log.jsonl (a resumed run rewrites the steps after its checkpoint), and the run's first lines: `lines`, every
     setting with its source and what the tiny demo changes (cli.first_lines), then what trains on what; changes: the
@@ -411,8 +426,8 @@ def main(argv=None):
         opt = make_optimizer(comp, s.lr, s.betas, s.weight_decay, s.mem_lr, device)
         if state:
             restore(run, opt, state["optimizer"], state["rng"])
-        log = open_log(run, s.method, corpus, cli.first_lines(s.method, s.shown), s.changes,
-                       sum(p.numel() for p in params)) if run.master else None
+        lines = cli.first_lines(s.method, s.shown) + chunk_warning(comp, run.sampling)
+        log = open_log(run, s.method, corpus, lines, s.changes, sum(p.numel() for p in params)) if run.master else None
         if run.fsdp and s.eval_every > 0 and run.master:   # rank 0 alone would score weights spread over every rank
             print("no held-out check runs under --fsdp: score a checkpoint with evaluate.py --ckpt")
         try:
