@@ -66,6 +66,8 @@ def processes(device: str | None, fsdp: bool):
         here = torch.device("cuda", local) if kind == "cuda" else torch.device("cpu")
     else:
         here = torch.device(device or kind)
+        if here.type == "cuda" and here.index is not None:
+            torch.cuda.set_device(here)   # FSDP2 and NCCL take the current device: --device cuda:1 runs on GPU 1
         if fsdp:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -182,6 +184,9 @@ def shard_optimizer_state(opt, opt_state: dict) -> dict:
         if isinstance(p, DTensor):
             for k, v in per_param.items():
                 if k != "step" and torch.is_tensor(v) and v.shape == p.shape:
-                    per_param[k] = distribute_tensor(v.to(p.device), p.device_mesh, p.placements,
-                                                     src_data_rank=None)
+                    # src_data_rank=None slices locally; in some torch releases the slice is a view into the whole
+                    # moment, which would keep every rank holding all of it: each shard gets storage of its own
+                    shard = distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+                    per_param[k] = DTensor.from_local(shard.to_local().clone(), p.device_mesh, p.placements,
+                                                      shape=p.shape, stride=p.stride())
     return opt_state

@@ -141,7 +141,7 @@ def main():
         with open(doc, "w") as f:   # byte-level ids: a text of max_len characters is max_len tokens
             for i in range(64):
                 f.write(json.dumps({"text": (f"document {i} " + "some words to compress " * 200)}) + "\n")
-        print("| method | device | batch x \\|X\\| | grad-ckpt | planned GB | measured GB | ratio | act ratio |")
+        print("| method | device | batch x \\|X\\| | grad-ckpt | planned GiB | measured GiB | ratio | act ratio |")
         print("|---|---|---|---|---|---|---|---|")
         for method in a.methods:
             argv = ["--method", method, "--model", folder, "--data", doc, "--steps", "2", "--warmup", "0",

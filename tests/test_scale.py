@@ -480,3 +480,45 @@ def test_torchrun_with_more_processes_than_gpus_is_one_line(monkeypatch, tmp_pat
         train.main(["--method", "aoc", "--device", "cuda", "--out", str(tmp_path / "x")])
     assert str(e.value).startswith("train.py: error: torchrun started local rank 1") and "\n" not in str(e.value)
     assert "--nproc_per_node 1, or --device cpu" in str(e.value) and not torch.distributed.is_initialized()
+
+
+def test_device_cuda_k_without_torchrun_is_made_the_current_device(monkeypatch):
+    """--device cuda:1 without torchrun: FSDP2 and NCCL take the current CUDA device, so parallel.processes sets it
+    (else every such run lands on GPU 0). Checked without a GPU: set_device is recorded, not called."""
+    import parallel
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    with parallel.processes("cuda:1", fsdp=False) as (here, rank, world):
+        assert (here, rank, world) == (torch.device("cuda", 1), 0, 1)
+    assert calls == [torch.device("cuda", 1)]
+    with parallel.processes("cpu", fsdp=False):
+        pass
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("slicing", ["this torch", "a view"])
+def test_resumed_adamw_moments_are_shards_with_storage_of_their_own(slicing, monkeypatch):
+    """A resume under FSDP cuts each AdamW moment read from the one-process checkpoint into this rank's shard: the
+    shard must own its storage, not view the whole moment (which every rank would then keep whole). In a group of
+    one the shard is the whole moment, so a view would share the loaded tensor's storage. "a view": distribute_tensor
+    as some torch releases of the supported range run it with src_data_rank=None (the local slice, not a copy)."""
+    import parallel
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    if slicing == "a view":
+        monkeypatch.setattr(parallel, "distribute_tensor", lambda t, mesh, placements, src_data_rank=None:
+                            DTensor.from_local(t, mesh, placements, shape=t.shape, stride=t.stride()))
+    with parallel.processes("cpu", fsdp=True):
+        layer = torch.nn.Linear(8, 4)
+        fully_shard(layer)
+        opt = torch.optim.AdamW(layer.parameters())
+        moments = {i: {"step": torch.tensor(3.0), "exp_avg": torch.randn(p.shape), "exp_avg_sq": torch.rand(p.shape)}
+                   for i, p in enumerate(layer.parameters())}
+        loaded = {i: dict(m) for i, m in moments.items()}
+        state = parallel.shard_optimizer_state(opt, {"state": loaded, "param_groups": []})
+        for i, per_param in state["state"].items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                shard = per_param[k].to_local()
+                assert torch.equal(shard, moments[i][k])
+                assert shard.untyped_storage().data_ptr() != moments[i][k].untyped_storage().data_ptr(), (i, k)
+                assert shard.untyped_storage().nbytes() == shard.numel() * shard.element_size()
