@@ -91,6 +91,19 @@ def ratio_text(tps):
     return mean if lo == hi else f"{mean} ({lo}-{hi})"
 
 
+def own_other(run):
+    """A run's final held-out own/other (scored: evaluate.py's AE, else QA record), by its folder in recipes/results."""
+    return scored(RESULTS / run)["loss"]["own_other_ratio"]
+
+
+def carrier_arms(runs):
+    """[tokens per slot, 1, steps] the runs share (None where they differ), then each run's own/other."""
+    per_slot = {scored(RESULTS / r)["tokens_per_slot"]["mean"] for r in runs}
+    steps = {last_step(RESULTS / r) for r in runs}
+    one = lambda values: values.pop() if len(values) == 1 else None
+    return [one(per_slot), 1, one(steps), *map(own_other, runs)]
+
+
 def scored(run):
     """The run's final evaluation: eval_ae.json, or eval_qa.json where it has none (CompLLM's answers)."""
     return record(run, "eval_ae") or record(run, "eval_qa")
@@ -519,6 +532,33 @@ PROSE = [
     ("recipes/README.md", "[{} parameters](results/push/lora_b16long2_4x/compressor.json) at r {}, {} MB in fp32",
      lambda: [(n := record(RESULTS / B16L2, "compressor")["trained_parameters"]),   # a count
               args(B16L2)["lora_r"], 4 * n / 1e6]),                                # fp32: 4 bytes a parameter
+    # the carrier paragraph: each arm's held-out own/other at the end of its run
+    ("README.md", "**What the carrier decided** (held-out own/other at {}:{}, 135M, {} CPU steps, one seed an arm): "
+                  "PCC's memory carries on K/V ({}, [s0](recipes/results/ladder/pcc_kv_1x)), not on its embeddings "
+                  "with the same other changes ({}, [s0](recipes/results/ladder/pcc_nobridge_1x)); CompLLM's likewise "
+                  "({}, [s0](recipes/results/ladder/compllm_kv+ae_1x); {}, "
+                  "[s0](recipes/results/ladder/compllm_nobridge+aebos_1x))",
+     lambda: carrier_arms(["ladder/pcc_kv_1x", "ladder/pcc_nobridge_1x", "ladder/compllm_kv+ae_1x",
+                           "ladder/compllm_nobridge+aebos_1x"])),
+    ("README.md", "K/V is not enough: AOC's carries nothing there ({}, [s0](recipes/results/ladder/aoc_1x))",
+     lambda: [own_other("ladder/aoc_1x")]),
+    ("recipes/README.md", "Moved to the K/V carrier, PCC's carries ({}, [s0](results/ladder/pcc_kv_1x)); with the "
+                          "same changes on its own carrier it does not ({}, [s0](results/ladder/pcc_nobridge_1x))",
+     lambda: [own_other("ladder/pcc_kv_1x"), own_other("ladder/pcc_nobridge_1x")]),
+    ("recipes/README.md", "So for CompLLM: {} on K/V ([s0](results/ladder/compllm_kv+ae_1x)), {} without "
+                          "([s0](results/ladder/compllm_nobridge+aebos_1x))",
+     lambda: [own_other("ladder/compllm_kv+ae_1x"), own_other("ladder/compllm_nobridge+aebos_1x")]),
+    ("recipes/README.md", "500x, ICAE's preset on the K/V carrier, carries ({}, [s0](results/ladder/icae_kv_1x)), "
+                          "and PIC on it too ({}, [s0](results/ladder/pic_kv_1x))",
+     lambda: [own_other("ladder/icae_kv_1x"), own_other("ladder/pic_kv_1x")]),
+    ("recipes/README.md", "carries nothing ({}, [s0](results/ladder/aoc_1x)); nor is it needed: the one embedding "
+                          "memory that carries is GMSA's, not a learned prompt but the text's own hidden states, "
+                          "merged (after {} steps without [BOS]: {} / {}, [s0](results/gmsa/gmsa_1x_s0) "
+                          "[s1](results/gmsa/gmsa_1x_s1)",
+     lambda: [own_other("ladder/aoc_1x"), last_step(RESULTS / "gmsa/gmsa_1x_s0")   # both seeds' steps, or None
+              if last_step(RESULTS / "gmsa/gmsa_1x_s0") == last_step(RESULTS / "gmsa/gmsa_1x_s1") else None,
+              own_other("gmsa/gmsa_1x_s0"),
+              own_other("gmsa/gmsa_1x_s1")]),
     ("recipes/README.md", "Records: `results/ladder/{{pcc,pic}}_kv_4x` (seed {}), `results/ladder_s1/` (seed {})",
      lambda: [seeds("ladder/pcc_kv_4x", "ladder/pic_kv_4x"), seeds("ladder_s1/pcc_kv_4x", "ladder_s1/pic_kv_4x")]),
 ]
