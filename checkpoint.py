@@ -195,10 +195,10 @@ def read_train_state(run_dir):
 
 
 def gather_rng_states(world, device):
-    """One RNG state per rank (rank r resumes with entry r), gathered so that rank 0 can save them all: every global
-    RNG a run draws from, torch's (the init and dropout), on the host, and on CUDA when the run is there (never asked
-    of a CPU run: a machine's GPU is not the run's)."""
-    state = dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if device.type == "cuda" else [])
+    """One RNG state per rank, gathered so that rank 0 can save them all (entry r is rank r's): torch's on the host
+    (the init and dropout), and on CUDA this rank's own device's generator, never another GPU's (a machine's other GPUs
+    are not this rank's, and a smaller machine would lack them)."""
+    state = dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
     if world == 1:
         return [state]
     states = [None] * world
@@ -207,11 +207,16 @@ def gather_rng_states(world, device):
 
 
 def set_rng_state(state, device):
-    """gather_rng_states's generators back (a checkpoint saved before also holds numpy's and random's: nothing draws
-    from them, so they are left alone)."""
+    """gather_rng_states's generators back, on this rank's device. Also accepts a checkpoint whose "cuda" is a list of
+    every visible GPU's generator (get_rng_state_all): this device's entry, where it has one. (A checkpoint that also
+    holds numpy's and random's: nothing draws from them, so they are left alone.)"""
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and device.type == "cuda":
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if isinstance(cuda, list):
+        index = device.index or 0
+        cuda = cuda[index] if device.type == "cuda" and index < len(cuda) else None
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def read_log(run_dir):

@@ -373,15 +373,20 @@ def load_corpus(run: Run, comp, path: str | None, cache_dir: str, saved_key: str
 
 
 def restore(run: Run, opt, optimizer_state: dict, rng_states: list):
-    """A resumed run's optimizer moments and step counts, and every RNG where it stood (this rank's, or rank 0's when
-    the run has more processes now than when it was saved)."""
+    """A resumed run's optimizer moments and step counts, and this rank's RNG where it stood. Saved on another number
+    of processes, no rank's saved generator is this rank's: each keeps what a fresh run of this size draws (--seed +
+    rank, after the build), and the run says so."""
     try:
         if run.fsdp:   # the one-process moments, cut into this rank's shards
             optimizer_state = parallel.shard_optimizer_state(opt, optimizer_state)
         opt.load_state_dict(optimizer_state)
     except (ValueError, KeyError) as e:
         fail(f"mismatched checkpoint: its optimizer state does not fit this compressor ({e})")
-    set_rng_state(rng_states[run.rank if run.rank < len(rng_states) else 0], run.device)
+    if len(rng_states) == run.world:
+        set_rng_state(rng_states[run.rank], run.device)
+    elif run.master:
+        print(f"saved on {len(rng_states)} process(es), resumed on {run.world}: each process draws from its "
+              f"generator as a fresh run of {run.world} would (--seed + rank), not where the saved ones stood")
 
 
 # ---- main ----

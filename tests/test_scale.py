@@ -522,3 +522,36 @@ def test_resumed_adamw_moments_are_shards_with_storage_of_their_own(slicing, mon
                 assert torch.equal(shard, moments[i][k])
                 assert shard.untyped_storage().data_ptr() != moments[i][k].untyped_storage().data_ptr(), (i, k)
                 assert shard.untyped_storage().nbytes() == shard.numel() * shard.element_size()
+
+
+def test_each_rank_keeps_its_own_devices_generator_and_a_resized_resume_says_so(tmp_path, monkeypatch, capsys):
+    """A checkpoint holds, per rank, torch's host generator and that rank's own CUDA device's (never every visible
+    GPU's, which a smaller machine would lack). Resumed on as many processes, each rank gets its own back; on another
+    number, no saved generator is this rank's: each keeps what a fresh run of this size draws, and one line says so.
+    A checkpoint whose "cuda" lists every GPU's generator restores this device's entry (checked without a GPU:
+    torch.cuda.set_rng_state recorded, not called)."""
+    from checkpoint import gather_rng_states, set_rng_state
+    cpu = torch.device("cpu")
+    [state] = gather_rng_states(1, cpu)
+    assert torch.equal(state["torch"], torch.get_rng_state()) and state["cuda"] is None
+    restored = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((state, device)))
+    set_rng_state(dict(torch=torch.get_rng_state(), cuda=["gpu0", "gpu1"]), torch.device("cuda", 1))
+    set_rng_state(dict(torch=torch.get_rng_state(), cuda=["gpu0"]), torch.device("cuda", 1))   # no such entry
+    set_rng_state(dict(torch=torch.get_rng_state(), cuda="own"), torch.device("cuda", 0))
+    set_rng_state(dict(torch=torch.get_rng_state(), cuda="own"), cpu)
+    assert restored == [("gpu1", torch.device("cuda", 1)), ("own", torch.device("cuda", 0))]
+    # train.restore: same world -> this rank's state; another world -> untouched, and one line
+    s = cli.parse_args(["--method", "aoc", "--model", "tiny", "--mem", "4", "--device", "cpu", "--out", str(tmp_path)])
+    run = cli.place(s, cpu, 0, 1)
+    comp = train.build_compressor(s.config, cpu)
+    opt = train.make_optimizer(comp, s.lr, s.betas, s.weight_decay, s.mem_lr, cpu)
+    saved = torch.Generator().manual_seed(123).get_state()
+    train.restore(run, opt, opt.state_dict(), [dict(torch=saved, cuda=None)])
+    assert torch.equal(torch.get_rng_state(), saved) and capsys.readouterr().out == ""
+    torch.manual_seed(7)
+    fresh = torch.get_rng_state()
+    train.restore(run, opt, opt.state_dict(), [dict(torch=saved, cuda=None)] * 2)
+    assert torch.equal(torch.get_rng_state(), fresh)
+    assert capsys.readouterr().out == ("saved on 2 process(es), resumed on 1: each process draws from its generator "
+                                       "as a fresh run of 1 would (--seed + rank), not where the saved ones stood\n")
