@@ -37,9 +37,9 @@ STEPS=${STEPS:-300}
 EVERY=${EVERY:-50}
 [ "$SMOKE" = 1 ] && EVERY=1 && RUNGS=${RUNGS:-1x}   # CI: the 1:1 rung (the 4x rung runs the same code)
 # CI: one preset per carrier (every arm runs the same lines; the presets themselves are tested in tests/)
-[ "$SMOKE" = 1 ] && ARMS=${ARMS:-"icae aoc"}
-ARMS=${ARMS:-"icae 500x lora pcc pic compllm gmsa aoc"}
-DIAG_ARMS=${DIAG_ARMS:-icae_norm}   # ours, diagnostic arms at 1:1 (after the presets): ICAE with its memory rescaled
+[ "$SMOKE" = 1 ] && ARMS=${ARMS-"icae aoc"}
+ARMS=${ARMS-"icae 500x lora pcc pic compllm gmsa aoc"}   # set but empty: none
+DIAG_ARMS=${DIAG_ARMS-icae_norm}   # ours, diagnostic arms at 1:1 (after the presets): ICAE with its memory rescaled
 [ "$SMOKE" = 1 ] && DIAG_ARMS=""
 # one arm of a rung: its preset and how it reaches the rung's compression, given n text tokens and ratio r
 arm_flags() {
@@ -153,7 +153,7 @@ for pid in "${PIDS[@]}"; do   # the arms trained side by side (JOBS): any that f
   wait "$pid" || { echo "a lever arm failed: see its output in $OUT/NAME.out" >&2; exit 1; }
 done
 $PY recipes/curve.py --out "$OUT" "${HELD_TEXT[@]}" --n ${N:-32} "${GROUPS_ARGS[@]}" --title "held-out own/other"
-if [[ " ${RUNGS:-1x 4x} " == *" 1x "* && -n "${ARMS// }" ]]; then   # ARMS=" ": the lever arms alone
+if [[ " ${RUNGS:-1x 4x} " == *" 1x "* && -n "${ARMS// }" ]]; then   # ARMS="": the lever arms alone
   $PY recipes/diagnosis.py --runs $(for arm in $ARMS $DIAG_ARMS; do echo "$OUT/${arm}_1x"; done) "${HELD_TEXT[@]}" \
     --texts ${DIAG_TEXTS:-8} --out "$OUT/diagnosis"
 fi

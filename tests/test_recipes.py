@@ -534,3 +534,14 @@ def test_ladder_arms_that_differ_only_in_a_value_train_in_their_own_folders(tmp_
         (tmp_path / name / "args.json").write_text("{}")
     assert set(levers.collect(str(tmp_path), [], 0.5)) == {
         ("aoc", "lr1e-5", "1x"), ("aoc", "lr1e-2", "1x"), ("gmsa", "warmgmsa_1x", "4x")}
+
+
+def test_ladder_arms_set_but_empty_run_none():
+    """ARMS="" and DIAG_ARMS="" mean no preset arm and no diagnostic arm (the lever arms alone), not the defaults:
+    the defaults would train every preset and ICAE's diagnostic arm before the levers asked for."""
+    text = (REPO / "recipes" / "ladder.sh").read_text()
+    defaults = "\n".join(line for line in text.splitlines() if line.startswith(("ARMS=", "DIAG_ARMS=")))
+    shell = lambda env: subprocess.run(["bash", "-c", f'{defaults}\necho "[$ARMS] [$DIAG_ARMS]"'], text=True,
+                                       capture_output=True, env={"PATH": os.environ["PATH"], **env}).stdout.strip()
+    assert shell({"ARMS": "", "DIAG_ARMS": ""}) == "[] []"
+    assert shell({}) == "[icae 500x lora pcc pic compllm gmsa aoc] [icae_norm]"
