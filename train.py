@@ -122,18 +122,26 @@ def make_optimizer(comp, lr, betas, weight_decay, mem_lr, device):
 
 
 def chunk_warning(comp, sampling) -> list:
-    """A warning line (ours) where the AE objective's longest context ends in a chunk with more memory slots than
-    tokens: e.g. ICAE's [BOS] + 64 tokens at --chunk-len 64, cut 64 + 1, 32 slots, a measured 2x where 4x was
-    asked: the run says so in its first lines."""
-    n = sampling.max_len + len(comp.context_bos)   # the longest context the encoder reads
-    cut = comp.chunk_slots(n) if sampling.objective == "ae" else []
-    if len(cut) < 2 or cut[-1][1] <= cut[-1][0]:
+    """A warning line (ours) where a text the AE objective trains on ends in a chunk with more memory slots than
+    tokens, so it is compressed less than asked: ICAE's [BOS] + 64 tokens at --chunk-len 64 are cut 64 + 1, 32 slots,
+    a measured 2x where 4x was asked; a text shorter than --mem gets --mem slots. The run says so in its first lines,
+    with the longest such text as the example."""
+    if sampling.objective != "ae":
         return []
+    bos = len(comp.context_bos)
+    over = lambda cut: bool(cut) and cut[-1][1] > cut[-1][0]   # the last chunk is the short one
+    short = [n for n in range(sampling.min_len, sampling.max_len + 1) if over(comp.chunk_slots(n + bos))]
+    if not short:
+        return []
+    n, full = short[-1], comp.chunk_slots(comp.cfg.chunk_len)[0]
+    cut = comp.chunk_slots(n + bos)
     slots = sum(m for _, m in cut)
-    return [f"warning: a {n}-token context ({'[BOS] + ' if comp.context_bos else ''}{sampling.max_len}) is cut into "
-            f"chunks of {' + '.join(str(t) for t, _ in cut)} tokens with {slots} slots: {sampling.max_len / slots:.2f} "
-            f"text tokens per slot, not {cut[0][0] / cut[0][1]:.2f}; --chunk-len {n} keeps it one chunk (--cap-mem "
-            f"gives a short chunk as many slots as tokens)"]
+    return [f"warning: {len(short)} of the text lengths {sampling.min_len}-{sampling.max_len} end in a chunk with "
+            f"more memory slots than tokens: a {n}-token text{' and its [BOS]' if bos else ''} "
+            f"{'is cut into chunks of' if len(cut) > 1 else 'is one chunk of'} "
+            f"{' + '.join(str(t) for t, _ in cut)} tokens with {slots} slots, {n / slots:.2f} text tokens per slot "
+            f"where a full chunk gives {full[0] / full[1]:.2f}; --cap-mem gives a short chunk as many slots as tokens"
+            + (f", --chunk-len {n + bos} keeps it one chunk" if len(cut) > 1 else "")]
 
 
 def open_log(run: Run, method: str, corpus: data.Corpus, lines: list, changes: str, n_params: int):

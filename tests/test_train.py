@@ -640,22 +640,28 @@ def test_a_real_model_without_eval_data_says_no_check_runs(files, tmp_path, run_
     assert eval_rows(tmp_path / "real") == []
 
 
-def test_a_last_chunk_with_more_slots_than_tokens_is_warned(tmp_path, run_train, capsys):
+def test_a_chunk_with_more_slots_than_tokens_is_warned(tmp_path, run_train, capsys):
     """ICAE's AE context is [BOS] + the text: 64 tokens at --chunk-len 64 become chunks of 64 and 1, each given
     --mem 16 slots (the papers' code), 2 tokens per slot where 4 were asked. The run's first lines say so, with the
     fix; --chunk-len 65 (one chunk) or --cap-mem (the short chunk gets 1 slot) gives no warning, and the warning
-    states what compress does (its slots, counted on a 64-token text)."""
+    states what compress does (its slots, counted on a 64-token text). Texts shorter than --mem (AOC, no [BOS]) are
+    counted and the longest named."""
     flags = ["--method", "icae", "--mem", "16", "--crop", "window", "--min-len", "64", "--max-len", "64", "--steps",
              "1", "--eval-every", "0"]
     outs = {}
     for name, extra in (("cut", ["--chunk-len", "64"]), ("one", ["--chunk-len", "65"]),
-                        ("capped", ["--chunk-len", "64", "--cap-mem"])):
+                        ("capped", ["--chunk-len", "64", "--cap-mem"]),
+                        ("aoc", ["--method", "aoc", "--chunk-len", "64", "--min-len", "8"])):
         run_train(flags + extra + ["--out", str(tmp_path / name)])
         outs[name] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
     assert outs["one"] == outs["capped"] == []
-    assert outs["cut"] == ["warning: a 65-token context ([BOS] + 64) is cut into chunks of 64 + 1 tokens with 32 "
-                           "slots: 2.00 text tokens per slot, not 4.00; --chunk-len 65 keeps it one chunk (--cap-mem "
-                           "gives a short chunk as many slots as tokens)"]
+    assert outs["cut"] == ["warning: 1 of the text lengths 64-64 end in a chunk with more memory slots than tokens: "
+                           "a 64-token text and its [BOS] is cut into chunks of 64 + 1 tokens with 32 slots, 2.00 "
+                           "text tokens per slot where a full chunk gives 4.00; --cap-mem gives a short chunk as many "
+                           "slots as tokens, --chunk-len 65 keeps it one chunk"]
+    assert outs["aoc"] == ["warning: 8 of the text lengths 8-64 end in a chunk with more memory slots than tokens: a "
+                           "15-token text is one chunk of 15 tokens with 16 slots, 0.94 text tokens per slot where a "
+                           "full chunk gives 4.00; --cap-mem gives a short chunk as many slots as tokens"]
     comp = checkpoint.load(str(tmp_path / "cut")).eval()
     assert comp.compress([comp.encoder_ids(list(range(64)))]).slots == [[16, 16]]
 
