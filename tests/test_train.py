@@ -126,7 +126,8 @@ def test_every_method_learns_memories_that_carry_their_own_text(method, tmp_path
     if checks:
         text = capsys.readouterr().out
         assert "warning" not in text and "never <= 0.5 within 300 steps" in text
-        assert [r["step"] for r in eval_rows(out)] == [0, 100, 200, 300] and eval_rows(out)[-1]["eval"]["own_other"] < 0.95
+        checked = eval_rows(out)
+        assert [r["step"] for r in checked] == [0, 100, 200, 300] and checked[-1]["eval"]["own_other"] < 0.95
     losses = [r["loss"] for r in log_rows(out)]
     assert len(losses) == 300 and sum(losses[-10:]) / 10 < 0.9 * losses[0]
     comp = checkpoint.load(out, device=device).eval()
