@@ -743,11 +743,12 @@ def test_every_preset_reads_in_200_lines_and_aoc_with_at_most_4_config_condition
     assert totals["aoc"][1] <= 4, totals["aoc"]
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     assert table in readme, "README's reading guide is out of date: paste the output of python tests/reading_guide.py"
-    # a one-step AOC run reads in one sitting: at most 125 project functions in 11 files (the settings resolved in
-    # cli.py's small named steps count among them); the README says how many it calls
+    # a one-step AOC run reads in one sitting: at most 127 project functions in 11 files (the settings resolved in
+    # cli.py's small named steps count among them, and the check of its texts' chunking, train.chunk_warning and
+    # Compressor.chunk_slots); the README says how many it calls
     aoc = re.search(r"^\| `aoc` .* \| (\d+) in (\d+) \| \d+ \(\d+ in \d+\) \|$", table, re.M)   # the whole run, one step
     functions, files = map(int, aoc.groups())
-    assert functions <= 125 and files <= 11, (functions, files)
+    assert functions <= 127 and files <= 11, (functions, files)
     assert f"AOC's {functions} in {files} files" in readme.replace("\n", " ")
 
 
