@@ -96,12 +96,14 @@ def own_other(run):
     return scored(RESULTS / run)["loss"]["own_other_ratio"]
 
 
-def carrier_arms(runs):
-    """[tokens per slot, 1, steps] the runs share (None where they differ), then each run's own/other."""
+def carrier_arms(runs, seeds=False):
+    """[tokens per slot, 1, steps] the runs share (None where they differ), with seeds=True the seeds (the first
+    two runs'), then each run's own/other."""
     per_slot = {scored(RESULTS / r)["tokens_per_slot"]["mean"] for r in runs}
     steps = {last_step(RESULTS / r) for r in runs}
     one = lambda values: values.pop() if len(values) == 1 else None
-    return [one(per_slot), 1, one(steps), *map(own_other, runs)]
+    seed = [record(RESULTS / r, "args")["seed"] for r in runs[:2]] if seeds else []
+    return [one(per_slot), 1, one(steps), *seed, *map(own_other, runs)]
 
 
 def scored(run):
@@ -533,21 +535,31 @@ PROSE = [
      lambda: [(n := record(RESULTS / B16L2, "compressor")["trained_parameters"]),   # a count
               args(B16L2)["lora_r"], 4 * n / 1e6]),                                # fp32: 4 bytes a parameter
     # the carrier paragraph: each arm's held-out own/other at the end of its run
-    ("README.md", "**What the carrier decided** (held-out own/other at {}:{}, 135M, {} CPU steps, one seed an arm): "
-                  "PCC's memory carries on K/V ({}, [s0](recipes/results/ladder/pcc_kv_1x)), not on its embeddings "
-                  "with the same other changes ({}, [s0](recipes/results/ladder/pcc_nobridge_1x)); CompLLM's likewise "
-                  "({}, [s0](recipes/results/ladder/compllm_kv+ae_1x); {}, "
-                  "[s0](recipes/results/ladder/compllm_nobridge+aebos_1x))",
-     lambda: carrier_arms(["ladder/pcc_kv_1x", "ladder/pcc_nobridge_1x", "ladder/compllm_kv+ae_1x",
-                           "ladder/compllm_nobridge+aebos_1x"])),
+    ("README.md", "**What the carrier decided** (held-out own/other at {}:{}, 135M, {} CPU steps, seeds {} / {}): "
+                  "PCC's memory carries on K/V ({} / {}, [s0](recipes/results/ladder/pcc_kv_1x) "
+                  "[s1](recipes/results/ladder_s1/pcc_kv_1x)), not on its embeddings with the same other changes "
+                  "({} / {}, [s0](recipes/results/ladder/pcc_nobridge_1x) "
+                  "[s1](recipes/results/ladder_s1/pcc_nobridge_1x)); "
+                  "CompLLM's likewise ({} / {}, [s0](recipes/results/ladder/compllm_kv+ae_1x) "
+                  "[s1](recipes/results/ladder_s1/compllm_kv+aebos_1x); {} / {}, "
+                  "[s0](recipes/results/ladder/compllm_nobridge+aebos_1x) "
+                  "[s1](recipes/results/ladder_s1/compllm_nobridge+aebos_1x))",
+     lambda: carrier_arms(["ladder/pcc_kv_1x", "ladder_s1/pcc_kv_1x", "ladder/pcc_nobridge_1x",
+                           "ladder_s1/pcc_nobridge_1x", "ladder/compllm_kv+ae_1x", "ladder_s1/compllm_kv+aebos_1x",
+                           "ladder/compllm_nobridge+aebos_1x", "ladder_s1/compllm_nobridge+aebos_1x"], seeds=True)),
     ("README.md", "K/V is not enough: AOC's carries nothing there ({}, [s0](recipes/results/ladder/aoc_1x))",
      lambda: [own_other("ladder/aoc_1x")]),
-    ("recipes/README.md", "Moved to the K/V carrier, PCC's carries ({}, [s0](results/ladder/pcc_kv_1x)); with the "
-                          "same changes on its own carrier it does not ({}, [s0](results/ladder/pcc_nobridge_1x))",
-     lambda: [own_other("ladder/pcc_kv_1x"), own_other("ladder/pcc_nobridge_1x")]),
-    ("recipes/README.md", "So for CompLLM: {} on K/V ([s0](results/ladder/compllm_kv+ae_1x)), {} without "
-                          "([s0](results/ladder/compllm_nobridge+aebos_1x))",
-     lambda: [own_other("ladder/compllm_kv+ae_1x"), own_other("ladder/compllm_nobridge+aebos_1x")]),
+    ("recipes/README.md", "Moved to the K/V carrier, PCC's carries ({} / {}, [s0](results/ladder/pcc_kv_1x) "
+                          "[s1](results/ladder_s1/pcc_kv_1x)); with the same changes on its own carrier it does not "
+                          "({} / {}, [s0](results/ladder/pcc_nobridge_1x) [s1](results/ladder_s1/pcc_nobridge_1x))",
+     lambda: [*map(own_other, ("ladder/pcc_kv_1x", "ladder_s1/pcc_kv_1x", "ladder/pcc_nobridge_1x",
+                               "ladder_s1/pcc_nobridge_1x"))]),
+    ("recipes/README.md", "So for CompLLM: {} / {} on K/V ([s0](results/ladder/compllm_kv+ae_1x) "
+                          "[s1](results/ladder_s1/compllm_kv+aebos_1x)), {} / {} without "
+                          "([s0](results/ladder/compllm_nobridge+aebos_1x) "
+                          "[s1](results/ladder_s1/compllm_nobridge+aebos_1x))",
+     lambda: [*map(own_other, ("ladder/compllm_kv+ae_1x", "ladder_s1/compllm_kv+aebos_1x",
+                               "ladder/compllm_nobridge+aebos_1x", "ladder_s1/compllm_nobridge+aebos_1x"))]),
     ("recipes/README.md", "500x, ICAE's preset on the K/V carrier, carries ({}, [s0](results/ladder/icae_kv_1x)), "
                           "and PIC on it too ({}, [s0](results/ladder/pic_kv_1x))",
      lambda: [own_other("ladder/icae_kv_1x"), own_other("ladder/pic_kv_1x")]),
