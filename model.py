@@ -18,7 +18,8 @@ Three switches serve the compression methods:
   of the positions they were computed at.
 
 Greedy `generate` decodes padded batches on a preallocated KV cache (as gpt-fast), masking padded keys on
-every step. For training memory: `model.grad_ckpt = True` (activation checkpointing per block) and
+every step (no mask when nothing is padded); each step's attention reads the cache in place (`sdpa`, one query
+row). For training memory: `model.grad_ckpt = True` (activation checkpointing per block) and
 `chunked_cross_entropy` (no (N, V) fp32 logits kept for backward).
 
 Also here: load_pretrained (an HF folder, hub id or "tiny" -> model and tokenizer; the files are read by hf.py) and
@@ -319,11 +320,24 @@ class KVCache:
 def sdpa(q, k, v, mask, is_causal: bool, scale):
     """softmax(q kᵀ · scale, under mask) v for q (B, H, T, D) and k, v (B, Hkv, S, D), on a fused kernel where one
     exists. CUDA's kernels split the two features: flash attention takes grouped-query heads (enable_gqa) but no mask,
-    the memory-efficient and cuDNN kernels take a mask but not enable_gqa. SDPA given both falls back to its math path,
-    which materializes the (B, H, T, S) probabilities. So with a mask, each K/V head is repeated to its H/Hkv query
-    heads first (as transformers' repeat_kv does whenever a mask is given); without one, enable_gqa reads them in
-    place. The two give the same numbers (tests/test_model.py)."""
-    group = q.shape[1] // k.shape[1]
+    the memory-efficient kernel takes a mask but not enable_gqa (PyTorch PR 191085 adds it), cuDNN's takes both but only
+    in bf16/fp16 and not first on every GPU. SDPA given both falls back to its math path, which materializes the
+    (B, H, T, S) probabilities. So with a mask, each K/V head is repeated to its H/Hkv query heads first (as
+    transformers' repeat_kv does whenever a mask is given); without one, enable_gqa reads them in place (in fp32 on
+    CUDA, which flash does not take, that is the math path, which repeats K/V inside: only tests run fp32 there; the
+    CPU's flash kernel takes fp32 with GQA). One query row (a decoding step) takes neither road: see below. All give
+    the same numbers (tests/test_model.py)."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    group = H // Hkv
+    if T == 1 and group > 1:
+        # One new token per sample: its H query heads are H/Hkv query *rows* for each K/V head (query head h reads
+        # K/V head h // group, so consecutive heads fold together). That is plain multi-head attention over Hkv
+        # heads, which every kernel takes with or without a mask, on every torch version: the KV cache is read in
+        # place, never repeated (a repeat would copy the whole cache, every layer, every step: more memory traffic
+        # than the attention itself). A one-row mask (B or 1, 1, 1, S) or (1, S) broadcasts over the group's rows.
+        y = F.scaled_dot_product_attention(q.view(B, Hkv, group, D), k, v, attn_mask=mask, scale=scale)
+        return y.reshape(B, H, 1, D)  # (B, Hkv, group, D) -> (B, H, 1, D); is_causal is False for one row
     if mask is not None and group > 1:
         # (B, H, S, D): query head h reads K/V head h // group
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -624,6 +638,9 @@ class Transformer(nn.Module):
             valid[:, :P + T] = True  # forward's default mask: every prefix and prompt key is real
         else:
             valid[:, :P + T] = attn_mask[..., -1, :].reshape(-1, P + T)  # the last query row, (B or 1, P+T)
+        # nothing padded: each new token sees every filled slot, forward's default for one token, so no mask is passed
+        # and SDPA runs unmasked (CUDA: flash). Checked once: the slots the new tokens fill are real in every row.
+        padded = not bool(valid[:, :P + T].all())
         prompt_slots = torch.arange(T, device=device)
         last = torch.where(valid[:, P:P + T], prompt_slots, -1).amax(-1)          # (B,) last real prompt token
         h_last = out.last_hidden[torch.arange(B, device=device), last]          # (B, d): its hidden state
@@ -645,8 +662,8 @@ class Transformer(nn.Module):
                 break
             slot, pos = P + T + step, pos + 1  # the new token's cache slot, its position per row
             valid[:, slot] = True              # it sees itself and every valid earlier slot, never padding
-            out = self(nxt[:, None], position_ids=pos[:, None], attn_mask=valid[:, None, :slot + 1], cache=cache,
-                       compute_logits=False)  # mask (B, 1, S): one query row per sample
+            mask = valid[:, None, :slot + 1] if padded else None  # (B, 1, S): one query row per sample
+            out = self(nxt[:, None], position_ids=pos[:, None], attn_mask=mask, cache=cache, compute_logits=False)
             h_last = out.last_hidden[:, -1]
         return torch.stack(tokens, dim=1)  # (B, n)
 

@@ -286,6 +286,27 @@ def test_past_kv_of_the_wrong_depth_is_an_error(pairs, device):
         ours(ids_(device, T=3), past_kv=prefix)
 
 
+def uncached_greedy(model, ids, n, position_ids=None, attn_mask=None, past_kv=None):
+    """Greedy decoding with no KV cache, generate's reference: each step one full forward over [prompt, tokens so
+    far], the next token the argmax of its last row, which sees what the last prompt token saw plus the tokens
+    generated since (so every row's last prompt token must be real: no right padding). ids (B, T); position_ids
+    (B, T) or (T,) (default 0..T-1 after the prefix); attn_mask (T, P+T) or (B, T, P+T) (default causal after the
+    prefix). -> (B, n)."""
+    B, T = ids.shape
+    P = 0 if past_kv is None else past_kv[0][0].shape[2]
+    pos = (torch.arange(P, P + T, device=ids.device) if position_ids is None else position_ids).expand(B, T)
+    mask = masks.with_prefix(masks.causal(T), P).to(ids.device) if attn_mask is None else attn_mask
+    mask = mask.expand(B, T, P + T)
+    seq = ids
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = model(seq, position_ids=pos, attn_mask=mask, past_kv=past_kv).logits[:, -1].argmax(-1)   # (B,)
+            seq, pos = torch.cat([seq, nxt[:, None]], 1), torch.cat([pos, pos[:, -1:] + 1], 1)
+            new_row = torch.cat([mask[:, -1:], torch.ones_like(mask[:, -1:, :1])], 2)  # the last row's keys + itself
+            mask = torch.cat([torch.cat([mask, torch.zeros_like(mask[..., :1])], 2), new_row], 1)  # (B, T+1, S+1)
+    return seq[:, T:]
+
+
 def test_generate_with_prefix_positions_and_mask_equals_uncached_greedy(pairs, device):
     """The carrier case: KV prefix from another forward, custom prompt positions and mask; each generated token
     continues at (last prompt position + 1) and sees what the last prompt token saw, plus the generated tokens."""
@@ -298,14 +319,7 @@ def test_generate_with_prefix_positions_and_mask_equals_uncached_greedy(pairs, d
     with torch.no_grad():
         prefix = ours(ctx, position_ids=ctx_pos, return_kv=True).kv
         got = ours.generate(prompt, position_ids=prompt_pos, attn_mask=mask, past_kv=prefix, max_new_tokens=6)
-        # reference: no cache, one full forward over [prompt, generated so far] per step
-        seq, pos, m = prompt, prompt_pos, mask
-        for _ in range(6):
-            nxt = ours(seq, position_ids=pos, attn_mask=m, past_kv=prefix).logits[:, -1].argmax(-1)
-            seq, pos = torch.cat([seq, nxt[:, None]], 1), torch.cat([pos, pos[-1:] + 1])
-            new_row = torch.cat([m[-1:], torch.ones_like(m[-1:, :1])], 1)  # the last row's keys + itself
-            m = torch.cat([torch.cat([m, torch.zeros_like(m[:, :1])], 1), new_row], 0)
-        assert torch.equal(got, seq[:, 5:])
+    assert torch.equal(got, uncached_greedy(ours, prompt, 6, prompt_pos, mask, prefix))
 
 
 def test_generate_writes_into_one_preallocated_cache(pairs, device):
@@ -338,12 +352,15 @@ def pad_rows(rows, side, seed=0):
     return ids, valid
 
 
-@pytest.mark.parametrize("case", ["right", "left", "prefix"])
+@pytest.mark.parametrize("case", ["none", "right", "left", "prefix"])
 def test_padded_batch_generates_as_one_at_a_time(pairs, case, device):
-    """Greedy outputs of a padded batch equal each sample generated alone, token for token: padded prompt slots
-    (right or left padding) and padded KV-prefix slots stay invisible on every decoding step."""
+    """Greedy outputs of a padded batch equal each sample generated alone, token for token, and both equal greedy
+    decoding without a cache (uncached_greedy): padded prompt slots (right or left padding) and padded KV-prefix
+    slots stay invisible on every decoding step (a one-row mask), and a batch with nothing padded ("none": no mask
+    on the decoding steps) sees every slot. Qwen3's GQA, 4 query heads on 2 K/V heads."""
     ours = pairs["qwen3"][2]
-    prompts = [ids_(device, B=1, T=n, seed=10 + n)[0].tolist() for n in (5, 9, 7)]
+    lengths = (7, 7, 7) if case == "none" else (5, 9, 7)
+    prompts = [ids_(device, B=1, T=n, seed=10 + n + 20 * b)[0].tolist() for b, n in enumerate(lengths)]
     ids, valid = pad_rows(prompts, "left" if case == "left" else "right")
     B, T = ids.shape
     # positions count real tokens only: 0, 1, ... from each row's first real token (left padding shifts them)
@@ -369,12 +386,79 @@ def test_padded_batch_generates_as_one_at_a_time(pairs, case, device):
         mask = masks.with_padding(masks.causal(T), valid)
     ids, valid, pos, mask = (t.to(device) for t in (ids, valid, pos, mask))  # built on the host, as the methods do
     with torch.no_grad():
-        got = ours.generate(ids, position_ids=pos, attn_mask=mask, max_new_tokens=10, **kw)
+        # nothing padded: no mask at all, as the methods pass it (compressors.decoder_batch, evaluate.PlainLLM)
+        got = ours.generate(ids, position_ids=pos, attn_mask=None if case == "none" else mask, max_new_tokens=10, **kw)
         for b, prompt in enumerate(prompts):
-            ref = ours.generate(torch.tensor([prompt], device=device), position_ids=pos[b, valid[b]], max_new_tokens=10,
-                                **alone[b])
+            one, one_pos = torch.tensor([prompt], device=device), pos[b, valid[b]]
+            ref = uncached_greedy(ours, one, 10, one_pos, past_kv=alone[b].get("past_kv"))
             assert torch.equal(got[b], ref[0]), f"row {b}"
+            assert torch.equal(ours.generate(one, position_ids=one_pos, max_new_tokens=10, **alone[b]), ref), f"row {b}"
     assert len({tuple(r) for r in got.tolist()}) == B and len(got.unique()) > 10  # the outputs do vary
+
+
+def test_one_query_row_attention_equals_repeated_heads(device):
+    """model.sdpa at one query row (each K/V head's query heads folded into rows) equals softmax(q kᵀ/√D) v written
+    out with every K/V head repeated to its query heads: SmolLM2's GQA, 9 query heads on 3 K/V heads, under a
+    padded one-row mask (B, 1, 1, S), a shared one (1, S) and none."""
+    import model as M
+
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, S, D = 2, 9, 3, 7, 16
+    q, k, v = (torch.randn(*shape, generator=g).to(device) for shape in ((B, H, 1, D), (B, Hkv, S, D), (B, Hkv, S, D)))
+    padded = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    padded[0, ..., :3] = False   # row 0: three padded slots
+    shared = torch.ones(1, S, dtype=torch.bool)
+    shared[:, 4] = False
+    for mask in (padded.to(device), shared.to(device), None):
+        scores = q @ k.repeat_interleave(H // Hkv, dim=1).transpose(-1, -2) / D ** 0.5     # (B, H, 1, S)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        want = scores.softmax(-1) @ v.repeat_interleave(H // Hkv, dim=1)                  # (B, H, 1, D)
+        close(M.sdpa(q, k, v, mask, is_causal=False, scale=None), want, atol=1e-6)
+
+
+def test_decoding_steps_read_the_kv_cache_in_place(monkeypatch, device):
+    """At one query row, SDPA reads each layer's K/V cache buffer itself, never a copy repeated to the query heads
+    (GQA: 4 query heads on 2 K/V heads), for a padded batch (a one-row mask) and an unpadded one (no mask). The
+    prefill, T > 1 under a mask, still repeats K/V: the counter sees the code's repeat where there is one."""
+    import model as M
+
+    ours, _ = build_tiny()
+    ours.to(device)
+    counts = []   # per forward generate makes: [Tensor.repeat_interleave calls, SDPA calls reading a cache buffer]
+    buffers = []  # every KVCache buffer generate allocated
+    forward, repeat, attend = ours.forward, torch.Tensor.repeat_interleave, M.F.scaled_dot_product_attention
+
+    def counted_forward(*args, **kwargs):
+        counts.append([0, 0])
+        return forward(*args, **kwargs)
+
+    def counted_repeat(self, *args, **kwargs):
+        counts[-1][0] += 1
+        return repeat(self, *args, **kwargs)
+
+    def counted_attention(q, k, v, **kwargs):
+        cache = {t.untyped_storage().data_ptr() for c in buffers for t in (c.k, c.v) if t is not None}
+        counts[-1][1] += k.untyped_storage().data_ptr() in cache and v.untyped_storage().data_ptr() in cache
+        return attend(q, k, v, **kwargs)
+
+    class RecordedCache(M.KVCache):
+        def __init__(self, max_len):
+            super().__init__(max_len)
+            buffers.append(self)
+
+    monkeypatch.setattr(ours, "forward", counted_forward)
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", counted_repeat)
+    monkeypatch.setattr(M.F, "scaled_dot_product_attention", counted_attention)
+    monkeypatch.setattr(M, "KVCache", RecordedCache)
+    ids, valid = pad_rows([ids_(device, B=1, T=n, seed=n)[0].tolist() for n in (5, 9)], "left")
+    L = ours.config.num_hidden_layers
+    for mask in (masks.with_padding(masks.causal(9), valid).to(device), None):
+        counts[:], buffers[:] = [], []
+        ours.generate(ids.to(device), attn_mask=mask, max_new_tokens=6)
+        assert len(counts) == 6   # the prefill, then 5 decoding steps
+        assert counts[0] == ([2 * L, 0] if mask is not None else [0, L])   # prefill: repeated under a mask
+        assert counts[1:] == [[0, L]] * 5, counts   # every step: no repeat, every layer reads its own buffers
 
 
 def test_generate_stops_and_pads_with_eos(pairs, device):
