@@ -185,6 +185,50 @@ def test_aoc_parameter_count_on_llama_3_2_1b_config():
     assert 0.62 < fewer < 0.70                           # AOC §1: "roughly 67% less parameters"
 
 
+# ---------------------------------------------------------------------------- generation
+
+
+def uncached_greedy(dec, batch, n):
+    """Greedy decoding of a left-padded decoder batch with no KV cache, comp.generate's reference: each step one full
+    decoder forward over [the batch's inputs, the tokens so far], the next token the argmax of its last row, which
+    sees what the last input saw plus the tokens generated since. -> (B, n)."""
+    x, pos, mask, past = batch["inputs_embeds"], batch["position_ids"], batch["attn_mask"], batch["past_kv"]
+    B, T = x.shape[:2]
+    P = 0 if past is None else past[0][0].shape[2]
+    if mask is None:   # nothing padded: the decoder's default, causal after the prefix
+        mask = masks.with_prefix(masks.causal(T), P).to(x.device).expand(B, T, P + T)
+    tokens = []
+    for _ in range(n):
+        nxt = dec(inputs_embeds=x, position_ids=pos, attn_mask=mask, past_kv=past).logits[:, -1].argmax(-1)  # (B,)
+        tokens.append(nxt)
+        x = torch.cat([x, dec.model.embed_tokens(nxt)[:, None]], 1)                     # (B, T+1, d)
+        pos = torch.cat([pos, pos[:, -1:] + 1], 1)                                      # (B, T+1)
+        new_row = torch.cat([mask[:, -1:], torch.ones_like(mask[:, -1:, :1])], 2)       # the last row's keys + itself
+        mask = torch.cat([torch.cat([mask, torch.zeros_like(mask[..., :1])], 2), new_row], 1)  # (B, T+1, S+1)
+    return torch.stack(tokens, 1)
+
+
+@pytest.mark.parametrize("method", ["icae", "500x"])
+def test_generate_equals_uncached_greedy_decoding(method, device):
+    """comp.generate (the decoder's KV cache, one query row per step) gives the tokens of greedy decoding without a
+    cache, for memories of one length (nothing padded: no mask on the decoding steps) and of different lengths
+    (ICAE: left-padded embedding rows; 500x: padded K/V slots); the tiny decoder's GQA is 4 query heads on 2 K/V."""
+    dec, tok = tiny(device)
+    comp = C.build(method, dec, tok, mem=4, chunk_len=16)
+    same = [tok.encode(TEXT[i:i + 30])[:30] for i in (0, 40, 80)]      # one chunk each: 4 slots
+    mixed = [tok.encode(TEXT[i:i + n]) for i, n in ((0, 10), (40, 45), (90, 28))]  # 1, 3 and 2 chunks
+    for contexts in (same, mixed):
+        with torch.no_grad():
+            memory = comp.compress(contexts)
+            got = comp.generate(memory, "ae", max_new_tokens=12)
+            batch = comp.decoder_batch(memory, "ae", [[] for _ in contexts], [0] * len(contexts), left_pad=True)
+            with comp.decoding():
+                ref = uncached_greedy(dec, batch, 12)
+        assert (batch["attn_mask"] is None) == (contexts is same)   # the padded case really is padded
+        assert got == [tok.cut_at_eos(row) for row in ref.tolist()]
+        assert len({tuple(row) for row in got}) == len(contexts)      # the memories do steer the decoder
+
+
 # ---------------------------------------------------------------------------- PCC / PIC
 
 
