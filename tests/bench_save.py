@@ -10,7 +10,7 @@ its peak RSS over the RSS just before (Linux: /proc/self/clear_refs resets the p
   full      the whole trained state and moments (what a rank holds when it gathers everything)
 parallel.gathered_state gathers tensor by tensor into rank 0's CPU memory: rank 1 should add at most about `largest`,
 rank 0 about `full` (on the CPU the device is the host, and rank 0 keeps the state it writes; on a GPU its device
-holds at most `largest` more). "--all-ranks" makes every rank keep the gathered state, as the save before issue 45 did.
+holds at most `largest` more). "--all-ranks" makes every rank keep the gathered state, to compare.
 """
 
 import argparse
@@ -65,7 +65,7 @@ def main():
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--all-ranks", action="store_true", help="every rank keeps the gathered state (the old save)")
+    p.add_argument("--all-ranks", action="store_true", help="every rank keeps the gathered state")
     a = p.parse_args()
     sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
     from bench_plan import random_checkpoint

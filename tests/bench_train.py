@@ -10,7 +10,8 @@ settings, cli.TINY: AE on 16-byte texts, batch 4; on another --model, the paper'
 the steps after the first two is reported.
 tok/s counts every token a step reads: the compressed contexts plus every decoder sequence (train.py's log).
 
---shape llama-3.2-1b|qwen3-4b: a randomly initialised model of that paper model's shape (no download), bf16 autocast on CUDA,
+--shape llama-3.2-1b|qwen3-4b: a randomly initialised model of that paper model's shape (no download), bf16 autocast on
+CUDA,
 each method's compressor at the paper's lengths and batch 4, timed over AdamW steps of its default objective
 (distill as AE for CompLLM: its teacher is a data step). Model FLOPs utilisation = achieved / peak, with the usual
 6 x parameters x tokens per trained token through a model (2 forward + 4 backward; the frozen decoder still
@@ -41,9 +42,10 @@ import train  # noqa: E402
 import model as M  # noqa: E402
 from model import SHAPES, build_shape  # noqa: E402
 
-def sdpa_before_issue_45(q, k, v, mask, is_causal, scale):
-    """The attention call before issue 45: a mask together with enable_gqa, which CUDA's fused kernels do not take
-    (flash takes no mask, memory-efficient and cuDNN no GQA), so SDPA ran its math path. --attention before times it."""
+def sdpa_mask_with_gqa(q, k, v, mask, is_causal, scale):
+    """The attention call --attention before times: a mask together with enable_gqa, which CUDA's fused kernels do not
+    take (flash takes no mask, memory-efficient and cuDNN no GQA), so SDPA runs its math path (model.sdpa repeats K/V
+    where a mask is given instead)."""
     return M.F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                             enable_gqa=q.shape[1] != k.shape[1])
 
@@ -108,7 +110,8 @@ def profile(argv, steps=6, skip=2, top=12):
     events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
     total = sum(e.self_cpu_time_total for e in events)
     per_step = statistics.mean(dts)
-    print(f"\n{' '.join(argv)}: {per_step * 1000:.0f} ms/step over {len(dts)} steps, {torch.get_num_threads()} threads\n")
+    print(f"\n{' '.join(argv)}: {per_step * 1000:.0f} ms/step over {len(dts)} steps, "
+          f"{torch.get_num_threads()} threads\n")
     print("| op | share of self CPU time | calls per step |\n|---|---|---|")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
         print(f"| {e.key} | {100 * e.self_cpu_time_total / total:.1f}% | {e.count / len(dts):.0f} |")
@@ -195,7 +198,7 @@ def main():
     p.add_argument("--compile", action="store_true", help="--shape: torch.compile every block (train.py --compile)")
     p.add_argument("--attention", nargs="+", default=["now"], choices=("now", "before"), help="--shape: the "
                    "attention call(s) to time: now (model.sdpa: K/V repeated where a mask is given) and/or before "
-                   "(a mask with enable_gqa: CUDA's math path, issue 45)")
+                   "(a mask with enable_gqa: CUDA's math path)")
     p.add_argument("--fused-only", action="store_true", help="--shape: run every step and a generation with SDPA's "
                    "math path shut (flash, memory-efficient, cuDNN only): a call that needs it raises")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the accelerator's dense bf16 peak (H100: 989)")
@@ -219,7 +222,7 @@ def main():
                     if a.device == "cuda":
                         torch.cuda.empty_cache()
                         torch.cuda.reset_peak_memory_stats()
-                    M.sdpa = now if attention == "now" else sdpa_before_issue_45
+                    M.sdpa = now if attention == "now" else sdpa_mask_with_gqa
                     try:
                         dt, tokens, flops = bench_shape(a.shape, method, a.device, a.steps, a.batch,
                                                         torch.bfloat16 if name == "bf16" else torch.float32,

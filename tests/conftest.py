@@ -98,12 +98,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Marks the reduced-precision tests (REDUCED_PRECISION), then orders the slow ones. Under pytest-xdist (`-n 2`, its default --dist load), the SMOKE recipe runs (tests/test_recipes.py, minutes
-    each) start first, dealt longest first to the least loaded worker: each at the head of the first batch xdist's
-    load scheduler hands that worker (LoadScheduling.schedule: worker k gets items [k c, (k + 1) c) with
-    c = max(2, items per worker // 4)), the rest of the batch and the common queue filling in behind. Without it, one
-    batch could hold several of them and one worker end the suite alone. Only the order changes: without xdist, or
-    if the scheduler ever batches otherwise, every test still runs."""
+    """Marks the reduced-precision tests (REDUCED_PRECISION), then orders the slow ones. Under pytest-xdist (`-n 2`,
+    its default --dist load), the SMOKE recipe runs (tests/test_recipes.py, minutes each) start first, dealt longest
+    first to the least loaded worker: each at the head of the first batch xdist's load scheduler hands that worker
+    (LoadScheduling.schedule: worker k gets items [k c, (k + 1) c) with c = max(2, items per worker // 4)), the rest
+    of the batch and the common queue filling in behind. Without it, one batch could hold several of them and one
+    worker end the suite alone. Only the order changes: without xdist, or if the scheduler batches otherwise, every
+    test still runs."""
     tests = [item for item in items if isinstance(item, pytest.Function)]
     for item in tests:
         cases = [it.callspec.id for it in tests if it.function is item.function and hasattr(it, "callspec")]
@@ -228,12 +229,80 @@ def assert_attention_weights_are_sdpas(model, ids, **forward_kwargs):
     return out
 
 
+# ---- train.py in-process: the fixtures and readers the tests of a run share ----
+# (tests/test_train.py, test_settings.py, test_resume.py, test_heldout.py and test_scale.py)
+
+import json  # noqa: E402
+
+import data as D  # noqa: E402
+
+DOC = D.BUILTIN_TEXTS[3][:48]          # 48 bytes = 48 tokens: a one-document corpus
+LORA = ["--lora-r", "8", "--lora-alpha", "16"]
+
+
+@pytest.fixture(scope="session")
+def files(tmp_path_factory):
+    """A steerable tiny model folder, the one-document corpus, a one-triple QA file, an empty file. The model is
+    `tiny`'s architecture with weights drawn at std 0.1 (build_tiny's are 0.02, too small for a frozen decoder to
+    read a memory: tests/test_train.py)."""
+    from safetensors.torch import save_file
+
+    from hf import byte_tokenizer
+    from model import TINY_CONFIG, build_tiny
+    root = tmp_path_factory.mktemp("train")
+    model, _ = build_tiny()
+    for seed, name in ((0, "tiny01"), (1, "other01")):      # other01: a second LLM for --decoder
+        g = torch.Generator().manual_seed(seed)
+        weights = {n: torch.ones_like(p) if "norm" in n else torch.randn(p.shape, generator=g) * 0.1
+                   for n, p in model.named_parameters()}      # tied: lm_head is embed_tokens, saved once
+        (root / name).mkdir()
+        save_file(weights, str(root / name / "model.safetensors"))
+        (root / name / "config.json").write_text(json.dumps(TINY_CONFIG))
+        byte_tokenizer().save(str(root / name / "tokenizer.json"))
+    (root / "doc.txt").write_text(DOC)
+    context, question, answer = D.BUILTIN_QA[2]
+    (root / "qa.jsonl").write_text(json.dumps(dict(context=context[:96], question=question, answer=answer)) + "\n")
+    (root / "empty.txt").write_text("  \n")
+    return dict(model=str(root / "tiny01"), other=str(root / "other01"), doc=str(root / "doc.txt"),
+                qa=str(root / "qa.jsonl"), empty=str(root / "empty.txt"))
+
+
+@pytest.fixture
+def run_train(device):
+    """run_train(argv): train.main on the test device (train.py's own default is CUDA whenever there is one)."""
+    import train
+    return lambda argv: train.main([*argv, "--device", str(device)])
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory, device):
+    """A finished two-step tiny AOC run, saved at step 2: copied by the tests that resume or damage it."""
+    import train
+    out = str(tmp_path_factory.mktemp("finished") / "aoc")
+    train.main(["--method", "aoc", "--model", "tiny", "--mem", "4", "--batch-size", "2", "--steps", "2", "--out", out,
+                "--device", str(device)])
+    return out
+
+
+def log_rows(out):
+    """The training rows of a run's log (checkpoint.read_log; the held-out checks are eval_rows)."""
+    import checkpoint
+    return checkpoint.read_log(out)[0]
+
+
+def eval_rows(out):
+    """The held-out checks of a run's log, each a row with its step and "eval"."""
+    import checkpoint
+    return checkpoint.read_log(out)[1]
+
+
 # ---- train.py under torchrun ----
 
 REPO = Path(__file__).resolve().parents[1]
 # sitecustomize for torchrun's processes on the CPU: torch.cuda.is_available() says True, as on a machine with a GPU.
-# A CPU run (--device cpu) must then still never touch CUDA (issue 45: its backend and FSDP's mesh once followed
-# is_available(), and on a machine with one GPU rank 1 asked for cuda:1); any CUDA call fails here, as there is none
+# A CPU run (--device cpu) must then still never touch CUDA: its process group's backend and FSDP's mesh follow
+# --device, not is_available() (which would have rank 1 ask for cuda:1 on a machine with one GPU); any CUDA call fails
+# here, as there is none
 FAKE_GPU = "import torch\ntorch.cuda.is_available = lambda: True\n"
 
 

@@ -69,8 +69,9 @@ fi
 
 if want f; then
   section "f. the CUDA tests: bf16 training, micro-batches, resume, --grad-ckpt, the SDPA spy"
-  timeout 30 $PY -m pytest -q tests/test_scale.py --device cuda -k "grad_ckpt" -p no:cacheprovider
-  timeout 100 $PY -m pytest -q tests/test_train.py --device cuda -p no:cacheprovider \
-    -k "bf16 or micro_batches or resume or grad_ckpt or no_sdpa_call"
+  timeout 50 $PY -m pytest -q tests/test_scale.py --device cuda -k "grad_ckpt or no_sdpa_call" -p no:cacheprovider
+  # (-k also matches a module's name: "resume_" and its kin pick the resume tests, not all of test_resume.py)
+  timeout 80 $PY -m pytest -q tests/test_train.py tests/test_resume.py tests/test_heldout.py --device cuda \
+    -p no:cacheprovider -k "bf16 or micro_batches or resume_ or resumes or after_resume or grad_ckpt"
 fi
 echo; echo "=== done ($(date +%T))"

@@ -3,11 +3,9 @@ which positions it sees, what must not change. Positions are checked against the
 written out literally, never recomputed with positions.py."""
 
 import dataclasses
-import inspect
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -243,8 +241,8 @@ def small_compressor(dec):
 @pytest.mark.parametrize("method", ["pcc", "pic"])
 def test_pcc_pic_encoder_has_no_unused_lm_head_and_old_checkpoints_still_load(method, device, tmp_path):
     """PCC/PIC's compressor LLM is read for its hidden states, never its logits. With untied embeddings (Llama-2/3,
-    the papers' 8B) its lm_head trained nothing and was saved, 525M parameters at 8B (issue 45): it is gone, the loss
-    is the one the encoder with it gave, and a checkpoint that still holds it loads (the tensor left out)."""
+    the papers' 8B) an lm_head would train nothing and be saved, 525M parameters at 8B: the encoder has none, the loss
+    is the one the encoder with it gives, and a checkpoint that holds one loads (the tensor left out)."""
     torch.manual_seed(0)
     untied = Transformer(ModelConfig.from_hf({**TINY_CONFIG, "tie_word_embeddings": False})).to(device)
     tok = build_tiny()[1]
@@ -261,7 +259,7 @@ def test_pcc_pic_encoder_has_no_unused_lm_head_and_old_checkpoints_still_load(me
     assert torch.equal(loss, again)
     old = {**checkpoint.trained_state(comp), "encoder.lm_head.weight": comp.encoder.lm_head.weight.detach().clone()}
     comp.encoder.lm_head = None
-    checkpoint.load_trained(comp, old)   # a checkpoint written before: loads
+    checkpoint.load_trained(comp, old)   # a checkpoint that holds the head: loads
 
 
 def test_pcc_pic_separate_compressor_with_converter(device):
@@ -350,6 +348,13 @@ def test_new_combination_pic_mask_with_epl_positions_on_aoc_encoder(device):
     loss.backward()
     assert math.isfinite(loss.item()) and n == 33
     assert calls[0]["position_ids"][0, 32:36].tolist() == [4, 12, 20, 28]   # UPL over 1..32, r = 8: round(4.5 + 8j)
+
+
+def test_dpl_decoder_inputs_compute_no_positions_they_throw_away(monkeypatch):
+    import positions
+    monkeypatch.setattr(positions, "decoder_positions", lambda *a, **k: pytest.fail("DPL needs no decoder_positions"))
+    assert positions.decoder_inputs("dpl", "kv", "ae", [10, 10], 4, 20, 3) == list(range(8, 12))
+    assert positions.decoder_inputs("upl", "embeds", "lm", [10], 4, 10, 2) == list(range(0, 7))
 
 
 # ---------------------------------------------------------------------------- CompLLM
@@ -475,7 +480,8 @@ def test_gmsa_keft_trains_only_decoder_qkv(device):
     loss.backward()
     torch.optim.SGD(comp.trainable_parameters(), lr=0.1).step()
     moved = changed(comp, before)
-    qkv = lambda n: n.startswith("decoder.") and any(f"self_attn.{m}.weight" in n for m in ("q_proj", "k_proj", "v_proj"))
+    qkv = lambda n: n.startswith("decoder.") and any(f"self_attn.{m}.weight" in n
+                                                     for m in ("q_proj", "k_proj", "v_proj"))
     assert moved and all(qkv(n) for n in moved)                      # GMSA Eq. (8)
     assert len(moved) == 3 * dec.config.num_hidden_layers            # every layer's q, k and v
 
@@ -573,7 +579,8 @@ def test_aoc_trains_attention_norms_and_memory_tokens_only_on_llama_3_2_1b():
     attention = L * (d * d + d * kv + d * kv + d * d)         # q, k, v, o
     norms = L * 2 * d + d                                       # input / post-attention norms, final norm
     trained = sum(p.numel() for p in comp.trainable_parameters())
-    print(f"\nAOC on Llama-3.2-1B trains {trained / 1e6:.1f}M: attention {attention / 1e6:.1f}M, norms, 16 memory tokens")
+    print(f"\nAOC on Llama-3.2-1B trains {trained / 1e6:.1f}M: attention {attention / 1e6:.1f}M, norms, "
+          "16 memory tokens")
     assert trained == attention + norms + 16 * d               # no embedding table (262.7M) and no lm_head
 
 
@@ -752,6 +759,9 @@ def test_lm_loss_under_bf16_autocast_is_finite_and_close_to_fp32(method, device)
         torch.testing.assert_close(l16, l32, rtol=5e-3, atol=0)
 
 
+# ---------------------------------------------------------------------------- the step's count of supervised tokens
+
+
 @pytest.mark.parametrize("method, overrides", [(m, {}) for m in P.METHODS] +
                          [("500x", dict(lm_token="none"))])   # a K/V memory with nothing after it (LM)
 def test_supervised_tokens_counts_what_lm_loss_supervises(method, overrides, device):
@@ -771,95 +781,6 @@ def test_supervised_tokens_counts_what_lm_loss_supervises(method, overrides, dev
         assert D.supervised_tokens(follow, n_sup, prefix, comp.follow_start[task]) == count, (task, n_sup, prefix)
     if overrides:   # the case the rule is for: the first token of a K/V memory's follow is not predicted
         assert D.supervised_tokens(follow, None, None, comp.follow_start["lm"]) == sum(map(len, follow)) - 2
-
-
-def test_the_readme_method_table_is_the_presets():
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    assert P.method_table() in readme, "README's method table is out of date: paste the output of python presets.py"
-
-
-def test_every_preset_reads_in_200_lines_and_aoc_with_at_most_4_config_conditions():
-    # each preset's path from its record to the decoder's input, measured as the README's reading guide measures it
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import reading_guide
-    table, totals = reading_guide.guide()
-    assert all(lines <= 200 for lines, _ in totals.values()), totals
-    assert totals["aoc"][1] <= 4, totals["aoc"]
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    assert table in readme, "README's reading guide is out of date: paste the output of python tests/reading_guide.py"
-    # a one-step AOC run reads in one sitting: at most 127 project functions in 11 files (the settings resolved in
-    # cli.py's small named steps count among them, and the check of its texts' chunking, train.chunk_warning and
-    # Compressor.chunk_slots); the README says how many it calls
-    aoc = re.search(r"^\| `aoc` .* \| (\d+) in (\d+) \| \d+ \(\d+ in \d+\) \|$", table, re.M)   # the whole run, one step
-    functions, files = map(int, aoc.groups())
-    assert functions <= 127 and files <= 11, (functions, files)
-    assert f"AOC's {functions} in {files} files" in readme.replace("\n", " ")
-
-
-def test_one_aoc_training_step_turns_between_files_at_most_11_times():
-    """One train_step of AOC (the tiny demo: forward, backward, clip and step over the micro-batches the loop drew),
-    read in the order its project functions are first called, turns from one file to another at most 9 times:
-    train.py, then for the encoder's pass and again for the decoder's, compressors.py, positions.py, masks.py and
-    model.py once each; parallel.py last (the gradient norm and the step's numbers, summed over the processes). The
-    README's reading guide says how many."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import reading_guide
-    path, switches = reading_guide.step_path("aoc")
-    files = [f for i, (f, _) in enumerate(path) if i == 0 or path[i - 1][0] != f]
-    assert switches <= 9, files
-    assert files[:2] == ["train.py", "compressors.py"] and files[-1] == "parallel.py", files
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    assert f"turns from one file to another {switches} times" in readme.replace("\n", " ")
-
-
-# ---------------------------------------------------------------------------- issue 31: one word, one meaning
-
-
-def test_no_preset_shares_a_mutable_recipe_or_settings_object():
-    """ICAE's recipe was _EPL_RECIPE itself and icae and 500x shared one `qa` dict: now every record is frozen and
-    every mapping read-only, so no preset can change another's."""
-    def mutable(x, path):
-        if isinstance(x, (dict, list, set)):
-            yield path
-        for k, v in (x.items() if isinstance(x, Mapping) else enumerate(x) if isinstance(x, tuple) else ()):
-            yield from mutable(v, f"{path}[{k!r}]")
-    for name, p in P.PRESETS.items():
-        recipe = tuple(getattr(p.recipe, f.name) for f in dataclasses.fields(p.recipe))
-        found = list(mutable(tuple(p), name)) + list(mutable(recipe, name + ".recipe"))
-        assert not found, found
-        with pytest.raises(dataclasses.FrozenInstanceError):
-            p.recipe.lr = 1.0
-        with pytest.raises(TypeError):
-            p.compressor["mem"] = 1
-    # icae and 500x still read the same EPL values, from frozen records
-    qa_lr = {m: cli.recipe_settings(P.PRESETS[m].recipe, "qa")["lr"].value for m in ("icae", "500x")}
-    assert qa_lr == {"icae": 5e-5, "500x": 5e-5}
-
-
-def test_a_recipe_is_a_typed_record_whose_fields_carry_their_help():
-    assert dataclasses.is_dataclass(P.Recipe)
-    assert all(f.metadata.get("help") for f in dataclasses.fields(P.Recipe))
-    assert all(isinstance(p.recipe, P.Recipe) for p in P.PRESETS.values())
-    # the compressor settings an objective changes live apart from the recipe's values (500x's original AE setup)
-    assert P.PRESETS["500x"].compressor_for("ae")["ae_token"] == "bos" and not P.PRESETS["500x"].compressor_for("qa")
-    assert not set(cli.recipe_settings(P.PRESETS["500x"].recipe, "ae")) & {
-        f.name for f in dataclasses.fields(P.CompressorConfig)}
-
-
-def test_memory_has_no_dead_encoder_positions():
-    assert "enc_pos" not in {f.name for f in dataclasses.fields(C.Memory)}
-
-
-def test_the_pad_id_fallback_is_written_once():
-    assert inspect.getsource(C).count("pad_id is not None") == 1
-
-
-def test_one_name_for_the_special_token(device):
-    assert not hasattr(C, "special_vector") and not hasattr(C.Compressor, "special_token")
-    dec, tok = tiny(device)
-    comp = C.build("aoc", dec, tok, mem=4, chunk_len=16)
-    assert C.special_token(comp.cfg, "ae") == "bos"     # which one; Compressor.special_embedding: its vector
-    torch.testing.assert_close(comp.special_embedding("ae"), dec.model.embed_tokens.weight[tok.bos_id])
 
 
 def test_supervised_tokens_counts_by_decoder_batchs_own_target_rule(device, monkeypatch):
@@ -882,40 +803,61 @@ def test_supervised_tokens_counts_by_decoder_batchs_own_target_rule(device, monk
             assert counted == len(batch.supervised), (method, task)
 
 
-def test_dpl_decoder_inputs_compute_no_positions_they_throw_away(monkeypatch):
-    import positions
-    monkeypatch.setattr(positions, "decoder_positions", lambda *a, **k: pytest.fail("DPL needs no decoder_positions"))
-    assert positions.decoder_inputs("dpl", "kv", "ae", [10, 10], 4, 20, 3) == list(range(8, 12))
-    assert positions.decoder_inputs("upl", "embeds", "lm", [10], 4, 10, 2) == list(range(0, 7))
+# ---------------------------------------------------------------------------- presets: frozen, typed records
 
 
-def test_the_ratio_settings_are_one_concept_with_documented_mappings():
-    help_of = {f.name: f.metadata["help"] for f in P.FLAG_FIELDS}
-    assert "compression ratio" in help_of["ratio"] and "--ratios" in help_of["ratio"]   # GMSA: --ratio R = --ratios R
-    assert "compression ratios" in help_of["ratios"]
-    assert "--ratio" in help_of["mem"]                                                 # --mem drops a preset's ratio
-    assert "mappings" in P.make_config.__doc__
-    assert P.make_config("compllm", mem=4).ratio == 0.0 and P.make_config("gmsa", ratio=2).ratios == (2,)
-    assert "ratios" in inspect.signature(C.Compressor.compress).parameters   # one word: no "rates"
+def test_no_preset_shares_a_mutable_recipe_or_settings_object():
+    """Every record is frozen and every mapping in it read-only, so no preset can change another's: icae and 500x
+    read the same EPL values, and neither can change them under the other."""
+    def mutable(x, path):
+        if isinstance(x, (dict, list, set)):
+            yield path
+        for k, v in (x.items() if isinstance(x, Mapping) else enumerate(x) if isinstance(x, tuple) else ()):
+            yield from mutable(v, f"{path}[{k!r}]")
+    for name, p in P.PRESETS.items():
+        recipe = tuple(getattr(p.recipe, f.name) for f in dataclasses.fields(p.recipe))
+        found = list(mutable(tuple(p), name)) + list(mutable(recipe, name + ".recipe"))
+        assert not found, found
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            p.recipe.lr = 1.0
+        with pytest.raises(TypeError):
+            p.compressor["mem"] = 1
+    # icae and 500x read the same EPL values, from frozen records
+    qa_lr = {m: cli.recipe_settings(P.PRESETS[m].recipe, "qa")["lr"].value for m in ("icae", "500x")}
+    assert qa_lr == {"icae": 5e-5, "500x": 5e-5}
 
 
-def test_the_three_bos_uses_are_named_apart(device):
-    help_of = {f.name: f.metadata["help"] for f in P.FLAG_FIELDS}
-    assert "context BOS" in help_of["bos"] and "leading [BOS]" in help_of["delimiters"]
-    assert "[BOS] as the special token" in help_of["ae_token"]
+def test_a_recipe_is_a_typed_record_whose_fields_carry_their_help():
+    assert dataclasses.is_dataclass(P.Recipe)
+    assert all(f.metadata.get("help") for f in dataclasses.fields(P.Recipe))
+    assert all(isinstance(p.recipe, P.Recipe) for p in P.PRESETS.values())
+    # the compressor settings an objective changes live apart from the recipe's values (500x's original AE setup)
+    assert P.PRESETS["500x"].compressor_for("ae")["ae_token"] == "bos" and not P.PRESETS["500x"].compressor_for("qa")
+    assert not set(cli.recipe_settings(P.PRESETS["500x"].recipe, "ae")) & {
+        f.name for f in dataclasses.fields(P.CompressorConfig)}
+
+
+# ---------------------------------------------------------------------------- bridges, carriers and masks: named parts
+
+
+@pytest.mark.parametrize("method", P.METHODS)
+def test_every_bridge_is_a_module_named_for_what_it_does(method, device):
+    """The bridge is a module of its own class (not a closure over registry entries), the carrier and the encoder mask
+    are the named parts the config picks, and a GMSA checkpoint that names its LSA blocks `lsa.*` (not
+    `bridge.lsa.*`) loads."""
     dec, tok = tiny(device)
-    comp = C.build("pcc", dec, tok, mem=4, chunk_len=16, bos=True)
-    assert comp.context_bos == [tok.bos_id] and comp.decoder_bos == [tok.bos_id]
-    assert comp.ae_target([7])[0] == tok.bos_id
+    comp = C.build(method, dec, tok, **({} if method in ("compllm", "gmsa") else dict(mem=4, chunk_len=16)))
+    want = {"none": C.NoBridge, "linear": C.LinearBridge, "mlp": C.MLPBridge, "lsa": C.LSABridge}[comp.cfg.bridge]
+    assert type(comp.bridge) is want and comp.carrier is C.CARRIERS[comp.cfg.carrier]
+    assert comp.encoder_mask is masks.ENCODER[comp.cfg.mask] and comp.encoder_mask.__name__ == comp.cfg.mask
+    if method == "gmsa":
+        state = checkpoint.trained_state(comp)
+        old = {(n[len("bridge."):] if n.startswith("bridge.lsa.") else n): t for n, t in state.items()}
+        assert any(n.startswith("lsa.") for n in old)
+        checkpoint.load_trained(comp, old)
 
 
-def test_carriers_are_two_small_documented_classes():
-    for carrier in (C.Embeds, C.KV):
-        assert carrier.__doc__
-        for name in ("read_slots", "memory", "decoder_rows", "cache"):
-            fn = getattr(carrier, name)
-            assert fn.__doc__, (carrier, name)
-            assert all(len(p) > 1 for p in inspect.signature(fn).parameters if p != "b"), (carrier, name)
+# ---------------------------------------------------------------------------- ours: --mem-norm
 
 
 def test_mem_norm_puts_the_memory_at_the_token_embeddings_scale(device):
@@ -934,29 +876,3 @@ def test_mem_norm_puts_the_memory_at_the_token_embeddings_scale(device):
     assert all(not P.make_config(m).mem_norm for m in P.METHODS)     # no preset uses it
     with pytest.raises(ValueError, match="--mem-norm"):
         P.make_config("aoc", mem_norm=True)
-
-
-@pytest.mark.parametrize("method", P.METHODS)
-def test_every_bridge_is_a_module_named_for_what_it_does(method, device):
-    """The bridge is a module of its own class (issue 47: it was a closure over registry entries), the carrier and the
-    encoder mask are the named parts the config picks, and a GMSA checkpoint of before (its LSA blocks as `lsa.*`)
-    still loads."""
-    dec, tok = tiny(device)
-    comp = C.build(method, dec, tok, **({} if method in ("compllm", "gmsa") else dict(mem=4, chunk_len=16)))
-    want = {"none": C.NoBridge, "linear": C.LinearBridge, "mlp": C.MLPBridge, "lsa": C.LSABridge}[comp.cfg.bridge]
-    assert type(comp.bridge) is want and comp.carrier is C.CARRIERS[comp.cfg.carrier]
-    assert comp.encoder_mask is masks.ENCODER[comp.cfg.mask] and comp.encoder_mask.__name__ == comp.cfg.mask
-    if method == "gmsa":
-        state = checkpoint.trained_state(comp)
-        old = {(n[len("bridge."):] if n.startswith("bridge.lsa.") else n): t for n, t in state.items()}
-        assert any(n.startswith("lsa.") for n in old)
-        checkpoint.load_trained(comp, old)
-
-
-def test_the_compressor_class_stays_under_450_lines():
-    """Compressor stays one class a reader can hold: its file functions (save, load, load_trained, trained_state) live
-    in checkpoint.py, blocks() is a module function, the bridges are modules of their own."""
-    import ast
-    tree = ast.parse(open(C.__file__).read())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Compressor")
-    assert cls.end_lineno - cls.lineno + 1 < 450

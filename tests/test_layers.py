@@ -19,7 +19,7 @@ can learn the code bottom up. recipes/ and tests/ come after every layer (they m
     train                                  the training script
 
 A script's entry, `if __name__ == "__main__":`, counts too: the structure drawn from the imports has no circle at
-all (plan.py's entry imported train.py, which imports plan.py: its paper table moved to tests/bench_plan.py).
+all (so plan.py's paper table, whose entry would import train.py, which imports plan.py, is tests/bench_plan.py's).
 """
 
 import ast
@@ -55,8 +55,8 @@ def test_each_module_imports_only_earlier_layers():
 
 
 def test_the_checker_sees_imports_inside_functions(tmp_path):
-    """imports() finds a lazy import (the old evaluate <-> train circle hid one inside a function) and a script
-    entry's (plan.py's imported train)."""
+    """imports() finds a lazy import (an import circle can hide inside a function) and a script entry's (an entry
+    that imports train)."""
     f = tmp_path / "x.py"
     f.write_text("import masks\n\ndef f():\n    import evaluate as E\n    from train import main\n\n"
                  "if __name__ == '__main__':\n    import cli\n")

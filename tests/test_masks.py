@@ -28,7 +28,7 @@ def test_causal_literal():
 
 
 def test_causal_over_context_and_memory_is_the_encoder_mask_causal():
-    # PCC / ICAE baseline (PIC Figure 4(a)): m_t sees the whole context, unlike PIC; one name for one mask (issue 47)
+    # PCC / ICAE baseline (PIC Figure 4(a)): m_t sees the whole context, unlike PIC; one name for one mask
     assert masks.ENCODER["causal"] is masks.causal and masks.ENCODER["pic"] is masks.pic
     m = masks.causal(8, 2)
     assert m.shape == (10, 10) and torch.equal(m, masks.causal(10))
@@ -316,12 +316,3 @@ def test_stack_padded_places_each_mask_top_left_and_padding_sees_only_itself():
         masks.stack_padded([masks.causal(8)], 7)
 
 
-def test_pic_blocks_are_not_called_chunks_and_the_docstring_names_pic_as_defined():
-    """issue 31: "chunk" means only the compressor's row of chunk_len tokens; PIC's per-memory-token pieces of the
-    context are blocks, and the module docstring documents pic(L, M) as it is defined (not pic(L, M, g))."""
-    import inspect
-    assert "pic(L, M, g)" not in masks.__doc__ and "pic(L, M)" in masks.__doc__
-    assert not hasattr(masks, "chunk_bounds")
-    for fn in (masks.pic, masks.block_bounds):
-        code = "\n".join(line for line in inspect.getsource(fn).splitlines() if '"' not in line)
-        assert "chunk" not in code.lower(), fn.__name__

@@ -75,7 +75,8 @@ def test_recipe_runs_end_to_end(paper, tmp_path):
         assert (tmp_path / "curve.png").is_file()        # own/other along the runs (recipes/curve.py)
     if paper == "ladder":   # at SMOKE the lever arms train two at a time (JOBS), one of them under two levers
         args = json.loads((tmp_path / "aoc_memlr+curriculum_1x" / "args.json").read_text())
-        assert args["mem_lr"] == 1e-3 and args["len_curriculum"] and (tmp_path / "aoc_memlr+curriculum_1x.out").is_file()
+        assert args["mem_lr"] == 1e-3 and args["len_curriculum"]
+        assert (tmp_path / "aoc_memlr+curriculum_1x.out").is_file()
         assert "aoc_memlr+curriculum_1x" in results["tables"][0]["arms"]
         continues_from_a_record_without_weights(tmp_path)
     if paper == "pic":   # at SMOKE PCC carries nothing at 1x, so the probe stops there, and neither memory carries
@@ -84,7 +85,8 @@ def test_recipe_runs_end_to_end(paper, tmp_path):
         assert (tmp_path / "pic_r1_s0_qa").is_dir() and not list(tmp_path.glob("*_s1*"))
         assert "pcc_r1_s0" in results["tables"][0]["arms"]
     if paper == "compllm":   # the reuse check compares two questions per context, compressed once against anew
-        reuse, fresh = (json.loads((tmp_path / "compllm_s0" / f"eval_{k}.json").read_text()) for k in ("reuse", "fresh"))
+        reuse, fresh = (json.loads((tmp_path / "compllm_s0" / f"eval_{k}.json").read_text())
+                        for k in ("reuse", "fresh"))
         assert reuse["concat"] == fresh["concat"] == 2 and reuse["reuse"] and not fresh["reuse"]
         assert results["tables"][0]["arms"]["compllm_s0"]["cached CEs: same answers"] is True
         # at SMOKE the CEs do not beat no context, so seed 1 of the default SEEDS is not run
@@ -214,7 +216,7 @@ def test_curve_finds_the_steps_to_each_panels_own_reference_loss(tmp_path):
 def test_loss_curves_report_when_each_run_reaches_a_loss(tmp_path):
     """recipes/curve.py's loss_curves (recipes/summarize.py --curves): each run's first step at a training loss, with
     the one smoothing every steps-to-a-loss reads (smoothed_losses: the mean of the last 20 logged steps); evaluate.py
-    has no curves of its own any more."""
+    has no curves of its own."""
     import sys
     sys.path.insert(0, str(REPO / "recipes"))
     import curve
@@ -252,12 +254,13 @@ def test_diagnosis_splits_the_own_loss_at_the_first_token():
     assert counts == [1, 1]
     assert d["loss_own_first"] == pytest.approx(sum(sums) / 2, rel=1e-4)
     n = len(xs[0]) + 1
-    assert (d["loss_own_first"] * 2 + d["loss_own_rest"] * 2 * (n - 1)) / (2 * n) == pytest.approx(d["loss_own"], rel=1e-4)
+    assert (d["loss_own_first"] * 2 + d["loss_own_rest"] * 2 * (n - 1)) / (2 * n) == \
+        pytest.approx(d["loss_own"], rel=1e-4)
 
 
 def test_diagnosis_says_when_no_held_out_text_is_long_enough(tmp_path):
-    """Too few texts of the measured length stop with one line that names the fix (it used to be an IndexError deep
-    in compress([])), and --len measures on shorter texts."""
+    """Too few texts of the measured length stop with one line that names the fix (not an IndexError deep in
+    compress([])), and --len measures on shorter texts."""
     import sys
     import checkpoint
     import compressors as C
@@ -317,7 +320,7 @@ def test_capacity_optimizes_each_texts_own_memory(tmp_path):
 def test_lever_table_names_the_lever_that_carries_at_a_measured_4x(tmp_path):
     """recipes/levers.py: an arm's cell is its final own/other, the first check at or below 0.5 and the tokens per
     slot it was scored at (from its eval_ae.json's examples); the last column lists exactly the levers whose 4x arm
-    ends at or below 0.5 at a measured 4x (mean >= 3.9 tokens per slot, no text under 3.5: issue 37), and says what
+    ends at or below 0.5 at a measured 4x (mean >= 3.9 tokens per slot, no text under 3.5), and says what
     the others that carry on the 4x rung were scored at (the lora baseline's folder counts as 500x + lora)."""
     import sys
     sys.path.insert(0, str(REPO / "recipes"))
@@ -343,7 +346,8 @@ def test_lever_table_names_the_lever_that_carries_at_a_measured_4x(tmp_path):
     arm("pcc_epl_4x", [0.8, 0.3], 0.3, [62, 62])            # none under 3.5 but a mean of 3.88 (< 3.9)
     levers.main(["--out", str(tmp_path)])
     rows = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in line.split("|")[3:-1]]
-            for line in (tmp_path / "levers.md").read_text().splitlines() if line.startswith("| ") and "---" not in line}
+            for line in (tmp_path / "levers.md").read_text().splitlines()
+            if line.startswith("| ") and "---" not in line}
     assert rows[("500x", "lora")][1] == "**0.260 (step 100, 150 steps)** at 3.65 (2.94-4.00)"
     assert rows[("500x", "none")] == ["-", "0.780 (never <= 0.5, 100 steps)",
                                       "none; lora carries at 3.65 (2.94-4.00), not a measured 4x"]
@@ -398,8 +402,8 @@ def test_no_rendered_record_names_a_machine_local_path(tmp_path):
 
 
 def test_no_json_record_names_a_machine_local_path(tmp_path):
-    """Issue 46: 574 JSON records named the paths of the machines that ran them (args.json's data/out/init, a model in
-    ~/.cache, eval_ae.json's checkpoint). No value of a JSON record under recipes/results is an absolute path, and none
+    """A JSON record names no path of the machine that ran it (args.json's data/out/init, a model in ~/.cache,
+    eval_ae.json's checkpoint): no value of a JSON record under recipes/results is an absolute path, and none
     names one inside it, except the held-out texts the corpus itself wrote (a record's "examples"). records.py makes
     a record so: relative to the repository, or a local folder by its own name; only whole values change."""
     import sys
@@ -453,7 +457,7 @@ RATIO = re.compile(r"\b\d+\.\d\d(?!\d)(?: \(\d+\.\d\d-\d+\.\d\d)?")   # tokens p
 
 
 def test_the_readmes_tables_show_the_measured_tokens_per_slot():
-    """Issues 37 and 46: every held-out own/other a README's table states stands beside the tokens per memory slot it
+    """Every held-out own/other a README's table states stands beside the tokens per memory slot it
     was scored at (a column of them, or each group of the cell led by its own), and its record (tests/test_records.py
     checks the numbers); recipes/README.md's verdict table states the papers' numbers, our setups and verdicts, none of
     ours; its lever table is recipes/levers.py's (each cell with its tokens per slot, and the rule of a measured 4x)."""
@@ -484,12 +488,13 @@ def ladder_shell(snippet):
              for f in ("lever_flag", "lever_flags", "lever_name", "arm_name")]
     kept = re.search(r'^KEPT_NAMES=".*?"$', text, re.S | re.M).group(0)
     rungs = re.search(r"^  (case \$rung in .*? esac)$", text, re.M).group(1)
-    script = "\n".join([*funcs, kept]) + f"\nrung_of() {{ local rung=$1; {rungs}; echo $n $r; }}\nSTEPS=300\n{snippet}\n"
+    script = "\n".join([*funcs, kept]) + \
+        f"\nrung_of() {{ local rung=$1; {rungs}; echo $n $r; }}\nSTEPS=300\n{snippet}\n"
     return subprocess.run(["bash", "-c", script], capture_output=True, text=True)
 
 
 def test_ladder_levers_stack_and_the_8x_rung():
-    """Issue 37's levers and rung: lr=X replaces the preset's learning rate, a stacked arm keeps every lever's name
+    """The ladder's levers and rungs: lr=X replaces the preset's learning rate, a stacked arm keeps every lever's name
     with its value, and the 8x rung compresses 128 tokens into the rung's 16 slots."""
     flags, name, r8, r4 = ladder_shell("echo $(lever_flags kv+ae=bos+ratio=5+lr=5e-4+long 64); "
                                        "lever_name kv+ae=bos+ratio=5+lr=5e-4+long; rung_of 8x; rung_of 4x"
@@ -502,20 +507,20 @@ def test_ladder_levers_stack_and_the_8x_rung():
 
 
 def test_ladder_arms_that_differ_only_in_a_value_train_in_their_own_folders(tmp_path):
-    """Issue 46: `LEVERS="aoc:lr=1e-2 aoc:lr=1e-5"` trained one folder (the names dropped the values), so the second
-    arm found the first one's run. Every valued lever keeps its value in the name; the folders trained before keep
-    their names (KEPT_NAMES) where OUT holds them, each under the one value it was trained with."""
+    """`LEVERS="aoc:lr=1e-2 aoc:lr=1e-5"` trains two folders: every valued lever keeps its value in the name (a name
+    without it would send the second arm to the first one's run); the folders KEPT_NAMES lists keep their names where
+    OUT holds them, each under the one value it was trained with."""
     pairs = [("lr=1e-2", "lr=1e-5"), ("ratio=4", "ratio=5"), ("warm=500x_1x", "warm=lora_1x"), ("ae=bos", "ae=eos"),
              ("kv+ae=bos+ratio=5", "kv+ae=bos+ratio=4")]
     got = ladder_shell("; ".join(f"lever_name {a}; lever_name {b}" for a, b in pairs)).stdout.split()
     assert got == ["lr1e-2", "lr1e-5", "ratio4", "ratio5", "warm500x_1x", "warmlora_1x", "aebos", "aeeos",
                    "kv+aebos+ratio5", "kv+aebos+ratio4"]
-    (tmp_path / "compllm_kv+ae+ratio+lr+long_4x").mkdir()   # an arm trained before values were kept
+    (tmp_path / "compllm_kv+ae+ratio+lr+long_4x").mkdir()   # a kept name: its folder's name lacks the values
     names = ladder_shell(f"OUT={tmp_path}; arm_name compllm_kv+aebos+ratio5+lr5e-4+long_4x; "
                          "arm_name compllm_kv+aebos+ratio5+lr1e-3+long_4x; arm_name aoc_lr1e-5_1x; "
                          "arm_name compllm_kv+aebos+ratio5+long+batch16_4x").stdout.split()
     assert names == ["compllm_kv+ae+ratio+lr+long_4x", "compllm_kv+aebos+ratio5+lr1e-3+long_4x", "aoc_lr1e-5_1x",
-                     "compllm_kv+aebos+ratio5+long+batch16_4x"]   # the last: no old folder in OUT, the new name
+                     "compllm_kv+aebos+ratio5+long+batch16_4x"]   # the last: no kept folder in OUT, its valued name
     # the kept names are the arms recipes/results/ladder holds, each with the value its args.json says it had
     ladder = REPO / "recipes" / "results" / "ladder"
     kept = dict(k.split("=") for k in re.search(r'^KEPT_NAMES="(.*?)"$', (REPO / "recipes" / "ladder.sh").read_text(),

@@ -13,6 +13,12 @@ groups split by "; " (each led by its tokens per slot), arms by ", " (each led b
 other column is either checked (SPECS: how to read it from a run's record) or a label (LABELS: claims, names,
 verdicts), and a table with no records column is a result table only where NOT_RESULTS says why not, or where a test
 below reads it from its records another way (the lever table, the needle grid).
+
+Two checks read the code rather than a record. The tiny demo's table in recipes/README.md states each preset's text
+length n, memory slots m and steps: they must be what `python train.py --method M` runs today (a tiny compressor is
+built for each row, the one test here that loads torch). And the sentence above README.md's reading guide states AOC's
+row of the guide's table in words: its numbers must be that row's (tests/test_style.py holds the table to the code's
+measure, tests/reading_guide.py).
 """
 
 import json
@@ -28,11 +34,13 @@ READMES = ("README.md", "recipes/README.md")
 NOT_RESULTS = {
     "| method | follows |": "presets.py's method table (`python presets.py` prints it)",
     "| method | functions it runs": "tests/reading_guide.py's measure of the code a preset runs, not a result",
-    "| claim | the paper's number |": "the papers' numbers, our setups and verdicts: our numbers are in the tables with records",
+    "| claim | the paper's number |": "the papers' numbers, our setups and verdicts: our numbers are in the tables "
+                                      "with records",
     "| preset | lever |": "the lever table: test_the_lever_table_matches_its_records",
     "| full context: depth": "the needle grid: test_the_needle_grid_matches_its_record",
 }
-# columns that name, describe or judge rather than measure (a "seed N" in them is checked against args.json)
+# columns that name, describe or judge rather than measure (a "seed N" in them is checked against args.json; the tiny
+# demo's "n (bytes)" and "m" are checked against the code: test_the_tiny_demo_table_states_each_presets_n_m_and_steps)
 LABELS = {"claim (paper)", "verdict at this scale (rule: 2 seeds per arm, every run ≤ 0.5, the interval clear of 0)",
           "preset", "carrier", "carries at a measured 4x", "run", "state", "preset at m = n = 16",
           'preset at n = 64, 16 slots ("4x")', "run (memory optimized per text, 8 texts)", "tokens", "n (bytes)", "m",
@@ -127,15 +135,16 @@ SPECS = {
     "held-out own/other": lambda run, row: [scored(run)["loss"]["own_other_ratio"]],
     "held-out own/other at the end": lambda run, row: [scored(run)["loss"]["own_other_ratio"]],
     "first step at own/other <= 0.5": lambda run, row: [first_at_half(run)],
-    "own / other / no memory (loss per token)": lambda run, row: [scored(run)["loss"][k] for k in ("own", "other", "none")],
+    "own / other / no memory (loss per token)": lambda run, row: [scored(run)["loss"][k]
+                                                                  for k in ("own", "other", "none")],
     "BLEU-4 (words)": lambda run, row: [scored(run)["scores"]["compressed"]["bleu4_words"]],
     "BLEU-4 (ids)": lambda run, row: [scored(run)["scores"]["compressed"]["bleu4_ids"]],
     "ROUGE-L": lambda run, row: [scored(run)["scores"]["compressed"]["rougeL"]],
     "ROUGE-L (AOC's script)": lambda run, row: [scored(run)["scores"]["compressed"]["aoc_rougeL"]],
     "trained parameters": lambda run, row: [record(run, "compressor")["trained_parameters"] / 1e6],
     "s/step": lambda run, row: [record(run, "eval_curve")["s_per_step"]],
-    "wall time, s: both / train / evaluate": lambda run, row: [(w := record(run, "wall_time"))["train_s"] + w["evaluate_s"],
-                                                     w["train_s"], w["evaluate_s"]],
+    "wall time, s: both / train / evaluate": lambda run, row: [(w := record(run, "wall_time"))["train_s"]
+                                                               + w["evaluate_s"], w["train_s"], w["evaluate_s"]],
     "steps": lambda run, row: [last_step(run)],
     "held-out texts": lambda run, row: [len(scored(run)["examples"])],
     "tokens per slot at the check": lambda run, row: [ratio_text(last_check(run)["tokens_per_slot"])],
@@ -168,7 +177,8 @@ SPECS = {
     "TTFT from cached CEs ms": lambda run, row: [1000 * speed_row(run, row)["ttft_compressed_s"]],
     "speedup (cached)": lambda run, row: [speed_row(run, row)["speedup_offline"]],
     "speedup (compressing too)": lambda run, row: [speed_row(run, row)["speedup_online"]],
-    "KV full / CEs MB": lambda run, row: [speed_row(run, row)[k] / 2 ** 20 for k in ("kv_bytes_full", "kv_bytes_compressed")],
+    "KV full / CEs MB": lambda run, row: [speed_row(run, row)[k] / 2 ** 20
+                                          for k in ("kv_bytes_full", "kv_bytes_compressed")],
 }
 
 
@@ -189,7 +199,8 @@ def diagnosis_state(run, row):
 # a diagnosis table (it has a "state" column): recipes/diagnosis.py's measures of the run's diagnosis.json
 DIAGNOSIS = {
     "embedding norm memory/text": lambda s: [s["embed_norm_ratio"]],
-    "key norm memory/text (layers 0-5 / 6-11 / 12-17 / 18-23 / 24-29)": lambda s: groups_of([x["norm"] for x in s["layers"]]),
+    "key norm memory/text (layers 0-5 / 6-11 / 12-17 / 18-23 / 24-29)":
+        lambda s: groups_of([x["norm"] for x in s["layers"]]),
     "attention on memory (same layers)": lambda s: groups_of([x["attention"] for x in s["layers"]]),
     "key spread across texts": lambda s: [sum(x["spread"] for x in s["layers"]) / len(s["layers"])],
     "AE loss own": lambda s: [s["loss_own"]],
@@ -390,7 +401,8 @@ def test_the_lever_table_matches_its_records():
     text = (REPO / "recipes" / "README.md").read_text()
     (header_line, header, rows, _), = [t for t in tables(text) if t[0].startswith("| preset | lever |")]
     index = read(str(REPO / "recipes" / "results" / "ladder" / "levers.json"))
-    cell_re = re.compile(rf"\**(\d\.\d{{3}}) \((?:step (\d+)|never <= 0\.5), (\d+) steps(?: \([^)]*\))?\)\** at ({RATIO})")
+    cell_re = re.compile(rf"\**(\d\.\d{{3}}) \((?:step (\d+)|never <= 0\.5), (\d+) steps(?: \([^)]*\))?\)\** "
+                         rf"at ({RATIO})")
     problems, checked = [], 0
     for preset, lever, one, four, _ in rows:
         for rung, cell in (("1x", one), ("4x", four)):
@@ -711,6 +723,82 @@ def test_a_coarser_rounding_fails(tmp_path):
     (tmp_path / "README.md").write_text(text.replace("takes 1.8 s here", "takes 2 s here"))
     problems, _ = check_prose("recipes/README.md", tmp_path / "README.md")
     assert len(problems) == 1 and "prints ['4', '2', '1,500']" in problems[0], problems
+
+
+# ---- the code's own numbers: the tiny demo's table, the reading guide's sentence ----
+
+def test_the_tiny_demo_table_states_each_presets_n_m_and_steps(device):
+    """recipes/README.md's table of the tiny demo ("n (bytes) | m | steps") says what the code does: each preset's
+    demo run compresses an n-byte text into m vectors (GMSA: [BOS] and 8 bytes in groups of 2 are 5, not n/2 = 4);
+    a row with flags (`aoc --mem 4`, the quickstart's 4x) is that command."""
+    import cli
+    import data as D
+    import train
+    readme = (REPO / "recipes" / "README.md").read_text()
+    rows = {m: (int(n), int(k), int(steps.replace(",", ""))) for m, n, k, steps in
+            re.findall(r"^\| `(\w+(?: --[\w-]+ \S+)*)` \| (\d+) \| (\d+) \| ([\d,]+) \|", readme, flags=re.M)}
+    assert {m.split()[0] for m in rows} == set(cli.TINY) and "aoc --mem 4" in rows
+    for command, (n, m, steps) in rows.items():
+        method, *flags = command.split()
+        s = cli.parse_args(["--method", method, *flags])
+        comp = train.build_compressor(s.config, device)
+        x = list(D.BUILTIN_TEXTS[0].encode())[:s.max_len]
+        ratios = [comp.cfg.ratios[0]] if comp.cfg.source == "group_mean" else None
+        assert (s.max_len, sum(comp.compress([comp.encoder_ids(x)], ratios=ratios).slots[0]), s.steps) \
+            == (n, m, steps), method
+
+
+GUIDE = "| method | functions it runs"   # README.md's reading guide: the table tests/reading_guide.py prints
+
+
+def guide_row(text, method):
+    """The numbers of `method`'s row in the reading guide's table of `text`: the functions and files of a one-step run,
+    then one train_step's switches between files, its functions and their files."""
+    (_, _, rows, _), = [t for t in tables(text) if t[0].startswith(GUIDE)]
+    run, step = next(row for row in rows if row[0] == f"`{method}`")[-2:]
+    return ([int(n) for n in re.fullmatch(r"(\d+) in (\d+)", run).groups()],
+            [int(n) for n in re.fullmatch(r"(\d+) \((\d+) in (\d+)\)", step).groups()])
+
+
+# (the words around the numbers, one {} each, what the table gives: a function of README.md's text), as in PROSE
+GUIDE_PROSE = [
+    ("calls: AOC's {} in {} files (", lambda text: guide_row(text, "aoc")[0]),
+    ("One `train_step` (`--step aoc`) calls {} of them in {} files and, in first-call order, turns from one file to "
+     "another {} times", lambda text: [(step := guide_row(text, "aoc")[1])[1], step[2], step[0]]),
+]
+
+
+def check_guide_prose(path=None):
+    """Every problem of README.md's sentences about the reading guide (read from `path`, a copy, where given): each
+    GUIDE_PROSE entry found in exactly one sentence, its numbers those of the guide's table. Returns (problems, the
+    file spans of the numbers)."""
+    text = Path(path or REPO / "README.md").read_text()
+    problems, spans = [], []
+    for template, derive in GUIDE_PROSE:
+        found = [(a, m) for a, b in prose_sentences(text) for m in [anchor(template).search(text[a:b])] if m]
+        if len(found) != 1:
+            problems.append(f"README.md: {template[:70]!r} is in {len(found)} sentences, not 1")
+            continue
+        a, m = found[0]
+        spans += [(a + m.start(g), a + m.end(g)) for g in range(1, len(m.groups()) + 1)]
+        printed, values = list(m.groups()), derive(text)
+        if len(values) != len(printed) or not all(prose_same(p, v) for p, v in zip(printed, values)):
+            problems.append(f"README.md: {template[:70]!r} prints {printed}, the reading guide's table gives {values}")
+    return problems, spans
+
+
+def test_the_reading_guides_sentence_states_its_tables_numbers(tmp_path):
+    """README.md's sentence above the reading guide (AOC's one-step run: its functions and files; one train_step:
+    its functions, files and switches between files) prints the numbers of the table's `aoc` row, and a digit
+    changed in any of them fails."""
+    problems, spans = check_guide_prose()
+    assert not problems and len(spans) == 5, problems
+    text = (REPO / "README.md").read_text()
+    for a, b in spans:
+        last = max(j for j in range(a, b) if text[j].isdigit())
+        digit = int(text[last])
+        (tmp_path / "README.md").write_text(text[:last] + str(digit + 1 if digit < 9 else digit - 1) + text[last + 1:])
+        assert any("the reading guide's table gives" in p for p in check_guide_prose(tmp_path / "README.md")[0])
 
 
 # ---- the push section's curves: its records' checks, as recipes/README.md prints them ----

@@ -1,4 +1,8 @@
-"""Style and reading guards of the code base, apart from the tests of behaviour (STYLE.md rule 17).
+"""Style and reading guards of the code base, apart from the tests of behaviour (STYLE.md rule 17): every paper item
+the code cites leads to its test; each preset, a one-step run and one training step read in one sitting, train.py in
+the order it runs and the README's Install in two commands; the Compressor class stays under 450 lines; the READMEs'
+generated tables are the code's output; one word, one meaning; docstrings say what the code does; every import is
+used, and metrics.py imports no torch.
 
 From each paper item to its test: the code names its source next to the line (rule 2: `# PIC Eq. (5), rule 3`,
 `EPL Table 13`, `AOC §2`), and tests/README.md opens with a table that leads from each item so cited to the test
@@ -14,8 +18,22 @@ The paper's name opens the citation; what follows it, joined by ",", "and" or "/
 """
 
 import ast
+import dataclasses
+import inspect
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+import torch
+
+import compressors as C
+import masks
+import plan
+import presets as P
+from test_compressors import tiny
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "tests" / "README.md"
@@ -238,3 +256,194 @@ def test_the_reduced_precision_marker_follows_the_arithmetic_not_the_prose():
     assert "bf16" in micro and not runs_reduced_precision(micro, "ae", ["ae", "qa"])
     prose = 'def test_x():\n    """On CUDA, bf16."""\n    x = 1   # autocast elsewhere\n'
     assert not runs_reduced_precision(prose) and runs_reduced_precision(prose.replace("x = 1", "x = 'bf16'"))
+
+
+# ---- reading paths: a preset, a one-step run and one training step in one sitting ----
+
+
+def test_every_preset_reads_in_200_lines_and_aoc_with_at_most_4_config_conditions():
+    # each preset's path from its record to the decoder's input, measured as the README's reading guide measures it
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import reading_guide
+    table, totals = reading_guide.guide()
+    assert all(lines <= 200 for lines, _ in totals.values()), totals
+    assert totals["aoc"][1] <= 4, totals["aoc"]
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    assert table in readme, "README's reading guide is out of date: paste the output of python tests/reading_guide.py"
+    # a one-step AOC run reads in one sitting: at most 127 project functions in 11 files (the settings resolved in
+    # cli.py's small named steps count among them, and the check of its texts' chunking, train.chunk_warning and
+    # Compressor.chunk_slots); the README's sentence says how many it calls (tests/test_records.py reads it against
+    # this table's row)
+    aoc = re.search(r"^\| `aoc` .* \| (\d+) in (\d+) \| \d+ \(\d+ in \d+\) \|$", table, re.M)   # the run, one step
+    functions, files = map(int, aoc.groups())
+    assert functions <= 127 and files <= 11, (functions, files)
+
+
+def test_one_aoc_training_step_turns_between_files_at_most_9_times():
+    """One train_step of AOC (the tiny demo: forward, backward, clip and step over the micro-batches the loop drew),
+    read in the order its project functions are first called, turns from one file to another at most 9 times:
+    train.py, then for the encoder's pass and again for the decoder's, compressors.py, positions.py, masks.py and
+    model.py once each; parallel.py last (the gradient norm and the step's numbers, summed over the processes). The
+    README's reading guide says how many: its table's last column (the test above holds the table to the code) and a
+    sentence tests/test_records.py reads against it."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import reading_guide
+    path, switches = reading_guide.step_path("aoc")
+    files = [f for i, (f, _) in enumerate(path) if i == 0 or path[i - 1][0] != f]
+    assert switches <= 9, files
+    assert files[:2] == ["train.py", "compressors.py"] and files[-1] == "parallel.py", files
+
+
+def test_train_py_reads_in_the_order_it_runs_with_main_last():
+    """train.py is one run on one page: main() is its last definition, and no other function takes the parsed flags
+    (`args`): each takes what it uses, resolved once by cli.parse_args (tests/test_settings.py checks the same rule
+    while a run runs)."""
+    import ast
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "train.py").read_text())
+    defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert defs[-1].name == "main"
+    takes_args = [f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name != "main"
+                  and "args" in [a.arg for a in f.args.args + f.args.kwonlyargs]]
+    assert not takes_args, takes_args
+
+
+def test_install_in_two_commands_runs_the_readmes_quickstart():
+    """README's Install is two commands: .ci/quickstart sets up and runs the Quickstart, .ci/run the tests. The first
+    runs exactly the Quickstart's commands (python3 for python), and both keep a CUDA build of torch >= 2.7; the
+    Install block names the command .ci/run runs the tests with."""
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    install = re.search(r"## Install\n\n```bash\n(.*?)```", readme, re.S).group(1)
+    assert [line.split()[:2] for line in install.splitlines()] == [["bash", ".ci/quickstart"], ["bash", ".ci/run"]]
+    quick = re.search(r"## Quickstart.*?```bash\n(.*?)```", readme, re.S).group(1)
+    script = (root / ".ci" / "quickstart").read_text()
+    for command in (line.split("#")[0].strip() for line in quick.splitlines()):
+        assert command.replace("python ", "python3 ", 1) in script, command
+    for name in ("quickstart", "run"):
+        text = (root / ".ci" / name).read_text()
+        assert subprocess.run(["bash", "-n", str(root / ".ci" / name)]).returncode == 0
+        assert "< (2, 7)" in text and "pip install -q torch==2.13.0" in text
+    assert "python3 -m pytest -q -n 2 tests" in (root / ".ci" / "run").read_text() and \
+        "python -m pytest -q -n 2 tests" in install
+
+
+# ---- size ----
+
+
+def test_the_compressor_class_stays_under_450_lines():
+    """Compressor stays one class a reader can hold: its file functions (save, load, load_trained, trained_state) live
+    in checkpoint.py, blocks() is a module function, the bridges are modules of their own."""
+    import ast
+    tree = ast.parse(open(C.__file__).read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Compressor")
+    assert cls.end_lineno - cls.lineno + 1 < 450
+
+
+# ---- the READMEs' generated tables are the code's output (the reading guide's: above) ----
+
+
+def test_the_readme_method_table_is_the_presets():
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    assert P.method_table() in readme, "README's method table is out of date: paste the output of python presets.py"
+
+
+def test_the_paper_table_in_tests_readme_is_the_direct_plan():
+    """tests/README.md's table is printed by tests/bench_plan.py --papers, each number a direct plan: its AOC and
+    GMSA rows (the cheap ones) are recomputed here and must be the printed rows exactly."""
+    import bench_plan
+    table = (Path(__file__).parent / "README.md").read_text()
+    for row in bench_plan.PAPERS:
+        if row[0] in ("aoc", "gmsa"):
+            assert bench_plan.paper_row(*row) in table, row
+
+
+# ---- one word, one meaning ----
+
+
+def test_memory_has_no_dead_encoder_positions():
+    assert "enc_pos" not in {f.name for f in dataclasses.fields(C.Memory)}
+
+
+def test_the_pad_id_fallback_is_written_once():
+    assert inspect.getsource(C).count("pad_id is not None") == 1
+
+
+def test_one_name_for_the_special_token(device):
+    assert not hasattr(C, "special_vector") and not hasattr(C.Compressor, "special_token")
+    dec, tok = tiny(device)
+    comp = C.build("aoc", dec, tok, mem=4, chunk_len=16)
+    assert C.special_token(comp.cfg, "ae") == "bos"     # which one; Compressor.special_embedding: its vector
+    torch.testing.assert_close(comp.special_embedding("ae"), dec.model.embed_tokens.weight[tok.bos_id])
+
+
+def test_the_ratio_settings_are_one_concept_with_documented_mappings():
+    help_of = {f.name: f.metadata["help"] for f in P.FLAG_FIELDS}
+    assert "compression ratio" in help_of["ratio"] and "--ratios" in help_of["ratio"]   # GMSA: --ratio R = --ratios R
+    assert "compression ratios" in help_of["ratios"]
+    assert "--ratio" in help_of["mem"]                                                 # --mem drops a preset's ratio
+    assert "mappings" in P.make_config.__doc__
+    assert P.make_config("compllm", mem=4).ratio == 0.0 and P.make_config("gmsa", ratio=2).ratios == (2,)
+    assert "ratios" in inspect.signature(C.Compressor.compress).parameters   # one word: no "rates"
+
+
+def test_the_three_bos_uses_are_named_apart(device):
+    help_of = {f.name: f.metadata["help"] for f in P.FLAG_FIELDS}
+    assert "context BOS" in help_of["bos"] and "leading [BOS]" in help_of["delimiters"]
+    assert "[BOS] as the special token" in help_of["ae_token"]
+    dec, tok = tiny(device)
+    comp = C.build("pcc", dec, tok, mem=4, chunk_len=16, bos=True)
+    assert comp.context_bos == [tok.bos_id] and comp.decoder_bos == [tok.bos_id]
+    assert comp.ae_target([7])[0] == tok.bos_id
+
+
+def test_carriers_are_two_small_documented_classes():
+    for carrier in (C.Embeds, C.KV):
+        assert carrier.__doc__
+        for name in ("read_slots", "memory", "decoder_rows", "cache"):
+            fn = getattr(carrier, name)
+            assert fn.__doc__, (carrier, name)
+            assert all(len(p) > 1 for p in inspect.signature(fn).parameters if p != "b"), (carrier, name)
+
+
+def test_pic_blocks_are_not_called_chunks_and_the_docstring_names_pic_as_defined():
+    """"chunk" means only the compressor's row of chunk_len tokens; PIC's per-memory-token pieces of the
+    context are blocks, and the module docstring documents pic(L, M) as it is defined (not pic(L, M, g))."""
+    import inspect
+    assert "pic(L, M, g)" not in masks.__doc__ and "pic(L, M)" in masks.__doc__
+    assert not hasattr(masks, "chunk_bounds")
+    for fn in (masks.pic, masks.block_bounds):
+        code = "\n".join(line for line in inspect.getsource(fn).splitlines() if '"' not in line)
+        assert "chunk" not in code.lower(), fn.__name__
+
+
+# ---- docstrings say what the code does ----
+
+
+def test_the_plans_docstring_describes_the_attention_count_it_uses():
+    """plan.py counts attention as CUDA's memory-efficient kernel saves it (CudaAttention, which saved_bytes swaps in
+    for SDPA), and its docstring says so, not the CPU's count ("as the CPU's SDPA keeps it")."""
+    doc = " ".join(plan.__doc__.split())
+    assert "CudaAttention" in doc and "as the CPU's SDPA keeps it" not in doc
+    assert plan.sdpa.__doc__ and "CudaAttention" in plan.sdpa.__doc__
+
+
+# ---- imports ----
+
+
+def test_metrics_are_pure_python_without_torch():
+    """metrics.py is the papers' scoring alone: stdlib only, so importing it loads neither torch nor numpy."""
+    code = "import sys, metrics; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr
+
+
+@pytest.mark.parametrize("path", ["evaluate.py", "metrics.py", "tests/test_evaluate.py", "tests/test_metrics.py"])
+def test_no_unused_imports(path):
+    """Every name these files import is used: an import nothing uses sends a reader looking for the check that
+    needs it."""
+    import ast
+    tree = ast.parse((REPO / path).read_text())
+    imports = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    imported = {(a.asname or a.name).split(".")[0] for node in imports for a in node.names}
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    assert imported <= used, sorted(imported - used)
