@@ -129,12 +129,12 @@ def chunk_warning(comp, sampling) -> list:
     if sampling.objective != "ae":
         return []
     bos = len(comp.context_bos)
-    over = lambda cut: bool(cut) and cut[-1][1] > cut[-1][0]   # the last chunk is the short one
-    short = [n for n in range(sampling.min_len, sampling.max_len + 1) if over(comp.chunk_slots(n + bos))]
+    cuts = {n: comp.chunk_slots(n + bos) for n in range(sampling.min_len, sampling.max_len + 1)}
+    short = [n for n, cut in cuts.items() if cut and cut[-1][1] > cut[-1][0]]   # the last chunk is the short one
     if not short:
         return []
     n, full = short[-1], comp.chunk_slots(comp.cfg.chunk_len)[0]
-    cut = comp.chunk_slots(n + bos)
+    cut = cuts[n]
     slots = sum(m for _, m in cut)
     return [f"warning: {len(short)} of the text lengths {sampling.min_len}-{sampling.max_len} end in a chunk with "
             f"more memory slots than tokens: a {n}-token text{' and its [BOS]' if bos else ''} "

@@ -100,7 +100,8 @@ def ratio_text(tps):
 
 
 def own_other(run):
-    """A run's final held-out own/other (scored: evaluate.py's AE, else QA record), by its folder in recipes/results."""
+    """A run's final held-out own/other (scored: evaluate.py's AE, else QA record): its folder, in recipes/results
+    or a whole path."""
     return scored(RESULTS / run)["loss"]["own_other_ratio"]
 
 
@@ -132,8 +133,8 @@ def speed_row(run, row):
 # header -> a function (run folder, the row's cells) -> the values the cell prints, in order
 SPECS = {
     "tokens per slot": lambda run, row: [ratio_text(scored(run)["tokens_per_slot"])],
-    "held-out own/other": lambda run, row: [scored(run)["loss"]["own_other_ratio"]],
-    "held-out own/other at the end": lambda run, row: [scored(run)["loss"]["own_other_ratio"]],
+    "held-out own/other": lambda run, row: [own_other(run)],
+    "held-out own/other at the end": lambda run, row: [own_other(run)],
     "first step at own/other <= 0.5": lambda run, row: [first_at_half(run)],
     "own / other / no memory (loss per token)": lambda run, row: [scored(run)["loss"][k]
                                                                   for k in ("own", "other", "none")],
@@ -169,7 +170,7 @@ SPECS = {
                                                                  for c in ("compressed", "full", "none")],
     "answer loss: own CEs / another document's CEs / none / full context":
         lambda run, row: [scored(run)["loss"][k] for k in ("own", "other", "none", "full")],
-    "answer own/other": lambda run, row: [scored(run)["loss"]["own_other_ratio"]],
+    "answer own/other": lambda run, row: [own_other(run)],
     # tests/bench_speed.py's rows (CompLLM's speed), the row found by its "tokens"
     "CEs": lambda run, row: [speed_row(run, row)["memory_slots"]],
     "compress ms": lambda run, row: [1000 * speed_row(run, row)["compress_s"]],
@@ -315,7 +316,7 @@ def check_table(readme, header_line, header, rows):
                     continue
                 values = [v for _, arms in printed for _, vs in arms for v in vs]
                 for text, (_, _, _, run) in zip(values, runs):
-                    if not same(text, scored(run)["loss"]["own_other_ratio"]):
+                    if not same(text, own_other(run)):
                         problems.append(f"{where}: own/other {text}, its record {run} says "
                                         f"{scored(run)['loss']['own_other_ratio']:.4f}")
                 continue
@@ -512,7 +513,7 @@ PROSE = [
      lambda: [scored(RESULTS / "tiny/aoc_mem4")["tokens_per_slot"]["mean"],      # a ratio: the loss other / own
               (loss := scored(RESULTS / "tiny/aoc_mem4")["loss"])["other"] / loss["own"]]),
     ("README.md", "own/other [{}](recipes/results/tiny/aoc)",
-     lambda: [scored(RESULTS / "tiny/aoc")["loss"]["own_other_ratio"]]),
+     lambda: [own_other("tiny/aoc")]),
     ("recipes/README.md", "A step at batch {} takes {} s here "
                           "(the median of [the main arm's](results/push/lora_long_4x) {} steps)",
      lambda: [args(MAIN)["batch_size"], median([r["dt"] for r in log_rows(RESULTS / MAIN) if "dt" in r]),
