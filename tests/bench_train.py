@@ -116,16 +116,17 @@ def step_flops(step) -> tuple:
         + 2·|W| for W's own gradient, only where W trains (LoRA's A and B, not its base; AOC's encoder copy; PCC's
           encoder; the bridges).
 
-    A trained matrix costs 6·|W| a token, a frozen one a gradient flows through 4·|W|, a frozen one none flows
-    through 2·|W| (the usual 6 × parameters counts every matrix as the first). The products: F.linear (every
-    projection, LoRA's branch, the bridges, lm_head where logits are made: at the supervised positions only,
-    chunked_cross_entropy) and SDPA's two per layer, q kᵀ (2·B·H·T·S·D; operands q, k) and P v (2·B·H·T·S·Dv;
-    operands P, which needs a gradient when q or k does, and v). Attention is counted dense, every query against
-    every key, as the masked kernels run it: the half a causal mask hides is not taken off (flash attention's causal
-    kernel skips it, the memory-efficient kernel under a mask does not), and each of the H query heads counts under
-    GQA. Not counted: embedding lookups (no arithmetic), norms, RoPE, activations, softmax and cross-entropy (a few
-    FLOPs an element, against K an element of a product), and recomputation (--grad-ckpt's, the chunked loss's
-    logits in backward): MFU counts the model's arithmetic once, not the hardware's."""
+    A trained matrix costs 6·|W| a token, a frozen one a gradient flows through 4·|W|, a frozen one no gradient
+    flows through 2·|W| (the usual 6 × parameters counts every matrix as the first). Tokens are the rows as run,
+    padding included: a short chunk padded to the batch's longest encoder row counts at that length. The products:
+    F.linear (every projection, LoRA's branch, the bridges, lm_head where logits are made: at the supervised
+    positions only, chunked_cross_entropy) and SDPA's two per layer, q kᵀ (2·B·H·T·S·D; operands q, k) and P v
+    (2·B·H·T·S·Dv; operands P, which needs a gradient when q or k does, and v). Attention is counted dense, every
+    query against every key, as the masked kernels run it: the half a causal mask hides is not taken off (flash
+    attention's causal kernel skips it, the memory-efficient kernel under a mask does not), and each of the H query
+    heads counts under GQA. Not counted: embedding lookups (no arithmetic), norms, RoPE, activations, softmax and
+    cross-entropy (a few FLOPs an element, against K an element of a product), and recomputation (--grad-ckpt's, the
+    chunked loss's logits in backward): MFU counts the model's arithmetic once, not the hardware's."""
     with MatmulRecorder() as recorder:
         loss = step()
     reached = backward_nodes(loss)
