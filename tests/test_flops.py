@@ -37,7 +37,8 @@ def attention(T, S):
 
 
 def two_layer_tiny(where):
-    """TINY_CONFIG with 2 layers, on `where` (a device, or "meta": the benchmark counts there), and the byte tokenizer."""
+    """TINY_CONFIG with 2 layers, on `where` (a device, or "meta", where the benchmark counts), and the byte
+    tokenizer."""
     torch.manual_seed(0)
     with torch.device(where):
         model = Transformer(ModelConfig.from_hf({**TINY_CONFIG, "num_hidden_layers": 2}))
