@@ -13,10 +13,9 @@ tok/s counts every token a step reads: the compressed contexts plus every decode
 --shape llama-3.2-1b|qwen3-4b: a randomly initialised model of that paper model's shape (no download), bf16 autocast on
 CUDA,
 each method's compressor at the paper's lengths and batch 4, timed over AdamW steps of its default objective
-(distill as AE for CompLLM: its teacher is a data step). Model FLOPs utilisation = achieved / peak, with the usual
-6 x parameters x tokens per trained token through a model (2 forward + 4 backward; the frozen decoder still
-back-propagates to the memory, so it counts 6 too; attention's quadratic term is left out), peak = --peak-tflops
-(H100 SXM dense bf16: 989).
+(distill as AE for CompLLM: its teacher is a data step). Model FLOPs utilisation = achieved / peak, the step's FLOPs
+counted matrix product by matrix product from the step itself (step_flops, on a meta-device copy: nothing is
+allocated), peak = --peak-tflops (H100 SXM dense bf16: 989).
 """
 
 import argparse
@@ -31,6 +30,8 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -55,6 +56,90 @@ def fused_only():
     that needs the math path raises instead of running slowly."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
+
+
+# ---- model FLOPs: what MFU divides by ----
+
+# matrix products the count below does not know: one of them in a step raises instead of going uncounted
+UNCOUNTED = ("matmul", "__matmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm", "einsum")
+
+
+class MatmulRecorder(TorchFunctionMode):
+    """While active, every matrix product computed, as (forward FLOPs, its output, whether each operand needs a
+    gradient), in `products` (step_flops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.products = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is F.linear:   # x (..., K) times weightᵀ (K, M): x.numel() / K rows, 2·K·M FLOPs each
+            x, w = args[:2]
+            self.products.append((2 * x.numel() * w.shape[0], out, (x.requires_grad, w.requires_grad)))
+        elif func is F.scaled_dot_product_attention:   # q (B, H, T, D); k (B, H or Hkv, S, D); v (B, ., S, Dv)
+            q, k, v = args[:3]
+            B, H, T, D = q.shape
+            S, Dv = k.shape[2], v.shape[3]
+            self.products += [(2 * B * H * T * S * D, out, (q.requires_grad, k.requires_grad)),   # scores = q kᵀ
+                              (2 * B * H * T * S * Dv, out, (q.requires_grad or k.requires_grad,  # y = P v: P needs
+                                                             v.requires_grad))]                   # q's or k's grad
+        elif getattr(func, "__name__", "") in UNCOUNTED:
+            raise NotImplementedError(f"step_flops counts F.linear and SDPA, not {func.__name__}: count it first")
+        return out
+
+
+def backward_nodes(loss: torch.Tensor) -> set:
+    """The autograd nodes that loss.backward() runs: every node reachable from the loss's."""
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(parent for parent, _ in node.next_functions)
+    return seen
+
+
+def step_flops(step) -> tuple:
+    """The model FLOPs of one training step, (forward, backward), counted from the step as it runs: `step()` computes
+    the loss (it is not back-propagated here) while MatmulRecorder records every matrix product, and the backward's
+    share follows from where autograd's graph leads. The count is the same on the meta device (nothing allocated).
+
+    A product of an (N, K) operand and a (K, M) one costs 2·N·K·M forward (a multiply and an add per term), and in
+    backward 2·N·K·M more for each operand that needs a gradient (dX = dY Wᵀ, dW = Xᵀ dY), none where backward never
+    reaches it (AOC's last encoder layer: the memory is its K/V, so its queries, attention and o_proj get no
+    gradient). So per token through a weight matrix W:
+
+        2·|W| forward, always;
+        + 2·|W| for the input's gradient, where one flows back through W (upstream of anything trained: the frozen
+          decoder's blocks above a memory, the frozen base of a LoRA layer);
+        + 2·|W| for W's own gradient, only where W trains (LoRA's A and B, not its base; AOC's encoder copy; PCC's
+          encoder; the bridges).
+
+    A trained matrix costs 6·|W| a token, a frozen one a gradient flows through 4·|W|, a frozen one no gradient
+    flows through 2·|W| (the usual 6 × parameters counts every matrix as the first). Tokens are the rows as run,
+    padding included: a short chunk padded to the batch's longest encoder row counts at that length. The products:
+    F.linear (every projection, LoRA's branch, the bridges, lm_head where logits are made: at the supervised
+    positions only, chunked_cross_entropy) and SDPA's two per layer, q kᵀ (2·B·H·T·S·D; operands q, k) and P v
+    (2·B·H·T·S·Dv; operands P, which needs a gradient when q or k does, and v). Attention is counted dense, every
+    query against every key, as the masked kernels run it: the half a causal mask hides is not taken off (flash
+    attention's causal kernel skips it, the memory-efficient kernel under a mask does not), and each of the H query
+    heads counts under GQA. Not counted: embedding lookups (no arithmetic), norms, RoPE, activations, softmax and
+    cross-entropy (a few FLOPs an element, against K an element of a product), and recomputation (--grad-ckpt's, the
+    chunked loss's logits in backward): MFU counts the model's arithmetic once, not the hardware's."""
+    with MatmulRecorder() as recorder:
+        loss = step()
+    reached = backward_nodes(loss)
+    forward = sum(flops for flops, _, _ in recorder.products)
+    backward = sum(flops * sum(needs) for flops, out, needs in recorder.products if out.grad_fn in reached)
+    return forward, backward
+
+
+def ae_step(comp, ids, ratios) -> tuple:
+    """The step bench_shape times and counts: the contexts' memory, then AE's loss on the frozen decoder ->
+    (loss, memory)."""
+    memory = comp.compress(ids, ratios=ratios)
+    return comp.lm_loss(memory, "ae", [comp.ae_target(x) for x in ids])[0], memory
 
 
 def bench(method, device, steps, model):
@@ -143,9 +228,10 @@ def profile(argv, steps=6, skip=2, top=12):
 
 def bench_shape(shape, method, device, steps, batch=4, frozen=torch.float32, compile=False, fused=False):
     """AdamW steps of one preset around a random decoder of a paper model's shape in bf16 autocast:
-    (seconds per step, tokens per step, model FLOPs per step). frozen: the frozen base weights' dtype, as train.py
-    --frozen-dtype (trained tensors fp32); compile: train.py --compile (torch.compile every block); fused: every
-    step, and then a generation from one memory (evaluate.py's), inside fused_only(), so a math-path call raises."""
+    (seconds per step, tokens per step, model FLOPs per step: step_flops, on a meta-device copy). frozen: the frozen
+    base weights' dtype, as train.py --frozen-dtype (trained tensors fp32); compile: train.py --compile
+    (torch.compile every block); fused: every step, and then a generation from one memory (evaluate.py's), inside
+    fused_only(), so a math-path call raises."""
     torch.manual_seed(0)
     decoder, tok = build_shape(shape, device, dtype=frozen)   # ids below the tiny vocabulary: any tokenizer will do
     comp = C.build(method, decoder, tok).set_dtypes(frozen)
@@ -159,8 +245,6 @@ def bench_shape(shape, method, device, steps, batch=4, frozen=torch.float32, com
     autocast = torch.autocast(device, dtype=torch.bfloat16) if device == "cuda" or frozen == torch.bfloat16 else \
         contextlib.nullcontext()
     ratios = [4] * batch if comp.cfg.source == "group_mean" else None
-    enc_params = sum(p.numel() for p in comp.encoder.parameters())
-    dec_params = sum(p.numel() for p in decoder.parameters())
     times = []
     for step in range(steps):
         if device == "cuda":
@@ -168,8 +252,7 @@ def bench_shape(shape, method, device, steps, batch=4, frozen=torch.float32, com
         t0 = time.perf_counter()
         with fused_only() if fused else contextlib.nullcontext():   # (backward too: it runs the kernels' backward)
             with autocast:
-                memory = comp.compress(ids, ratios=ratios)
-                loss, _ = comp.lm_loss(memory, "ae", [comp.ae_target(x) for x in ids])
+                loss, memory = ae_step(comp, ids, ratios)
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -181,7 +264,8 @@ def bench_shape(shape, method, device, steps, batch=4, frozen=torch.float32, com
             comp.generate(comp.compress(ids[:2], ratios=ratios and ratios[:2]), "ae", max_new_tokens=4)
     m = sum(memory.slots[0])
     enc_tokens, dec_tokens = batch * (n + m), batch * (n + 2 + (m if comp.cfg.carrier == "embeds" else 0))
-    flops = 6 * enc_params * enc_tokens + 6 * dec_params * dec_tokens
+    meta = C.build(method, build_shape(shape, "meta")[0], tok)   # the same step's shapes, nothing allocated
+    flops = sum(step_flops(lambda: ae_step(meta, ids, ratios)[0]))
     return statistics.median(times[2:] or times), enc_tokens + dec_tokens, flops
 
 
