@@ -182,6 +182,9 @@ def first_line(e: Exception) -> str:
 # ---- sharded checkpoints: torch.distributed.checkpoint ----
 
 SHARDED = "sharded"   # the DCP folder of an --fsdp run's checkpoint: .metadata and one __R_0.distcp file per rank
+# bytes FileSystemWriter copies from the device to the host ahead of writing (its per_thread_copy_ahead default), on a
+# GPU run; plan.py counts them
+COPY_AHEAD = 10_000_000
 
 
 def sharded_folder(path: str) -> str | None:
@@ -293,7 +296,7 @@ def save_checkpoint(out, step, comp, opt, record: dict, rng, data_key, keep_ever
         # (FileSystemWriter's copy-ahead overlaps device-to-host copies on a CUDA stream; a CPU run has none to
         # overlap and would touch CUDA wherever the machine has it: per_thread_copy_ahead=0, the serial loader)
         writer = dcp.FileSystemWriter(os.path.join(tmp, SHARDED),
-                                      per_thread_copy_ahead=0 if comp.device.type == "cpu" else 10_000_000)
+                                      per_thread_copy_ahead=0 if comp.device.type == "cpu" else COPY_AHEAD)
         dcp.save(sharded_state(comp, opt), storage_writer=writer)
     if master:
         extra = {"step": step, "train_args": record}

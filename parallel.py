@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from compressors import blocks, is_saved
+from compressors import blocks
 
 
 def under_torchrun() -> bool:
@@ -136,13 +136,8 @@ def summed(values: torch.Tensor, world: int) -> list:
 
 def shard(comp, step_fn, device, bf16):
     """fully_shard every transformer block of comp's models, then the step (the root unit), on a mesh of `device`'s
-    kind. First every rank takes rank 0's trained tensors, as DDP does when it wraps: each rank drew its own init (its
-    own seed), and FSDP would otherwise keep each rank's shard of a different init. (The frozen base is the same file
-    on every rank.)"""
-    with torch.no_grad():
-        for name, p in comp.named_parameters():
-            if p.requires_grad or is_saved(comp.cfg, name):
-                dist.broadcast(p.data, src=0)
+    kind. Every rank built the same compressor (the frozen base from the same files, the trained init from the same
+    seed: train.main), so each keeps its own slices of it and nothing is sent."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # bf16 runs: the blocks' weights gathered in bf16, gradients reduced in fp32 (what autocast computes). Inputs are
     # not cast (cast_forward_inputs=False): RoPE's cos/sin stay fp32, as under autocast

@@ -421,10 +421,11 @@ def main(argv=None):
         except ValueError as e:
             fail(e)
         run = cli.place(s, device, rank, world)   # the batch split over the processes, the dtypes, the seed
-        # torch's RNG draws the init of memory tokens / LoRA / bridges (one stream per process: DDP then copies rank
-        # 0's weights to every process) and LoRA dropout; the data, GMSA's rates included, has generators of its own
-        # (step_examples), so torch's is the only global generator a run draws from
-        torch.manual_seed(run.seed)
+        # torch's RNG draws the init of memory tokens / LoRA / bridges, from --seed on every process (each holds
+        # the init rank 0 draws: FSDP shards that one, and DDP's copy of rank 0's weights changes nothing), then LoRA
+        # dropout, one stream per process (--seed + rank from the build on); the data, GMSA's rates included, has
+        # generators of its own (step_examples), so torch's is the only global generator a run draws from
+        torch.manual_seed(s.seed)
         if run.start >= run.steps:
             print(f"{s.resume} is already at step {run.start} of {run.steps}: nothing to do (raise --steps)")
             return parallel.leave_rank()
@@ -436,6 +437,8 @@ def main(argv=None):
             comp = build_compressor(s.config, device, run.frozen, weights, s.weights_config, s.warm_start)
         except (ValueError, OSError) as e:
             fail(e)
+        if run.rank:   # (rank 0 continues from the build, as a run of one process does)
+            torch.manual_seed(run.seed)
         for model in (comp.encoder, comp.decoder):   # activation checkpointing per block (model.py)
             model.grad_ckpt = run.grad_ckpt
         if s.compile:

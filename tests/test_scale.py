@@ -246,7 +246,7 @@ def test_plan_speaks_one_unit_and_fits_in_it(capsys):
     s = cli.parse_args(["--method", "aoc", "--plan"])
     for total, fits in ((80.1e9, False), (79.9e9, True)):
         p = plan.Plan({}, int(total), 0, 0, 0, 1)
-        assert p.fits is fits
+        assert p.fits is fits and plan.Plan({}, 0, 0, 0, 0, 1, build=int(total)).fits is fits   # the build too
         text = plan.describe(p, s.config, cli.planned(s), s.shape, s.frozen_dtype)
         assert f"{total / 1e9:8.2f} GB" in text and ("does not fit" not in text) is fits
 
@@ -255,7 +255,7 @@ def test_plan_per_gpu_under_fsdp_and_ddp(tmp_path):
     """--plan --gpus N: DDP keeps every weight on every GPU and adds its gradient buckets; --fsdp divides every
     tensor at rest by N, and while a step runs holds the root unit (what is outside the transformer blocks) whole,
     two blocks gathered (bf16 under MixedPrecisionPolicy) and the root's gradients whole; the micro-batch is
-    batch / N. Each term is checked against a real build's parameters (tiny, pcc: a fully trained encoder)."""
+    batch / N. The build and a checkpoint's save are counted apart. Each term is checked against a real build's parameters (tiny, pcc: a fully trained encoder)."""
     argv = ["--method", "pcc", "--batch-size", "8", "--out", str(tmp_path)]
     one, ddp, fsdp = (plan_of(argv + extra) for extra in ([], ["--gpus", "4"], ["--gpus", "4", "--fsdp"]))
     comp = train.build_compressor(cli.parse_args(argv + ["--frozen-dtype", "bf16"]).config, torch.device("cpu"),
@@ -270,6 +270,11 @@ def test_plan_per_gpu_under_fsdp_and_ddp(tmp_path):
     assert (ddp.weights, ddp.grads, ddp.optimizer) == (one.weights, 2 * one.grads, one.optimizer)
     assert fsdp.weights == -(-size(comp.parameters()) // 4) + root + 2 * block
     assert fsdp.grads == 4 * (-(-trained // 4) + root_trained) and fsdp.optimizer == 8 * -(-trained // 4)
+    # every GPU builds the whole compressor before sharding it; a save adds to the host the trained tensors whole
+    # (one process) or, sharded (DCP), the largest one's shard and the writer's copy-ahead buffer
+    largest = max(p.numel() * 4 for p in comp.parameters() if p.requires_grad)
+    assert one.build == ddp.build == fsdp.build == size(comp.parameters())
+    assert one.save == 4 * trained and fsdp.save == -(-largest // 4) + checkpoint.COPY_AHEAD
     assert ddp.activations < one.activations and fsdp.activations < ddp.activations   # autocast copies: root only
     with pytest.raises(SystemExit) as e:
         cli.parse_args(argv + ["--gpus", "2"])
