@@ -52,23 +52,19 @@ def trained_state(comp: compressors.Compressor) -> dict:
     return {n: p.detach().contiguous() for n, p in comp.named_parameters() if compressors.is_saved(comp.cfg, n)}
 
 
-def save(comp: compressors.Compressor, out_dir: str, extra: dict | None = None):
+def save(comp: compressors.Compressor, out_dir: str, extra: dict | None = None, tensors: bool = True):
     """Write compressor.safetensors (exactly the trained tensors) and compressor.json (the config),
-    each atomically (temp file + rename), so an interrupted save never leaves a broken checkpoint."""
+    each atomically (temp file + rename), so an interrupted save never leaves a broken checkpoint.
+    tensors=False: compressor.json alone (a sharded checkpoint holds the tensors in its sharded/ folder)."""
     os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, "compressor.safetensors.tmp")
-    save_file({k: v.cpu() for k, v in trained_state(comp).items()}, tmp)
-    os.replace(tmp, os.path.join(out_dir, "compressor.safetensors"))
-    save_config(comp, out_dir, extra)
-
-
-def save_config(comp: compressors.Compressor, out_dir: str, extra: dict | None = None):
-    """compressor.json alone (atomically): the config, the size of what was trained, and `extra`."""
-    os.makedirs(out_dir, exist_ok=True)
+    saved = {n: p for n, p in comp.named_parameters() if compressors.is_saved(comp.cfg, n)}
+    if tensors:
+        tmp = os.path.join(out_dir, "compressor.safetensors.tmp")
+        save_file({n: p.detach().contiguous().cpu() for n, p in saved.items()}, tmp)
+        os.replace(tmp, os.path.join(out_dir, "compressor.safetensors"))
     # the size of what was trained, special-token vectors aside, kept with the config (a record without weights);
     # numel of a sharded tensor is its whole size
-    trained = sum(p.numel() for n, p in comp.named_parameters()
-                  if compressors.is_saved(comp.cfg, n) and n not in compressors.SPECIALS)
+    trained = sum(p.numel() for n, p in saved.items() if n not in compressors.SPECIALS)
     meta = {"config": asdict(comp.cfg), "trained_parameters": trained, **(extra or {})}
     tmp = os.path.join(out_dir, "compressor.json.tmp")
     with open(tmp, "w") as f:
@@ -300,10 +296,7 @@ def save_checkpoint(out, step, comp, opt, record: dict, rng, data_key, keep_ever
         dcp.save(sharded_state(comp, opt), storage_writer=writer)
     if master:
         extra = {"step": step, "train_args": record}
-        if sharded:
-            save_config(comp, tmp, extra)   # the trained tensors are in sharded/
-        else:
-            save(comp, tmp, extra)
+        save(comp, tmp, extra, tensors=not sharded)   # a sharded unit's tensors are in its sharded/ folder
         torch.save(dict(step=step, optimizer=None if sharded else opt.state_dict(), sharded=sharded, rng=rng,
                         args=record, data=data_key, config=asdict(comp.cfg)), os.path.join(tmp, "train_state.pt"))
         # the schedule is a function of the step and the data of (seed, step): step + RNG states are their state
