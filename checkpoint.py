@@ -349,10 +349,12 @@ def latest_checkpoint(run_dir, required=True):
 
 
 def read_train_state(run_dir):
-    """train_state.pt of the newest checkpoint in run_dir, with a one-line error when it cannot be read."""
+    """train_state.pt of the newest checkpoint in run_dir, with a one-line error when it cannot be read. Mapped, not
+    read (mmap=True): every process of a run resumed under FSDP reads the same one-process file and keeps only its
+    shards of the moments (parallel.shard_optimizer_state), the file's pages shared between them."""
     path = os.path.join(latest_checkpoint(run_dir), "train_state.pt")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:   # truncated, overwritten, not a torch file: all one line
         raise ValueError(f"cannot resume: {path} is corrupt ({type(e).__name__}); restore it or start a new run") \
             from None
