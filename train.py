@@ -46,11 +46,11 @@ import compressors
 import data
 import parallel
 import plan
-from checkpoint import gather_rng_states, is_out_of_memory, latest_checkpoint, save_checkpoint, set_rng_state, \
-    trim_log, write_log
+from checkpoint import gather_rng_states, is_out_of_memory, latest_checkpoint, save_checkpoint, set_rng_state
 from cli import Run, fail
 from heldout import first_carrying_step, prepare, run_check
 from model import load_pretrained
+from runlog import trim_log, write_log
 
 # ---- the compressor ----
 

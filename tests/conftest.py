@@ -285,15 +285,15 @@ def finished_run(tmp_path_factory, device):
 
 
 def log_rows(out):
-    """The training rows of a run's log (checkpoint.read_log; the held-out checks are eval_rows)."""
-    import checkpoint
-    return checkpoint.read_log(out)[0]
+    """The training rows of a run's log (runlog.read_log; the held-out checks are eval_rows)."""
+    import runlog
+    return runlog.read_log(out)[0]
 
 
 def eval_rows(out):
     """The held-out checks of a run's log, each a row with its step and "eval"."""
-    import checkpoint
-    return checkpoint.read_log(out)[1]
+    import runlog
+    return runlog.read_log(out)[1]
 
 
 # ---- train.py under torchrun ----
