@@ -240,8 +240,8 @@ def test_tests_readme_opens_with_the_table_from_each_paper_item_to_its_test():
 
 
 def test_the_reduced_precision_marker_follows_the_arithmetic_not_the_prose():
-    """conftest marks a test `reduced_precision` (run again under AVX2 by .ci/run) when its code, not its docstring
-    or comments, names a reduced precision, and, where its cases' ids name one, in those cases only."""
+    """conftest marks a test `reduced_precision` (run again under AVX2 by .ci/run) when its code, not its docstring,
+    comments or asserts, names a reduced precision, and, where its cases' ids name one, in those cases only."""
     import inspect
     import test_scale
     import test_train
@@ -256,6 +256,10 @@ def test_the_reduced_precision_marker_follows_the_arithmetic_not_the_prose():
     assert "bf16" in micro and not runs_reduced_precision(micro, "ae", ["ae", "qa"])
     prose = 'def test_x():\n    """On CUDA, bf16."""\n    x = 1   # autocast elsewhere\n'
     assert not runs_reduced_precision(prose) and runs_reduced_precision(prose.replace("x = 1", "x = 'bf16'"))
+    # a plan on the meta device computes nothing: the "bfloat16" its assert reads in the printed plan does not count
+    plan = inspect.getsource(test_scale.test_plan_of_every_preset_at_every_shape_allocates_nothing)
+    assert "bfloat16" in plan and not runs_reduced_precision(plan)
+    assert runs_reduced_precision(prose.replace("x = 1", "x = 1\n    assert f('bf16')\n    y = 'bf16'"))
 
 
 # ---- reading paths: a preset, a one-step run and one training step in one sitting ----
