@@ -9,8 +9,7 @@ exactly:
     OUT/args.json, OUT/log.jsonl, OUT/cache/
 
 train_state.pt holds the optimizer, the step, the args and every RNG state a run draws from (one per process); the
-schedule is a function of the step and the data of (seed, step), so nothing else is needed. The log is JSON lines:
-training rows (write_log, which also prints the step's console line) and held-out rows ({"step", "eval"}).
+schedule is a function of the step and the data of (seed, step), so nothing else is needed. The log is runlog.py's.
 
 A run of one process (DDP's included) writes the one-process format: compressor.safetensors and the optimizer in
 train_state.pt. An --fsdp run (of any size, one process included) writes sharded/ instead, a
@@ -37,7 +36,6 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, \
     set_optimizer_state_dict
-from tqdm import tqdm
 
 import compressors
 from model import load_pretrained
@@ -270,7 +268,7 @@ def to_single(run_dir: str) -> str:
     return ckpt
 
 
-# ---- a training run's checkpoints, RNG states and log ----
+# ---- a training run's checkpoints and RNG states ----
 
 
 def save_checkpoint(out, step, comp, opt, record: dict, rng, data_key, keep_every=None, sharded=False, master=True):
@@ -388,49 +386,11 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(cuda, device)
 
 
-def read_log(run_dir):
-    """A run's log.jsonl -> (training rows, held-out rows {"step", "eval"}), each in step order."""
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "log.jsonl")) if line.strip()]
-    return [r for r in rows if "eval" not in r], [r for r in rows if "eval" in r]
-
-
-def trim_log(path, step):
-    """Keep the log lines of steps <= step (a resumed run logs the later steps again), atomically."""
-    if not os.path.exists(path):
-        return
-    keep = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["step"] <= step:
-                    keep.append(line)
-            except (ValueError, KeyError):   # a line cut short by a killed run
-                pass
-    with open(path + ".tmp", "w") as f:
-        f.writelines(keep)
-    os.replace(path + ".tmp", path)
-
-
 def is_out_of_memory(e) -> bool:
     """A CUDA OOM, or a CPU allocation failure (PyTorch raises RuntimeError "can't allocate memory"): the run stops
     with one line, and its last good checkpoint stays."""
     return isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or any(
         m in str(e) for m in ("out of memory", "can't allocate memory"))
-
-
-def write_log(log, bar, row, steps, own_other=None):
-    """The step's row in log.jsonl and on the console."""
-    parts = {k: v for k, v in row.items() if k not in ("step", "loss", "lr", "grad_norm", "dt", "tokens_per_s",
-                                                       "tokens", "stop")}
-    log.write(json.dumps({k: v for k, v in row.items() if k != "stop"}) + "\n")
-    log.flush()
-    detail = ", ".join(f"{k} {v:.4f}" for k, v in parts.items())
-    tqdm.write(f"step {row['step']:>{len(str(steps))}}/{steps} | loss {row['loss']:.4f} ({detail}) | "
-               f"lr {row['lr']:.2e} | grad-norm {row['grad_norm']:.3f} | dt {row['dt'] * 1000:.0f}ms | "
-               f"tok/s {row['tokens_per_s']:,.0f}")
-    held = {} if own_other is None else {"own_other": f"{own_other:.3f}"}   # the latest held-out check
-    bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}", **held)
-    bar.update(1)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import data   # the built-in corpus and its held-out set; the one reader of .jso
 import masks
 from figures import heat_png, needle_png, render_text
 import presets
-from metrics import ae_scores, mean_scores, passkey_score, perplexity, qa_scores
+from metrics import ae_scores, mean_scores, passkey_score, perplexity, qa_scores, tokens_per_slot
 from model import load_pretrained
 
 # -----------------------------------------------------------------------------
@@ -306,12 +306,6 @@ def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, group_
     losses = {"protocol": proto, **memory_losses(rows), "tokens_per_slot": tokens_per_slot(rows)}
     return summarize(rows, losses, modes) if generate else losses
 
-
-def tokens_per_slot(rows):
-    """The compression each memory was scored at: the text's tokens over its memory's slots, mean, min and max over
-    the scored texts (ours: a "4x" label is checked against this, not against the flags)."""
-    r = [len(row["reference_ids"]) / row["memory_slots"] for row in rows]
-    return {"mean": sum(r) / len(r), "min": min(r), "max": max(r)}
 
 
 @torch.no_grad()

@@ -19,7 +19,8 @@ import torch
 from tqdm import tqdm
 
 import evaluate
-from checkpoint import is_out_of_memory, read_log
+from checkpoint import is_out_of_memory
+from runlog import read_log
 
 PROMPT_LIKE, PROMPT_EVALS = 0.95, 3   # warn when this many evaluations in a row past the warmup are all >= 0.95
 

@@ -9,6 +9,7 @@ ae_scores and qa_scores (the needle task with passkey_score). Every score is a f
     question answering    squad_em, squad_f1 (normalised) · exact_match, token_f1 (unnormalised)
                           · substring_acc (GMSA "Acc") · epl_qa_f1, epl_qa_em (EPL)
     passkey retrieval     passkey_score (Mohtashami & Jaggi 2023)
+    compression           tokens_per_slot (ours: the text's tokens over its memory's slots, as scored)
 
 Which paper scores how (each paper's scoring code, as cited at each function): what it computes, our
 function for it, and [its key] in ae_scores / qa_scores.
@@ -464,6 +465,13 @@ def mean_scores(rows):
             sums[key] = sums.get(key, 0.0) + float(value)
             counts[key] += 1
     return {key: sums[key] / counts[key] for key in sums}
+
+
+def tokens_per_slot(rows):
+    """The compression each memory was scored at: the text's tokens over its memory's slots, mean, min and max over
+    the scored texts (ours: a "4x" label is checked against this, not against the flags)."""
+    r = [len(row["reference_ids"]) / row["memory_slots"] for row in rows]
+    return {"mean": sum(r) / len(r), "min": min(r), "max": max(r)}
 
 
 # -----------------------------------------------------------------------------

@@ -45,11 +45,11 @@ import compressors
 import data
 import parallel
 import plan
-from checkpoint import gather_rng_states, is_out_of_memory, latest_checkpoint, save_checkpoint, set_rng_state, \
-    trim_log, write_log
+from checkpoint import gather_rng_states, is_out_of_memory, latest_checkpoint, save_checkpoint, set_rng_state
 from cli import Run, fail
 from heldout import first_carrying_step, prepare, run_check
 from model import load_pretrained
+from runlog import trim_log, write_log
 
 # ---- the compressor ----
 
@@ -111,8 +111,8 @@ def make_optimizer(comp, lr, betas, weight_decay, mem_lr, device):
               dict(params=[p for p in rest if p.dim() < 2], weight_decay=0.0)]
     if own:
         groups.append(dict(params=own, weight_decay=weight_decay, lr_scale=mem_lr / lr))
-    # fused: one kernel for all tensors. On the CPU the per-tensor loop was a quarter of PCC's step on SmolLM2
-    # (sqrt, div, lerp, addcdiv per tensor, tests/bench_train.py --profile); fused gives the same losses to 1e-6
+    # fused: one kernel for all tensors. On the CPU the per-tensor loop (sqrt, div, lerp, addcdiv per tensor) is a
+    # quarter of PCC's step on SmolLM2 (tests/bench_train.py --profile); fused gives the same losses to 1e-6
     # (tests/README.md, "Where a CPU training step goes")
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=device.type in ("cuda", "cpu"))
 

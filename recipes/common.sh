@@ -58,8 +58,14 @@ train_arm() {
   local steps done
   steps=$(printf '%s\n' "$@" | grep -A1 -x -- --steps | tail -1)
   if ls "$dir"/ckpt-*/train_state.pt >/dev/null 2>&1; then
-    echo "== $name: continuing $dir"
-    $PY train.py --resume "$dir" ${steps:+--steps "$steps"}
+    done=$(ls -d "$dir"/ckpt-*/ | sort | tail -1)   # the newest checkpoint's step: ckpt-NNNNNN/
+    done=${done%/}; done=$((10#${done##*-}))
+    if [ -n "$steps" ] && [ "$done" -ge "$steps" ]; then   # done already (an arm a recipe names twice: pic's probe)
+      echo "== $name: trained to step $done"
+    else
+      echo "== $name: continuing $dir"
+      $PY train.py --resume "$dir" ${steps:+--steps "$steps"}
+    fi
   elif [ -f "$dir/log.jsonl" ]; then   # a kept record (recipes/results): the log and scores, not the weights
     done=$($PY -c 'import json, sys; print(json.loads(open(sys.argv[1]).readlines()[-1])["step"])' "$dir/log.jsonl")
     if [ "$done" -lt "${steps:-0}" ]; then

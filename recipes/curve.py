@@ -5,7 +5,7 @@ the step at which each reaches a loss (loss_curves, for recipes/summarize.py), a
 
 The points are the held-out checks the arm logged while it trained (train.py --eval-data/--eval-every: rows
 {"step", "eval"} in its log.jsonl; nothing is reloaded or recomputed). An arm trained before train.py checked
-itself (older records in recipes/results) has no such rows: then every kept checkpoint is scored, as before.
+itself (older records in recipes/results) has no such rows: then every kept checkpoint is scored.
 
     python recipes/curve.py --out runs/recipes/ladder --data runs/corpus/heldout.jsonl --n 32 \
         --group "1:1" icae_1x aoc_1x --group "4x" icae_4x aoc_4x [--threshold 0.5] [--title ...]
@@ -24,10 +24,9 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import evaluate as E  # noqa: E402
-import checkpoint  # noqa: E402
 import figures  # noqa: E402
 from records import portable  # noqa: E402
+from runlog import read_log  # noqa: E402
 
 
 def kept(result, run):
@@ -37,11 +36,16 @@ def kept(result, run):
     return os.path.isfile(result) and (not os.path.isfile(weights) or os.path.getmtime(result) >= os.path.getmtime(weights))
 
 
-def score(ckpt, examples, n=None):
-    """own, other, none and own/other of one checkpoint on the held-out examples (cached in ckpt/eval_curve.json)."""
+def score(ckpt, data, n=None):
+    """own, other, none and own/other of one checkpoint on the held-out texts of `data` (cached in
+    ckpt/eval_curve.json). The one place this module loads a model: torch is imported here, so that reading the checks
+    a run logged needs none."""
     path = os.path.join(ckpt, "eval_curve.json")
     if kept(path, ckpt):
         return json.load(open(path))
+    import checkpoint
+    import evaluate as E
+    examples = E.load_examples(data, "ae")   # each arm scores the first n of those at its trained length
     comp = checkpoint.load(ckpt).eval()
     # the texts as the arm was trained on them, as evaluate.py scores them: those of at least its --min-len tokens,
     # the first n of them, cut to its --max-len
@@ -57,7 +61,7 @@ def score(ckpt, examples, n=None):
 def smoothed_losses(run, key="loss", window=20):
     """(step, mean of the logged `key` over the last `window` steps that logged it) for every such step of a run's
     log: the one definition of a run's training loss at a step, which every steps-to-a-loss here reads."""
-    rows = [r for r in checkpoint.read_log(run)[0] if key in r]
+    rows = [r for r in read_log(run)[0] if key in r]
     return [(r["step"], statistics.mean(x[key] for x in rows[max(0, i + 1 - window):i + 1]))
             for i, r in enumerate(rows)]
 
@@ -93,21 +97,21 @@ def loss_curves(runs, key="loss", target=None, png=None):
     return {"key": key, "target": target, "png": portable(png) if plt else None, "runs": out}
 
 
-def arm_curve(run, examples, n, threshold, loss_at=None):
+def arm_curve(run, data, n, threshold, loss_at=None):
     """Every kept checkpoint of a run, scored: {points, first step <= threshold (None: never), s/step}; with loss_at,
     also the first step where the training loss (smoothed over 20 steps) is at or below it (EPL §4's "converges
     9.7 times faster": the steps each layout needs to reach the same training loss)."""
-    steps, checks = checkpoint.read_log(run)
+    steps, checks = read_log(run)
     points = [dict(step=r["step"], own=r["eval"]["own"], other=r["eval"]["other"], none=r["eval"]["none"],
                    ratio=r["eval"]["own_other"]) for r in checks]
     # the arm's --eval-n is what --n must be (it checked fewer texts where fewer have its trained length)
-    asked = (checkpoint.read_checkpoint_config(run).get("train_args") or {}).get("eval_n") if points else None
+    asked = json.load(open(os.path.join(run, "args.json"))).get("eval_n") if points else None
     if points and (asked if asked is not None else checks[-1]["eval"]["n"]) != n:
         raise SystemExit(f"curve.py: {run} checked {checks[-1]['eval']['n']} held-out texts while it trained "
                          f"(--eval-n {asked}), not --n {n}: pass the --n (and --data) it was trained with")
     if not points:   # trained before train.py checked itself: score the kept checkpoints
         for ckpt in sorted(glob.glob(os.path.join(run, "ckpt-*"))):
-            points.append(dict(step=int(ckpt.rpartition("-")[2]), **score(ckpt, examples, n)))
+            points.append(dict(step=int(ckpt.rpartition("-")[2]), **score(ckpt, data, n)))
     dts = [r["dt"] for r in steps]
     first = next((p["step"] for p in points if p["ratio"] is not None and p["ratio"] <= threshold), None)
     first_loss = None
@@ -154,7 +158,6 @@ def main(argv=None):
     p.add_argument("--score-only", action="store_true", help="score the arms' checkpoints and write each "
                    "OUT/ARM/eval_curve.json, nothing else (a recipe does so as soon as an arm is trained)")
     a = p.parse_args(argv)
-    examples = E.load_examples(a.data, "ae")   # each arm scores the first --n of those at its trained length
     groups = [(g[0], g[1:]) for g in a.group]
     stray = set(a.loss_ref or []) - {arm for _, arms in groups for arm in arms}
     if stray:
@@ -167,7 +170,7 @@ def main(argv=None):
         refs = [arm for arm in a.loss_ref or [] if arm in arms]
         loss_at = max(smoothed_losses(os.path.join(a.out, arm))[-1][1] for arm in refs) if refs else None
         for arm in arms:
-            curves[arm] = arm_curve(os.path.join(a.out, arm), examples, a.n, a.threshold, loss_at)
+            curves[arm] = arm_curve(os.path.join(a.out, arm), a.data, a.n, a.threshold, loss_at)
             json.dump(curves[arm], open(os.path.join(a.out, arm, "eval_curve.json"), "w"), indent=1)
     if a.score_only:
         return

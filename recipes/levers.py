@@ -23,10 +23,10 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import presets as P  # noqa: E402
-import checkpoint  # noqa: E402
 import figures  # noqa: E402
 import summarize  # noqa: E402
 from records import portable  # noqa: E402
+from runlog import read_log  # noqa: E402
 
 PRESETS = P.METHODS
 RUNGS = ("1x", "4x")
@@ -40,7 +40,7 @@ def read_arm(path, threshold):
     if os.path.isfile(os.path.join(path, "eval_curve.json")):   # recipes/curve.py's points
         points = [(p["step"], p["ratio"]) for p in json.load(open(os.path.join(path, "eval_curve.json")))["points"]]
     else:   # not summarized yet: the checks the run logged (train.py --eval-every)
-        checks = checkpoint.read_log(path)[1] if os.path.isfile(os.path.join(path, "log.jsonl")) else []
+        checks = read_log(path)[1] if os.path.isfile(os.path.join(path, "log.jsonl")) else []
         points = [(r["step"], r["eval"]["own_other"]) for r in checks]
     ae = os.path.join(path, "eval_ae.json")
     final = json.load(open(ae))["loss"]["own_other_ratio"] if os.path.isfile(ae) else (points[-1][1] if points

@@ -19,8 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import curve  # noqa: E402
-import checkpoint  # noqa: E402
-import evaluate as E  # noqa: E402
+from metrics import tokens_per_slot  # noqa: E402
+from runlog import read_log  # noqa: E402
 
 
 def lookup(obj, path):
@@ -39,7 +39,7 @@ def read_metric(out, arm, spec):
     task, _, path = spec.partition(":")
     run = os.path.join(out, arm)
     if task == "log":
-        rows = checkpoint.read_log(run)[0]   # the training rows (not the held-out checks)
+        rows = read_log(run)[0]   # the training rows (not the held-out checks)
         return lookup(rows[-1], path) if rows else None
     if task == "params":   # written by checkpoint.save
         return json.load(open(os.path.join(run, "compressor.json"))).get("trained_parameters")
@@ -48,7 +48,7 @@ def read_metric(out, arm, spec):
         return None
     result = json.load(open(path_json))
     if task == "ae" and path.startswith("tokens_per_slot") and "tokens_per_slot" not in result and "examples" in result:
-        result["tokens_per_slot"] = E.tokens_per_slot(result["examples"])   # a record scored before it was kept
+        result["tokens_per_slot"] = tokens_per_slot(result["examples"])   # a record scored before it was kept
     return lookup(result, path)
 
 

@@ -62,7 +62,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from summarize import lookup, read_metric  # noqa: E402
-import checkpoint  # noqa: E402  (summarize put the repository root on the path)
+from runlog import read_log  # noqa: E402  (summarize put the repository root on the path)
 
 
 MIN_SEEDS = 2   # the rule: no verdict from fewer seeds per arm
@@ -128,7 +128,7 @@ def final_step(out, run):
     """The last training step of a run (its log.jsonl's last training row), None without a log."""
     if not os.path.isfile(os.path.join(out, run, "log.jsonl")):
         return None
-    rows = checkpoint.read_log(os.path.join(out, run))[0]
+    rows = read_log(os.path.join(out, run))[0]
     return rows[-1]["step"] if rows else None
 
 

@@ -38,7 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import compressors as C  # noqa: E402
 import presets as P  # noqa: E402
-import checkpoint  # noqa: E402
+import runlog  # noqa: E402
 import train  # noqa: E402
 import model as M  # noqa: E402
 from model import SHAPES, build_shape  # noqa: E402
@@ -149,7 +149,7 @@ def bench(method, device, steps, model):
                 "--save-every", str(10 * steps)]
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             train.main(argv)
-        rows = checkpoint.read_log(out)[0][2:]   # skip warm-up steps
+        rows = runlog.read_log(out)[0][2:]   # skip warm-up steps
         args = json.load(open(os.path.join(out, "args.json")))
     return args, statistics.median(r["dt"] for r in rows), statistics.median(r["tokens"] for r in rows)
 
@@ -191,7 +191,7 @@ def profile(argv, steps=6, skip=2, top=12):
                                 "--eval-every", "0"])
             finally:
                 train.train_step = step_fn
-            dts = [r["dt"] for r in checkpoint.read_log(out)[0][skip:]]
+            dts = [r["dt"] for r in runlog.read_log(out)[0][skip:]]
     events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
     total = sum(e.self_cpu_time_total for e in events)
     per_step = statistics.mean(dts)

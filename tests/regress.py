@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import presets as P  # noqa: E402
 import evaluate as E  # noqa: E402
-import checkpoint  # noqa: E402
+import runlog  # noqa: E402
 import train  # noqa: E402
 from hf import byte_tokenizer  # noqa: E402
 from model import TINY_CONFIG, build_tiny  # noqa: E402
@@ -122,7 +122,7 @@ def record(root):
         torch.manual_seed(0)
         flags = [paper_model if f == "PAPER_MODEL" else f for f in flags]
         train.main(["--method", method, *flags, "--out", run])
-        rows, _ = checkpoint.read_log(run)
+        rows, _ = runlog.read_log(run)
         out["train"][name] = [r["loss"] for r in rows]
         with open(os.path.join(run, "args.json")) as f:
             out["settings"][name] = {k: v for k, v in json.load(f).items() if k not in SETTINGS_DROP}

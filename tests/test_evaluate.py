@@ -26,6 +26,7 @@ import evaluate as E
 import metrics as M
 import train
 import checkpoint
+import runlog
 import data as D
 from conftest import SMOLLM2, needs_smollm2, randomize_
 from model import TINY_CONFIG, ModelConfig, Transformer, build_tiny
@@ -679,7 +680,7 @@ def test_a_bare_evaluation_scores_what_the_runs_own_check_scored(tmp_path, devic
                 "--crop", "window", "--min-len", "16", "--max-len", "16", "--batch-size", "2", "--steps", "2",
                 "--eval-every", "2", "--eval-data", str(data), "--eval-n", "5", "--out", str(out),
                 "--device", str(device)])
-    logged = checkpoint.read_log(str(out))[1][-1]["eval"]
+    logged = runlog.read_log(str(out))[1][-1]["eval"]
     assert logged["n"] == 5 and logged["tokens_per_slot"] == {"mean": 4.0, "min": 4.0, "max": 4.0}
     result, _ = run(["--ckpt", out, "--task", "ae", "--data", data, "--n", "5", "--max-new-tokens", "1"], device)
     assert len(result["examples"]) == 5 and "short text" not in [ex["text"] for ex in result["examples"]]

@@ -16,6 +16,7 @@ import cli  # noqa: E402
 import presets as P  # noqa: E402
 import masks  # noqa: E402
 import checkpoint  # noqa: E402
+import runlog  # noqa: E402
 import train  # noqa: E402
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -61,7 +62,7 @@ def test_the_readme_fork_it_example_trains_with_its_new_mask(tmp_path, monkeypat
     train.main(["--method", "aoc_bidir", "--model", "tiny", "--steps", "2", "--eval-n", "4", "--out", str(out),
                 "--device", str(device)])
 
-    assert [r["step"] for r in checkpoint.read_log(str(out))[0]] == [1, 2]
+    assert [r["step"] for r in runlog.read_log(str(out))[0]] == [1, 2]
     assert checkpoint.load(str(out)).cfg.mask == "mem_bidir"          # the checkpoint remembers the new value
     assert made, "the encoder never called the new mask"
     L = 16   # the tiny demo's AOC texts: 16 bytes, 16 memory slots

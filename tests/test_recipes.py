@@ -178,7 +178,7 @@ def test_curve_scores_texts_cut_as_the_arm_was_trained(tmp_path):
     comp = checkpoint.load(str(out)).eval()
     examples = E.load_examples(None, "ae")[:4]
     assert all(len(comp.tok.encode(ex["text"])) > 8 for ex in examples)   # the cut matters
-    point = curve.score(str(out / "ckpt-000002"), examples)
+    point = curve.score(str(out / "ckpt-000002"), None, 4)   # the built-in held-out set, its first 4 texts
     want = E.run_ae(comp, examples, max_new_tokens=1, proto=E.trained_protocol(str(out), max_len=8))["loss"]
     assert (point["own"], point["other"], point["none"]) == pytest.approx((want["own"], want["other"], want["none"]))
 
@@ -282,7 +282,7 @@ def test_curve_reads_the_checks_the_arm_logged_while_it_trained(tmp_path, monkey
     """recipes/curve.py draws the held-out checks of the arm's log.jsonl (train.py --eval-every) and reloads nothing;
     an --n other than the one the arm was checked on stops with one line."""
     import sys
-    import checkpoint
+    import runlog
     import train
     sys.path.insert(0, str(REPO / "recipes"))
     import curve
@@ -290,12 +290,12 @@ def test_curve_reads_the_checks_the_arm_logged_while_it_trained(tmp_path, monkey
     train.main(["--method", "aoc", "--model", "tiny", "--mem", "4", "--max-len", "8", "--batch-size", "2",
                 "--steps", "4", "--eval-every", "2", "--eval-n", "6", "--out", str(out)])
     monkeypatch.setattr(curve, "score", lambda *a: pytest.fail("a logged arm was scored again"))
-    c = curve.arm_curve(str(out), [{"text": "x"}] * 6, 6, threshold=0.5)
-    logged = checkpoint.read_log(str(out))[1]
+    c = curve.arm_curve(str(out), None, 6, threshold=0.5)
+    logged = runlog.read_log(str(out))[1]
     assert [p["step"] for p in c["points"]] == [0, 2, 4]
     assert [p["ratio"] for p in c["points"]] == [r["eval"]["own_other"] for r in logged]
     with pytest.raises(SystemExit, match="checked 6 held-out texts while it trained \\(--eval-n 6\\), not --n 5"):
-        curve.arm_curve(str(out), [{"text": "x"}] * 6, 5, threshold=0.5)
+        curve.arm_curve(str(out), None, 5, threshold=0.5)
 
 
 def test_capacity_optimizes_each_texts_own_memory(tmp_path):

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import checkpoint  # noqa: E402
+import runlog  # noqa: E402
 import cli  # noqa: E402
 import compressors as C  # noqa: E402
 import presets as P  # noqa: E402
@@ -50,7 +51,7 @@ KINDS = {
 
 
 def rows(out):
-    return checkpoint.read_log(out)[0]
+    return runlog.read_log(out)[0]
 
 
 def run(argv, out, device="cpu"):

@@ -240,8 +240,8 @@ def test_tests_readme_opens_with_the_table_from_each_paper_item_to_its_test():
 
 
 def test_the_reduced_precision_marker_follows_the_arithmetic_not_the_prose():
-    """conftest marks a test `reduced_precision` (run again under AVX2 by .ci/run) when its code, not its docstring
-    or comments, names a reduced precision, and, where its cases' ids name one, in those cases only."""
+    """conftest marks a test `reduced_precision` (run again under AVX2 by .ci/run) when its code, not its docstring,
+    comments or asserts, names a reduced precision, and, where its cases' ids name one, in those cases only."""
     import inspect
     import test_scale
     import test_train
@@ -256,6 +256,10 @@ def test_the_reduced_precision_marker_follows_the_arithmetic_not_the_prose():
     assert "bf16" in micro and not runs_reduced_precision(micro, "ae", ["ae", "qa"])
     prose = 'def test_x():\n    """On CUDA, bf16."""\n    x = 1   # autocast elsewhere\n'
     assert not runs_reduced_precision(prose) and runs_reduced_precision(prose.replace("x = 1", "x = 'bf16'"))
+    # a plan on the meta device computes nothing: the "bfloat16" its assert reads in the printed plan does not count
+    plan = inspect.getsource(test_scale.test_plan_of_every_preset_at_every_shape_allocates_nothing)
+    assert "bfloat16" in plan and not runs_reduced_precision(plan)
+    assert runs_reduced_precision(prose.replace("x = 1", "x = 1\n    assert f('bf16')\n    y = 'bf16'"))
 
 
 # ---- reading paths: a preset, a one-step run and one training step in one sitting ----
@@ -270,13 +274,13 @@ def test_every_preset_reads_in_200_lines_and_aoc_with_at_most_4_config_condition
     assert totals["aoc"][1] <= 4, totals["aoc"]
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     assert table in readme, "README's reading guide is out of date: paste the output of python tests/reading_guide.py"
-    # a one-step AOC run reads in one sitting: at most 127 project functions in 11 files (the settings resolved in
+    # a one-step AOC run reads in one sitting: at most 127 project functions in 12 files (the settings resolved in
     # cli.py's small named steps count among them, and the check of its texts' chunking, train.chunk_warning and
-    # Compressor.chunk_slots); the README's sentence says how many it calls (tests/test_records.py reads it against
+    # Compressor.chunk_slots; the log's two in runlog.py, which the recipes' summaries read without torch); the README's sentence says how many it calls (tests/test_records.py reads it against
     # this table's row)
     aoc = re.search(r"^\| `aoc` .* \| (\d+) in (\d+) \| \d+ \(\d+ in \d+\) \|$", table, re.M)   # the run, one step
     functions, files = map(int, aoc.groups())
-    assert functions <= 127 and files <= 11, (functions, files)
+    assert functions <= 127 and files <= 12, (functions, files)
 
 
 def test_one_aoc_training_step_turns_between_files_at_most_9_times():
@@ -435,6 +439,15 @@ def test_metrics_are_pure_python_without_torch():
     code = "import sys, metrics; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr
+
+
+def test_the_recipes_summaries_read_records_without_torch():
+    """recipes/summarize.py, verdict.py and curve.py read a run's log and scores (runlog.py, metrics.py): importing
+    them loads no torch, whose import is most of each one's run (a recipe runs them after every arm; curve.py imports
+    torch only to score a checkpoint)."""
+    code = "import sys; sys.path.insert(0, 'recipes'); import summarize, verdict, curve; print('torch' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.strip() == "False", p.stderr
 
 
 @pytest.mark.parametrize("path", ["evaluate.py", "metrics.py", "tests/test_evaluate.py", "tests/test_metrics.py"])
