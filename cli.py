@@ -23,7 +23,7 @@ import torch
 
 import data
 import presets
-from checkpoint import latest_checkpoint, read_train_state, saved_config
+from checkpoint import latest_checkpoint, read_train_state, saved_config, sharded_folder
 from model import SHAPES
 from presets import FLAG_FIELDS, CompressorConfig, readonly
 
@@ -183,7 +183,8 @@ def add_run_flags(p: argparse.ArgumentParser):
                    "backend too (cpu: gloo, cuda: nccl, one GPU per process)")
     g.add_argument("--fsdp", action="store_true", help="shard every weight over the torchrun processes with "
                    "PyTorch's FSDP2 (parallel.py) instead of replicating it (DDP): for a model that does not fit on "
-                   "one GPU. Checkpoints are the one-process format; --resume takes it or leaves it")
+                   "one GPU. Checkpoints are sharded (torch.distributed.checkpoint, checkpoint.py), and --resume continues any "
+                   "checkpoint on any number of processes, with or without --fsdp")
     g.add_argument("--plan", action="store_true", help="print the run's memory per GPU (parameters by dtype, "
                    "weights, gradients, AdamW, activations; plan.py), built on the meta device, and exit")
     g.add_argument("--gpus", type=int, help="with --plan: the GPUs the run spreads over (torchrun "
@@ -522,9 +523,10 @@ def resolved(flags: dict) -> Settings:
             fail(f"--len-curriculum N K needs 1 <= N <= --min-len ({min_len}) and K >= 1, got {curriculum[0]} "
                  f"{curriculum[1]}")
     # --warm-start (ours): another run's trained tensors, this run's settings; --init starts from one already
-    if warm and not values["plan"] and (init or not os.path.isfile(os.path.join(warm, "compressor.safetensors"))):
+    if warm and not values["plan"] and (init or not (os.path.isfile(os.path.join(warm, "compressor.safetensors"))
+                                                     or sharded_folder(warm))):
         fail(f"--warm-start {warm}: " + ("--init already starts from a run: use one of them" if init
-             else "no compressor.safetensors there (pass a train.py --out folder)"))
+             else "no compressor.safetensors there, nor a sharded checkpoint (pass a train.py --out folder)"))
     values["out"] = values["out"] or os.path.join("runs", method)
     changes = "" if init else objective_changes(method, values["objective"], cfg)
     return settings_of(values, cfg, shown, changes, None, init, init_cfg)

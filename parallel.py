@@ -1,7 +1,7 @@
 """Training on more than one process: torchrun's process group, DDP or FSDP2 around the training step, and the
 checkpoint of a sharded run. train.py calls it wherever a process meets the others (processes, wrap,
 no_gradient_sync around every micro-batch of a step but the last, clip_grad_norm, the step's summed numbers,
-gathered_state and shard_optimizer_state); a run of one process on one device passes through each untouched.
+shard_optimizer_state); a run of one process on one device passes through each untouched.
 
     torchrun --nproc_per_node N train.py ...           DDP: every process holds the whole compressor
     torchrun --nproc_per_node N train.py ... --fsdp     FSDP2: every weight sharded over the processes
@@ -18,13 +18,11 @@ tokens, bridge) whole for the whole step. Mixed dtypes (bf16 frozen, fp32 traine
 each tensor in its own dtype. Where the run computes in bf16 (autocast), the blocks' MixedPrecisionPolicy gathers
 their weights in bf16 and reduces gradients in fp32, as autocast computes in one process (tests/test_scale.py).
 
-Checkpoints are the one-process format (checkpoint.py), so a run saved under FSDP continues in one process and the
-other way round: gathered_state collects the trained tensors and AdamW's moments tensor by tensor into rank 0's CPU
-memory (as torch.distributed.checkpoint.state_dict's full_state_dict=True, cpu_offload=True does, keeping only the
-trained tensors and the one-process optimizer layout), and shard_optimizer_state cuts them back into shards on resume.
+An FSDP run's checkpoints are sharded (checkpoint.py: torch.distributed.checkpoint, each rank writes and reads its
+own slices, on any number of processes); a one-process checkpoint continues under FSDP through shard_optimizer_state,
+which cuts its AdamW moments into this rank's shards.
 """
 
-import copy
 import os
 import sys
 from contextlib import contextmanager, nullcontext
@@ -38,8 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from checkpoint import trained_state
-from compressors import blocks, is_saved
+from compressors import blocks
 
 
 def under_torchrun() -> bool:
@@ -139,13 +136,8 @@ def summed(values: torch.Tensor, world: int) -> list:
 
 def shard(comp, step_fn, device, bf16):
     """fully_shard every transformer block of comp's models, then the step (the root unit), on a mesh of `device`'s
-    kind. First every rank takes rank 0's trained tensors, as DDP does when it wraps: each rank drew its own init (its
-    own seed), and FSDP would otherwise keep each rank's shard of a different init. (The frozen base is the same file
-    on every rank.)"""
-    with torch.no_grad():
-        for name, p in comp.named_parameters():
-            if p.requires_grad or is_saved(comp.cfg, name):
-                dist.broadcast(p.data, src=0)
+    kind. Every rank built the same compressor (the frozen base from the same files, the trained init from the same
+    seed: train.main), so each keeps its own slices of it and nothing is sent."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # bf16 runs: the blocks' weights gathered in bf16, gradients reduced in fp32 (what autocast computes). Inputs are
     # not cast (cast_forward_inputs=False): RoPE's cos/sin stay fp32, as under autocast
@@ -155,24 +147,6 @@ def shard(comp, step_fn, device, bf16):
         fully_shard(block, mesh=mesh, mp_policy=mixed)
     fully_shard(step_fn, mesh=mesh)   # the root: embeddings, memory tokens, bridge, gathered whole for the step
     return step_fn
-
-
-def gathered_state(comp, opt, master: bool):
-    """(trained tensors by name, optimizer state_dict) in the one-process format, whole, in rank 0's CPU memory; None
-    on the other ranks. A collective: every rank calls it. Tensor by tensor: each is gathered from its shards, copied
-    to the CPU on rank 0 and dropped, so a save adds to a rank's device one whole tensor at a time (two copies of it
-    where the shards are uneven: 125 MiB for a 62.5 MiB tensor in tests/bench_save.py). The optimizer's state is
-    read, never written: its state_dict() hands out the live per-parameter states, and a gathered tensor written into
-    them would break the next step."""
-    def whole(t):
-        if isinstance(t, DTensor):
-            t = t.full_tensor()
-        return t.cpu() if master else None
-    state = {n: whole(t) for n, t in trained_state(comp).items()}
-    live = opt.state_dict()
-    moments = {i: {k: whole(v) if torch.is_tensor(v) else v for k, v in per_param.items()}
-               for i, per_param in live["state"].items()}
-    return (state, {"state": moments, "param_groups": copy.deepcopy(live["param_groups"])}) if master else None
 
 
 def shard_optimizer_state(opt, opt_state: dict) -> dict:

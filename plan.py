@@ -24,7 +24,14 @@ DDP keeps everything whole on every GPU, plus its gradient buckets (trained nume
 divides every tensor at rest by N, and while a step runs holds the root unit's weights whole (everything outside the
 transformer blocks: embeddings, lm_head, memory tokens, bridge) and two blocks gathered (the running one and the next,
 prefetched; in bf16 under MixedPrecisionPolicy), the root's gradients whole until they are reduce-scattered; AdamW's
-states follow the shards.
+states follow the shards. Two more numbers, outside the step's total:
+
+    build        = the whole compressor's weights: every GPU builds it whole (train.build_compressor), then shards
+                   it (parallel.shard), so under --fsdp too a GPU must hold it once; "fits" asks it of the card
+    checkpoint   = host memory a save adds per process: one process copies its trained tensors whole to the host
+                   (trained numel × 4, compressor.safetensors); under --fsdp each rank writes its own shards
+                   (torch.distributed.checkpoint), one at a time: the largest trained tensor's shard and DCP's
+                   copy-ahead buffer (checkpoint.COPY_AHEAD), nothing on the GPU
 OVERHEAD covers what the count cannot see: the backward pass's transient gradients of activations, the
 cross-entropy's chunk of logits, the allocator. It is calibrated on measured CUDA peaks (tests/README.md, "The memory
 plan"). Attention is counted as CUDA's memory-efficient kernel saves it (CudaAttention: q, K/V repeated to the query
@@ -43,6 +50,7 @@ import torch.nn.functional as F
 
 import compressors
 import data
+from checkpoint import COPY_AHEAD
 from hf import Tokenizer
 from model import SHAPES, TINY_CONFIG, ModelConfig, Transformer, build_tiny
 
@@ -184,6 +192,8 @@ class Plan:
     micro: int            # examples per micro-batch and GPU
     gpus: int = 1
     fsdp: bool = False
+    build: int = 0        # bytes per GPU while the compressor is built, before any sharding (the whole compressor)
+    save: int = 0         # host bytes a checkpoint's save adds per process
 
     @property
     def total(self) -> int:
@@ -191,7 +201,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.total <= CARD_GB * GB
+        return max(self.total, self.build) <= CARD_GB * GB
 
 
 def make_plan(cfg, run, make_step, shape: str | None = None) -> Plan:
@@ -201,12 +211,13 @@ def make_plan(cfg, run, make_step, shape: str | None = None) -> Plan:
     comp = build_on_meta(cfg, shape, run.frozen)
     blocks = compressors.blocks(comp)
     sharded = {id(p) for b in blocks for p in b.parameters()} if fsdp else set()
-    params, weights, trained, root, root_trained = {}, 0, 0, 0, 0
+    params, weights, trained, root, root_trained, largest = {}, 0, 0, 0, 0, 0
     for p in comp.parameters():   # distinct tensors: a tied or shared one counts once
         kind = ("trained" if p.requires_grad else "frozen", str(p.dtype).removeprefix("torch."))
         params[kind] = params.get(kind, 0) + p.numel()
         weights += p.numel() * p.element_size()
         trained += p.numel() if p.requires_grad else 0
+        largest = max(largest, p.numel() * p.element_size() if p.requires_grad else 0)
         if id(p) not in sharded:
             root += p.numel() * p.element_size()
             root_trained += p.numel() if p.requires_grad else 0
@@ -221,11 +232,13 @@ def make_plan(cfg, run, make_step, shape: str | None = None) -> Plan:
                              False, sharded) // comp.decoder.config.num_hidden_layers
     activations = int(OVERHEAD * saved)
     if not fsdp:   # every GPU holds everything; DDP adds its gradient buckets
-        return Plan(params, weights, 4 * trained * (2 if gpus > 1 else 1), 8 * trained, activations, micro, gpus)
+        return Plan(params, weights, 4 * trained * (2 if gpus > 1 else 1), 8 * trained, activations, micro, gpus,
+                    build=weights, save=4 * trained)
     gathered = 2 * max(sum(p.numel() * (2 if autocast else p.element_size()) for p in b.parameters())
                        for b in blocks)   # the running block and the prefetched next one (bf16: MixedPrecisionPolicy)
     return Plan(params, -(-weights // gpus) + root + gathered, 4 * (-(-trained // gpus) + root_trained),
-                8 * -(-trained // gpus), activations, micro, gpus, fsdp)
+                8 * -(-trained // gpus), activations, micro, gpus, fsdp, build=weights,
+                save=-(-largest // gpus) + COPY_AHEAD)
 
 
 def describe(plan: Plan, cfg, run, shape: str | None, frozen_dtype: str) -> str:
@@ -245,7 +258,11 @@ def describe(plan: Plan, cfg, run, shape: str | None, frozen_dtype: str) -> str:
     lines += [f"  weights        {gb(plan.weights)}{shards}", f"  gradients      {gb(plan.grads)}",
               f"  AdamW states   {gb(plan.optimizer)}",
               f"  activations    {gb(plan.activations)}   (counted saved tensors x {OVERHEAD}, calibrated on CUDA)",
-              f"  total          {gb(plan.total)}   {'fits' if plan.fits else 'does not fit'} on one {CARD_GB} GB card"]
+              f"  total          {gb(plan.total)}   {'fits' if plan.fits else 'does not fit'} on one {CARD_GB} GB card",
+              f"  build          {gb(plan.build)}   (the whole compressor, built on each GPU"
+              f"{' before it is sharded' if plan.fsdp else ''})",
+              f"  checkpoint     {gb(plan.save)}   of host memory per process at a save ("
+              + ("DCP: its own shards, one at a time)" if plan.fsdp else "the trained tensors, whole)")]
     if not plan.fits:
         lines.append("  (less: --micro-batch, --grad-ckpt, --frozen-dtype bf16; or shard: --fsdp --gpus N, then "
                      "torchrun --nproc_per_node N ... --fsdp)")

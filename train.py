@@ -37,7 +37,6 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 import checkpoint
@@ -76,15 +75,14 @@ def build_compressor(cfg, device, frozen=torch.float32, weights=None, weights_cf
     if weights:
         checkpoint.load_trained_from(comp, weights, weights_cfg)
     elif warm:
-        warm_start(comp, warm, device)
+        warm_start(comp, warm)
     return comp
 
 
-def warm_start(comp, run_dir, device):
+def warm_start(comp, run_dir):
     """--warm-start RUN (ours): another run's trained tensors, this run's settings (load_trained checks they fit)."""
     try:
-        state = load_file(os.path.join(run_dir, "compressor.safetensors"), device=str(device))
-        checkpoint.load_trained(comp, state)
+        checkpoint.load_trained_from(comp, run_dir)
     except ValueError as e:
         raise ValueError(f"--warm-start {run_dir}: {e} (it must be the same preset with the same --mem, LoRA and "
                          "model)") from None
@@ -356,14 +354,14 @@ def loss_distill(comp, batch: data.Batch):
 
 
 def save_run(run: Run, comp, opt, corpus: data.Corpus, done: int, write):
-    """A checkpoint of step `done` (every rank hands rank 0 its RNG state; under FSDP every rank gathers, rank 0
-    writes with `write`: checkpoint.save_checkpoint, the run's record bound to it by main)."""
+    """A checkpoint of step `done` (every rank hands rank 0 its RNG state; under FSDP every rank writes its shard and
+    rank 0 the rest, with `write`: checkpoint.save_checkpoint, the run's record bound to it by main)."""
     rng = gather_rng_states(run.world, run.device)
-    whole = parallel.gathered_state(comp, opt, run.master) if run.fsdp else None
-    if run.master:
-        write(run.out, done, comp, opt, rng=rng, data_key=corpus.key, keep_every=run.keep_every, whole=whole)
-        if corpus.answers:   # distill: the teacher's answers so far
-            data.save_answers(corpus)
+    if run.master or run.fsdp:
+        write(run.out, done, comp, opt, rng=rng, data_key=corpus.key, keep_every=run.keep_every, sharded=run.fsdp,
+              master=run.master)
+    if run.master and corpus.answers:   # distill: the teacher's answers so far
+        data.save_answers(corpus)
 
 
 def load_corpus(run: Run, comp, path: str | None, cache_dir: str, saved_key: str | None, resume: str | None):
@@ -380,16 +378,23 @@ def load_corpus(run: Run, comp, path: str | None, cache_dir: str, saved_key: str
     return corpus
 
 
-def restore(run: Run, opt, optimizer_state: dict, rng_states: list):
-    """A resumed run's optimizer moments and step counts, and this rank's RNG where it stood. Saved on another number
-    of processes, no rank's saved generator is this rank's: each keeps what a fresh run of this size draws (--seed +
-    rank, after the build), and the run says so."""
+def restore(run: Run, comp, opt, ckpt: str, state: dict):
+    """A resumed run's trained tensors (from a sharded checkpoint; a one-process one's were loaded at the build),
+    optimizer moments and step counts, and this rank's RNG where it stood. A sharded checkpoint (DCP) loads resharded,
+    whatever number of processes saved it; a one-process one's moments are cut into this rank's shards under FSDP.
+    Saved on another number of processes, no rank's saved generator is this rank's: each keeps what a fresh run of
+    this size draws (--seed + rank, after the build), and the run says so."""
     try:
-        if run.fsdp:   # the one-process moments, cut into this rank's shards
-            optimizer_state = parallel.shard_optimizer_state(opt, optimizer_state)
-        opt.load_state_dict(optimizer_state)
+        if state.get("sharded"):
+            checkpoint.load_sharded(comp, opt, os.path.join(ckpt, checkpoint.SHARDED))
+        else:
+            optimizer_state = state["optimizer"]
+            if run.fsdp:   # the one-process moments, cut into this rank's shards
+                optimizer_state = parallel.shard_optimizer_state(opt, optimizer_state)
+            opt.load_state_dict(optimizer_state)
     except (ValueError, KeyError) as e:
         fail(f"mismatched checkpoint: its optimizer state does not fit this compressor ({e})")
+    rng_states = state["rng"]
     if len(rng_states) == run.world:
         set_rng_state(rng_states[run.rank], run.device)
     elif run.master:
@@ -416,29 +421,34 @@ def main(argv=None):
         except ValueError as e:
             fail(e)
         run = cli.place(s, device, rank, world)   # the batch split over the processes, the dtypes, the seed
-        # torch's RNG draws the init of memory tokens / LoRA / bridges (one stream per process: DDP then copies rank
-        # 0's weights to every process) and LoRA dropout; the data, GMSA's rates included, has generators of its own
-        # (step_examples), so torch's is the only global generator a run draws from
-        torch.manual_seed(run.seed)
+        # torch's RNG draws the init of memory tokens / LoRA / bridges, from --seed on every process (each holds
+        # the init rank 0 draws: FSDP shards that one, and DDP's copy of rank 0's weights changes nothing), then LoRA
+        # dropout, one stream per process (--seed + rank from the build on); the data, GMSA's rates included, has
+        # generators of its own (step_examples), so torch's is the only global generator a run draws from
+        torch.manual_seed(s.seed)
         if run.start >= run.steps:
             print(f"{s.resume} is already at step {run.start} of {run.steps}: nothing to do (raise --steps)")
             return parallel.leave_rank()
         # the compressor (from the checkpoint when resuming), and the objective as a module, wrapped for the processes
+        state = s.resume_state or {}
+        # a sharded checkpoint's trained tensors load after the sharding, into each rank's shards (restore)
+        weights = None if state.get("sharded") else s.weights
         try:   # a bad model name, a corrupt checkpoint: one line, not a traceback
-            comp = build_compressor(s.config, device, run.frozen, s.weights, s.weights_config, s.warm_start)
+            comp = build_compressor(s.config, device, run.frozen, weights, s.weights_config, s.warm_start)
         except (ValueError, OSError) as e:
             fail(e)
+        if run.rank:   # (rank 0 continues from the build, as a run of one process does)
+            torch.manual_seed(run.seed)
         for model in (comp.encoder, comp.decoder):   # activation checkpointing per block (model.py)
             model.grad_ckpt = run.grad_ckpt
         if s.compile:
             compile_blocks(comp)
         step_module = parallel.wrap(comp, step_of(comp), run.fsdp, device, world, bf16=run.bf16)
-        state = s.resume_state or {}
         corpus = load_corpus(run, comp, s.data, s.cache_dir, state.get("data"), s.resume)
         params = comp.trainable_parameters()   # what compressors.py leaves trainable for this method and stage
         opt = make_optimizer(comp, s.lr, s.betas, s.weight_decay, s.mem_lr, device)
         if state:
-            restore(run, opt, state["optimizer"], state["rng"])
+            restore(run, comp, opt, s.weights, state)
         lines = cli.first_lines(s.method, s.shown) + chunk_warning(comp, run.sampling)
         log = open_log(run, s.method, corpus, lines, s.changes, sum(p.numel() for p in params)) if run.master else None
         if run.fsdp and s.eval_every > 0 and run.master:   # rank 0 alone would score weights spread over every rank

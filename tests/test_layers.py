@@ -3,7 +3,7 @@ layers before its own, at the top of the file or inside a function alike, so the
 can learn the code bottom up. recipes/ and tests/ come after every layer (they may import anything).
 
     masks, positions, metrics, lora, hf,   the parts with no project imports: masks, position IDs, scores, LoRA,
-    figures                                reading Hugging Face files, the optional figures
+    figures, runlog                        reading Hugging Face files, the optional figures, a run's log
     gemma3                                 what Gemma 3 changes in the transformer: its config, (1 + w) norm, scaled
                                            embedding, sandwich block, window (below model, which builds Gemma from it)
     model                                  the transformer (Llama, Qwen, Mistral; Gemma 3 from gemma3's parts) and
@@ -11,7 +11,8 @@ can learn the code bottom up. recipes/ and tests/ come after every layer (they m
     presets                                what each method is: CompressorConfig, PRESETS, recipes, the tiny demo
     compressors                            the machinery the presets drive
     data                                   readers, the built-in corpus, sampling a step
-    checkpoint                             a compressor's files (save, load), resume state, the log
+    checkpoint                             a compressor's files (save, load), a run's checkpoints (one-process,
+                                           sharded) and resume state
     cli                                    train.py's flags and how their defaults resolve
     evaluate                               the tasks and their scores
     heldout, plan, parallel                the held-out check a run does while training (calls evaluate); the
@@ -26,7 +27,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = [("masks", "positions", "metrics", "lora", "hf", "figures"), ("gemma3",), ("model",), ("presets",),
+LAYERS = [("masks", "positions", "metrics", "lora", "hf", "figures", "runlog"), ("gemma3",), ("model",), ("presets",),
           ("compressors",), ("data",), ("checkpoint",), ("cli",), ("evaluate",), ("heldout", "plan", "parallel"),
           ("train",)]
 RANK = {m: i for i, layer in enumerate(LAYERS) for m in layer}
