@@ -42,9 +42,11 @@ Chunks are always separate rows of one batched encoder forward. That *is* the bl
 `masks.segments` mask (no chunk can see another), computed at linear cost instead of on one long
 sequence with a dense mask; tests/test_compressors.py checks the two agree.
 
-Every tensor built here is made on the model's device (`device=`), and the shapes that steer Python
-control flow (how many slots a sample has, which positions carry a loss) are kept as Python numbers,
-so a forward pass never waits for the GPU to report a value (tests/test_devices.py checks both).
+What a forward reads that Python lists decide (ids, positions, masks, where the memory is read and the loss taken)
+is built on the host first (EncoderInputs, DecoderInputs) and moved to the model's device at once (on_device), and
+the shapes that steer Python control flow (how many slots a sample has, which positions carry a loss) are kept as
+Python numbers, so a forward pass never waits for the GPU (tests/test_devices.py: every tensor on the model's device;
+tests/test_step.py: no sync in a training step, and ops that do not grow with the batch).
 """
 
 import hashlib
@@ -108,7 +110,7 @@ class DecoderBatch(dict):
 # ---- a step's inputs: everything a forward reads that Python lists decide (ids, positions, masks, where the memory is
 # read and where the loss is taken), built on the host before the forward and moved to the device at once, so that
 # the forward and backward never wait for a copy (a copy from the host's pageable memory stalls the host until the
-# GPU's queue drains; tests/test_speed.py counts them)
+# GPU's queue drains; tests/test_step.py counts them)
 
 @dataclass
 class EncoderInputs:
@@ -118,7 +120,7 @@ class EncoderInputs:
     ids: torch.Tensor               # (R, T) token ids: each chunk, its memory slots' ids, padding
     pos: torch.Tensor | None        # (R, T) position ids; None: the default 0 .. T-1 (group_mean)
     attn: torch.Tensor              # (R, T, T) bool: each row's encoder mask
-    mem_slot: torch.Tensor | None   # (R, T) 1 + the memory token in a slot, 0: none (source mem_tokens only)
+    mem_slot: torch.Tensor | None   # (R, T) 1 + the memory token in a slot, 0: none (None for group_mean)
     group: torch.Tensor | None      # (R, T) group_mean: each token's group, G for padding (else None)
     read_row: torch.Tensor          # (B, M) the encoder row that sample b's memory slot j is read from ...
     read_at: torch.Tensor           # (B, M) ... and its index there (a slot; a group for group_mean)
@@ -158,32 +160,76 @@ def on_device(inputs, device: torch.device):
     """A step's inputs (EncoderInputs, DecoderInputs, DistillInputs) with every tensor moved to `device` without
     making the host wait: on CUDA pinned, then copied non-blocking (the copy runs behind the kernels queued before
     it); on the CPU nothing moves."""
-    moved = {}
-    for f in fields(inputs):
-        value = getattr(inputs, f.name)
-        if isinstance(value, torch.Tensor):
-            value = (value.pin_memory() if device.type == "cuda" else value).to(device, non_blocking=True)
-        elif is_dataclass(value):
-            value = on_device(value, device)
-        moved[f.name] = value
-    return replace(inputs, **moved)
+    move = lambda t: (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+    return replace(inputs, **{f.name: move(v) if isinstance(v, torch.Tensor) else on_device(v, device)
+                              if is_dataclass(v) else v for f in fields(inputs) for v in [getattr(inputs, f.name)]})
+
+
+def decoder_inputs(comp, memory, task: str, follow: list, n_supervised: list | None = None,
+                   last_tokens: list | None = None, prefix: list | None = None,
+                   left_pad: bool = False) -> DecoderInputs:
+    """What comp's decoder reads for every sample, on the host: [prefix, memory, special token, follow tokens], padded.
+
+    memory: the Memory, or the EncoderInputs it comes from (only its chunk_lens and slots are read).
+    follow[b]: decoder token ids after the special token (AE: comp.ae_target(x); LM: the continuation + EOS;
+    QA: prompt + answer + EOS). n_supervised[b]: the loss covers the last n of them (default all).
+    last_tokens[b]: x_k, the last context token, for the PIC TC special token (Eq. 7). prefix[b]: decoder ids
+    before the memory (a chat template's user header). PCC's delimiters add [BOS] first and wrap each chunk's
+    memory in <mem> ... </mem>. Right padding for training, left padding (left_pad) for generation, so that
+    every row's last token is its last real one.
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown task '{task}': choose ae, lm or qa")
+    cfg, B, kind = comp.cfg, len(follow), special_token(comp.cfg, task)
+    M = max(sum(s) for s in memory.slots)   # the longest sample's slots: the memory's padded length
+    # the table's rows (DecoderInputs): 0 zeros, 1.. the learned vectors, the memory's B*M (carrier embeds), tokens
+    specials = (("ae_embed" if task == "ae" else "lm_embed",) if kind == "learned" else ()) + comp.mem_delimiters
+    delimiters = tuple(1 + specials.index(name) for name in comp.mem_delimiters)
+    # 500x/AOC: the memory is no input but a KV-cache prefix of P slots
+    P, first_token = (0, 1 + len(specials) + B * M) if comp.carrier.in_input else (M, 1 + len(specials))
+    tokens, rows, pos, targets = [], [], [], []   # tokens: the ids the table embeds, row after row
+    for b, ids in enumerate(follow):
+        before = comp.decoder_bos + list(prefix[b] if prefix else [])   # the delimiters' [BOS]; a chat header
+        mem_rows = comp.carrier.decoder_rows(memory.slots[b], 1 + len(specials) + b * M, delimiters)
+        # [BOS] (500x, AOC) or x_k (PIC Eq. 7) as the special token: a token's row, as the decoder embeds it
+        special = [comp.tok.start_id if kind == "bos" else last_tokens[b]] if kind in ("bos", "last") else []
+        at = range(first_token + len(tokens), first_token + len(tokens) + len(before) + len(special) + len(ids))
+        tokens += before + special + ids   # their rows: `at`, in this order; a learned special is row 1
+        rows.append([*at[:len(before)], *mem_rows, *[1] * (kind == "learned"), *at[len(before):]])
+        first = comp.follow_index(task, len(before), len(mem_rows))   # the index of follow[0]
+        targets.append(next_token_targets(ids, len(ids) if n_supervised is None else n_supervised[b], first))
+        # EPL §3.2 / Tables 13-15: DPL numbers the inputs physically (after the k|M| cached slots of the KV
+        # carrier); EPL (CPL) keeps the memory at its encoder positions, [AE] at 0 or [LM] at p, the text after
+        pos.append(positions.decoder_inputs(cfg.layout, cfg.carrier, task, memory.chunk_lens[b], memory.slots[b],
+                                            sum(memory.chunk_lens[b]), len(ids), span=comp.nominal_len,
+                                            n_prefix=len(before) - len(comp.decoder_bos),
+                                            delimiters=cfg.delimiters, special=kind != "none"))
+    T = max(len(r) for r in rows)
+    shift = [T - len(r) if left_pad else 0 for r in rows]        # left padding moves row b's inputs by shift[b]
+    pad = lambda b, r: [0] * shift[b] + r + [0] * (T - len(r) - shift[b])   # padding: 0 (the zero row, position 0)
+    valid = [[j < sum(memory.slots[b]) for j in range(P)] + pad(b, [True] * len(r)) for b, r in enumerate(rows)]
+    # nothing padded: the mask is the model's default (prefix + causal), and passing None lets SDPA use its fused
+    # causal kernel instead of the dense-mask one
+    attn_mask = None if all(all(v) for v in valid) else \
+        masks.with_padding(masks.with_prefix(masks.causal(T), P), torch.tensor(valid, dtype=torch.bool))
+    supervised = [(b * T + shift[b] + i, token) for b, row in enumerate(targets) for i, token in row]
+    long = lambda x: torch.tensor(x, dtype=torch.long)
+    index, flat = long([pad(b, r) for b, r in enumerate(rows)]), long([i for i, _ in supervised])   # (B, T), (N,)
+    return DecoderInputs(long(tokens), specials, index, long([pad(b, p) for b, p in enumerate(pos)]), attn_mask,
+                         supervised, flat, long([t for _, t in supervised]), flat // T)
 
 
 def memory_layout(rows: list, first) -> tuple:
     """Where each sample's memory is read: its chunks' slots, chunk after chunk, right-padded to the longest sample's
     M slots. rows: the Chunks, in sample order; first(j, row): the index of row j's first memory slot in what is read.
     Returns (read_row (B, M), read_at (B, M), valid (B, M)) on the host, and per sample its chunk lengths and slots."""
-    B = rows[-1].sample + 1
-    reads, chunk_lens, slots = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
-    for j, row in enumerate(rows):
-        reads[row.sample] += [(j, first(j, row) + s) for s in range(row.slots)]
-        chunk_lens[row.sample].append(len(row.ids))
-        slots[row.sample].append(row.slots)
+    samples = [[(j, row) for j, row in enumerate(rows) if row.sample == b] for b in range(rows[-1].sample + 1)]
+    reads = [[(j, first(j, row) + s) for j, row in sample for s in range(row.slots)] for sample in samples]
     M = max(map(len, reads))
-    reads = [r + [(0, 0)] * (M - len(r)) for r in reads]   # padding reads row 0's first index; valid zeroes it
-    return (torch.tensor([[j for j, _ in r] for r in reads], dtype=torch.long),
-            torch.tensor([[i for _, i in r] for r in reads], dtype=torch.long),
-            torch.tensor([[j < sum(s) for j in range(M)] for s in slots]), chunk_lens, slots)
+    at = torch.tensor([r + [(0, 0)] * (M - len(r)) for r in reads], dtype=torch.long)   # (B, M, 2); padding: (0, 0)
+    return (at[..., 0], at[..., 1], torch.tensor([[j < len(r) for j in range(M)] for r in reads]),
+            [[len(row.ids) for _, row in sample] for sample in samples], [[row.slots for _, row in sample]
+                                                                        for sample in samples])
 
 
 # The two carriers (EPL §3: ICAE's and 500xCompressor's), one picked when the compressor is built. A memory is a list
@@ -195,6 +241,7 @@ class Embeds:
     """ICAE §3.1: the encoder's final hidden states at the memory slots (its final norm applied), through the bridge,
     become input embeddings of the decoder; PCC code: each chunk's between <mem> and </mem>."""
     needs_kv = False   # the encoder forward need not return its K/V
+    in_input = True    # the memory's vectors are decoder inputs (its rows of DecoderInputs' table)
 
     @staticmethod
     def read_slots(encoder_out, row: torch.Tensor, at: torch.Tensor) -> list:
@@ -211,12 +258,8 @@ class Embeds:
         """A sample's memory as decoder input rows, chunk after chunk: their rows of the input table (DecoderInputs),
         its memory vectors at first, first + 1, ...; delimiters: the rows of <mem> and </mem> (PCC code:
         <mem> m_1 .. m_k </mem> per segment), or ()."""
-        rows, at = [], first
-        for m in slots:
-            block = list(range(at, at + m))
-            rows += [delimiters[0], *block, delimiters[1]] if delimiters else block
-            at += m
-        return rows
+        ends = list(accumulate(slots, initial=first))   # chunk c's memory: rows ends[c] .. ends[c+1]-1
+        return sum(([*delimiters[:1], *range(a, b), *delimiters[1:]] for a, b in zip(ends, ends[1:])), [])
 
     @staticmethod
     def cache(memory: Memory) -> tuple:
@@ -228,6 +271,7 @@ class KV:
     """500xCompressor / AOC: every encoder layer's K/V at the memory slots becomes a KV-cache prefix of the decoder,
     its keys keeping the encoder's RoPE positions; nothing of the memory is in the decoder's input."""
     needs_kv = True    # the encoder forward returns every layer's K/V
+    in_input = False   # the memory is a KV-cache prefix, none of the decoder's inputs
 
     @staticmethod
     def read_slots(encoder_out, row: torch.Tensor, at: torch.Tensor) -> list:
@@ -499,6 +543,7 @@ class Compressor(nn.Module):
         self.context_bos, self.target_bos = ([self.enc_tok.start_id], [self.tok.start_id]) if cfg.bos else ([], [])
         # ... and the delimiters' leading BOS (PCC code): every decoder input starts [BOS] <mem> m.. </mem>
         self.decoder_bos = [self.tok.start_id] if cfg.delimiters else []
+        self.mem_delimiters = ("mem_open", "mem_close") if cfg.delimiters else ()   # PCC code: <mem> m_1 .. </mem>
         # per task, the index of follow[0] in a decoder row with no prefix (follow_index; an embeds memory counts as
         # its first row, all that matters there: whether any input precedes follow[0]). Fixed here, a plain number,
         # so that a step's examples count the tokens their loss supervises (data.supervised_tokens) without calling
@@ -628,7 +673,7 @@ class Compressor(nn.Module):
         for EPL/UPL, its position): a chunk seen before is not encoded again (CompLLM §1 "reusability": a context
         shared by several queries is compressed once). For evaluation; gradients do not flow through it."""
         inputs = self.encoder_inputs(contexts, ratios)
-        if cache is not None and self.cfg.source != "group_mean":   # a group mean depends on the ratio drawn
+        if cache is not None and inputs.group is None:   # a group mean (GMSA) depends on the ratio drawn: not kept
             return self._encode_cached(inputs, cache)
         return self.encode(on_device(inputs, self.device))
 
@@ -657,33 +702,29 @@ class Compressor(nn.Module):
             row_masks.append(self.encoder_mask(n, m))                 # over [chunk, memory]
         # row j's memory slots follow its n chunk tokens
         return EncoderInputs(rows, torch.tensor(ids), torch.tensor(pos), masks.stack_padded(row_masks, T),   # (R, T, T)
-                             torch.tensor(mem_slot) if self.mem_tokens is not None else None, None,
-                             *memory_layout(rows, lambda j, row: len(row.ids)))
+                             torch.tensor(mem_slot), None, *memory_layout(rows, lambda j, row: len(row.ids)))
 
-    def encode(self, inputs: EncoderInputs) -> Memory:
+    def encode(self, inputs: EncoderInputs, read: list | None = None) -> Memory:
         """The Memory of EncoderInputs on the device (encoder_inputs, on_device): one encoder forward over every row,
-        each memory tensor read with one index, whatever the batch."""
-        if self.cfg.source == "group_mean":
-            return self._encode_merge(inputs)
-        out = self._encoder_forward(inputs)
-        return self._memory(self.carrier.read_slots(out, inputs.read_row, inputs.read_at), inputs, self.carrier)
+        each memory tensor read (B, M, ...) with one index, whatever the batch, its padding slots zeroed. read: the
+        memory tensors, read already (compress's cache)."""
+        carrier = self.carrier if inputs.group is None else Embeds   # group_mean: GMSA's group means are embeddings
+        if read is None:
+            read = self._group_means(inputs) if inputs.group is not None else \
+                self.carrier.read_slots(self._encoder_forward(inputs), inputs.read_row, inputs.read_at)
+        padded = [torch.where(inputs.valid.view(*inputs.valid.shape, *[1] * (t.dim() - 2)), t, 0) for t in read]
+        return Memory(**carrier.memory(self, padded, inputs.valid), valid=inputs.valid, chunk_lens=inputs.chunk_lens,
+                      slots=inputs.slots)
 
     def _encoder_forward(self, inputs: EncoderInputs):
         """One encoder forward over the rows of `inputs` (on the device)."""
         x = self.encoder.model.embed_tokens(inputs.ids)              # (R, T, d_enc)
-        if inputs.mem_slot is not None:                              # learned memory tokens fill their slots
+        if self.mem_tokens is not None:                              # learned memory tokens fill their slots
             # slot s > 0 holds memory token s - 1; the clamp only keeps the index valid where s = 0 (not taken)
-            mem_slot = inputs.mem_slot
-            x = torch.where((mem_slot > 0)[..., None], self.mem_tokens[(mem_slot - 1).clamp(min=0)].to(x.dtype), x)
+            x = torch.where((inputs.mem_slot > 0)[..., None],
+                            self.mem_tokens[(inputs.mem_slot - 1).clamp(min=0)].to(x.dtype), x)
         return self.encoder(inputs_embeds=x, position_ids=inputs.pos, attn_mask=inputs.attn,
                             return_kv=self.carrier.needs_kv, compute_logits=False)
-
-    def _memory(self, read: list, inputs: EncoderInputs, carrier) -> Memory:
-        """One Memory from the memory tensors read, each (B, M, ...): its padding slots zeroed, through the carrier."""
-        valid = inputs.valid
-        padded = [torch.where(valid.view(*valid.shape, *[1] * (t.dim() - 2)), t, 0) for t in read]
-        return Memory(**carrier.memory(self, padded, valid), valid=valid, chunk_lens=inputs.chunk_lens,
-                      slots=inputs.slots)
 
     def _encode_cached(self, inputs: EncoderInputs, cache: dict) -> Memory:
         """compress, encoding only the rows whose memory `cache` does not hold yet (see compress). A row's memory is
@@ -699,7 +740,7 @@ class Compressor(nn.Module):
         flat = [torch.cat([part[i] for part in parts]) for i in range(len(parts[0]))]   # each (S, ...): every slot
         ends = list(accumulate((row.slots for row in rows), initial=0))   # row j's slots: ends[j] .. ends[j+1]-1
         at = memory_layout(rows, lambda j, row: ends[j])[1].to(dev)      # (B, M) indices into the S slots
-        return self._memory([t[at] for t in flat], inputs, self.carrier)
+        return self.encode(inputs, [t[at] for t in flat])
 
     def _cache_key(self, row: Chunk) -> str:
         # a chunk's memory depends on its ids and slots, and under UPL/EPL on where it starts in its context
@@ -720,8 +761,8 @@ class Compressor(nn.Module):
         attn = masks.with_padding(masks.causal(T), torch.arange(T)[None] < lens[:, None])
         return EncoderInputs(rows, ids, None, attn, None, group, *memory_layout(rows, lambda j, row: 0))
 
-    def _encode_merge(self, inputs: EncoderInputs) -> Memory:
-        """GMSA §3.2: encode with the first k layers, mean-pool consecutive groups of r hidden states."""
+    def _group_means(self, inputs: EncoderInputs) -> list:
+        """GMSA §3.2: encode with the first k layers, mean-pool consecutive groups of r hidden states: [(B, M, d)]."""
         group, G = inputs.group, max(row.slots for row in inputs.rows)
         h = self.encoder(inputs.ids, attn_mask=inputs.attn, compute_logits=False).last_hidden   # (R, T, d)
         # exact mean over each group (the last group may be shorter): sum, then divide by its size
@@ -730,7 +771,7 @@ class Compressor(nn.Module):
         sizes = torch.zeros(h.shape[0], G + 1, device=h.device).scatter_add_(1, group, torch.ones_like(group,
                                                                                                  dtype=torch.float))
         means = (sums / sizes.clamp(min=1)[..., None]).to(h.dtype)[:, :G]           # (R, G, d)
-        return self._memory([means[inputs.read_row, inputs.read_at]], inputs, Embeds)
+        return [means[inputs.read_row, inputs.read_at]]
 
     # ---- the decoder side ----
 
@@ -747,81 +788,15 @@ class Compressor(nn.Module):
         token = self.tok.start_id if kind == "bos" else last_token
         return self.decoder.model.embed_tokens(torch.tensor(token, device=self.device))
 
-    def decoder_inputs(self, memory, task: str, follow: list, n_supervised: list | None = None,
-                       last_tokens: list | None = None, prefix: list | None = None,
-                       left_pad: bool = False) -> DecoderInputs:
-        """What the decoder reads for every sample, on the host: [prefix, memory, special token, follow tokens], padded.
-
-        memory: the Memory, or the EncoderInputs it comes from (only its chunk_lens and slots are read).
-        follow[b]: decoder token ids after the special token (AE: comp.ae_target(x); LM: the continuation + EOS;
-        QA: prompt + answer + EOS). n_supervised[b]: the loss covers the last n of them (default all).
-        last_tokens[b]: x_k, the last context token, for the PIC TC special token (Eq. 7). prefix[b]: decoder ids
-        before the memory (a chat template's user header). PCC's delimiters add [BOS] first and wrap each chunk's
-        memory in <mem> ... </mem>. Right padding for training, left padding (left_pad) for generation, so that
-        every row's last token is its last real one.
-        """
-        if task not in TASKS:
-            raise ValueError(f"unknown task '{task}': choose ae, lm or qa")
-        cfg, B, kind = self.cfg, len(follow), special_token(self.cfg, task)
-        M = max(sum(s) for s in memory.slots)   # the longest sample's slots: the memory's padded length
-        P = M if cfg.carrier == "kv" else 0      # 500x/AOC: the memory is a KV-cache prefix of P slots
-        # the table's rows (DecoderInputs): 0 zeros, then the learned vectors, the memory's, the tokens' embeddings
-        specials = (("ae_embed" if task == "ae" else "lm_embed",) if kind == "learned" else ()) + \
-            (("mem_open", "mem_close") if cfg.delimiters else ())
-        row_of = {name: 1 + k for k, name in enumerate(specials)}
-        first_memory = 1 + len(specials)                                   # sample b's slot j: + b*M + j
-        first_token = first_memory + (B * M if cfg.carrier == "embeds" else 0)
-        tokens = []
-
-        def embed_ids(ids):   # ids' rows of the table, their embeddings appended to it
-            tokens.extend(ids)
-            return list(range(first_token + len(tokens) - len(ids), first_token + len(tokens)))
-
-        rows, pos, targets = [], [], []
-        for b, ids in enumerate(follow):
-            before = self.decoder_bos + list(prefix[b] if prefix else [])   # the delimiters' [BOS]; a chat header
-            mem_rows = self.carrier.decoder_rows(memory.slots[b], first_memory + b * M,
-                                                 (row_of["mem_open"], row_of["mem_close"]) if cfg.delimiters else ())
-            special = [row_of[specials[0]]] if kind == "learned" else [] if kind == "none" else \
-                embed_ids([self.tok.start_id if kind == "bos" else last_tokens[b]])   # as the decoder embeds it
-            rows.append(embed_ids(before) + mem_rows + special + embed_ids(ids))
-            first = self.follow_index(task, len(before), len(mem_rows))   # the index of follow[0]
-            targets.append(next_token_targets(ids, len(ids) if n_supervised is None else n_supervised[b], first))
-            # EPL §3.2 / Tables 13-15: DPL numbers the inputs physically (after the k|M| cached slots of the KV
-            # carrier); EPL (CPL) keeps the memory at its encoder positions, [AE] at 0 or [LM] at p, the text after
-            pos.append(positions.decoder_inputs(cfg.layout, cfg.carrier, task, memory.chunk_lens[b],
-                                                memory.slots[b], sum(memory.chunk_lens[b]), len(ids),
-                                                span=self.nominal_len, n_prefix=len(before) - len(self.decoder_bos),
-                                                delimiters=cfg.delimiters, special=kind != "none"))
-        T = max(len(r) for r in rows)
-        shift = [T - len(r) if left_pad else 0 for r in rows]        # left padding moves row b's inputs by shift[b]
-        pad = lambda b, r: [0] * shift[b] + r + [0] * (T - len(r) - shift[b])   # padding: 0 (the zero row, position 0)
-        valid = [[False] * shift[b] + [True] * len(r) + [False] * (T - len(r) - shift[b]) for b, r in enumerate(rows)]
-        if P:
-            valid = [[j < sum(memory.slots[b]) for j in range(P)] + v for b, v in enumerate(valid)]
-        # nothing padded: the mask is the model's default (prefix + causal), and passing None lets SDPA use its fused
-        # causal kernel instead of the dense-mask one
-        attn_mask = None if all(all(v) for v in valid) else \
-            masks.with_padding(masks.with_prefix(masks.causal(T), P), torch.tensor(valid))
-        supervised = [(b * T + shift[b] + i, token) for b, row in enumerate(targets) for i, token in row]
-        flat = torch.tensor([i for i, _ in supervised], dtype=torch.long)
-        return DecoderInputs(torch.tensor(tokens, dtype=torch.long), specials,
-                             torch.tensor([pad(b, r) for b, r in enumerate(rows)], dtype=torch.long),   # (B, T)
-                             torch.tensor([pad(b, p) for b, p in enumerate(pos)], dtype=torch.long),    # (B, T)
-                             attn_mask, supervised, flat, torch.tensor([t for _, t in supervised], dtype=torch.long),
-                             flat // T)
-
     def assemble(self, memory: Memory, inputs: DecoderInputs) -> DecoderBatch:
         """The decoder's keyword inputs from DecoderInputs on the device: each input slot a row of the table [zeros,
         the learned vectors, the memory's (carrier embeds), the tokens' embeddings], read with one index."""
-        embed = self.decoder.model.embed_tokens
-        tokens = embed(inputs.tokens)                                                        # (N, d)
-        table = [tokens.new_zeros(1, tokens.shape[1])]
-        table += [getattr(self, name)[None].to(embed.weight.dtype) for name in inputs.specials]
-        table += [memory.embeds.flatten(0, 1)] if memory.embeds is not None else []          # (B*M, d)
-        past_kv, _ = self.carrier.cache(memory)   # 500x/AOC: the memory is a KV-cache prefix
-        batch = DecoderBatch(inputs_embeds=torch.cat(table + [tokens])[inputs.index],           # (B, T, d)
-                             position_ids=inputs.pos, attn_mask=inputs.attn_mask, past_kv=past_kv)
+        tokens = self.decoder.model.embed_tokens(inputs.tokens)                              # (N, d)
+        specials = [getattr(self, name)[None].to(tokens.dtype) for name in inputs.specials]
+        memory_rows = [memory.embeds.flatten(0, 1)] if self.carrier.in_input else []        # (B*M, d)
+        table = torch.cat([tokens.new_zeros(1, tokens.shape[1]), *specials, *memory_rows, tokens])
+        batch = DecoderBatch(inputs_embeds=table[inputs.index], position_ids=inputs.pos,       # (B, T, d)
+                             attn_mask=inputs.attn_mask, past_kv=self.carrier.cache(memory)[0])
         batch.supervised = inputs.supervised
         return batch
 
@@ -831,7 +806,7 @@ class Compressor(nn.Module):
         """Decoder inputs for every sample: [prefix, memory, special token, follow tokens], padded (decoder_inputs
         takes the same arguments). Returns a DecoderBatch: inputs_embeds (B, T, d), position_ids (B, T), attn_mask
         (B, T, P+T) or None when nothing is padded, past_kv or None; and .supervised, where the loss is taken."""
-        inputs = self.decoder_inputs(memory, task, follow, n_supervised, last_tokens, prefix, left_pad)
+        inputs = decoder_inputs(self, memory, task, follow, n_supervised, last_tokens, prefix, left_pad)
         return self.assemble(memory, on_device(inputs, self.device))
 
     def _supervised(self, memory: Memory, inputs: DecoderInputs):
@@ -849,7 +824,7 @@ class Compressor(nn.Module):
         Returns (loss, number of supervised tokens): the mean over these tokens, or their summed NLL divided by
         normalize_by (train.py passes the count of its whole step, so that micro-batches and processes add up to
         the step's mean, whatever their sizes)."""
-        inputs = self.decoder_inputs(memory, task, follow, n_supervised, last_tokens, prefix)
+        inputs = decoder_inputs(self, memory, task, follow, n_supervised, last_tokens, prefix)
         return self.loss(memory, on_device(inputs, self.device), normalize_by)
 
     def loss(self, memory: Memory, inputs: DecoderInputs, normalize_by: int | None = None):
@@ -869,7 +844,7 @@ class Compressor(nn.Module):
     def nll(self, memory: Memory, task: str, follow: list, n_supervised: list | None = None,
             last_tokens: list | None = None, prefix: list | None = None) -> tuple:
         """Per sample: (summed NLL, number of supervised tokens), as Python lists, for evaluation."""
-        inputs = on_device(self.decoder_inputs(memory, task, follow, n_supervised, last_tokens, prefix), self.device)
+        inputs = on_device(decoder_inputs(self, memory, task, follow, n_supervised, last_tokens, prefix), self.device)
         h, tgt, row = self._supervised(memory, inputs)
         token_nll = F.cross_entropy(self.decoder.lm_head(h).float(), tgt, reduction="none")
         B = len(follow)
@@ -902,7 +877,7 @@ class Compressor(nn.Module):
         # student: [prefix, CEs, question, answer] (no special token: the LLM reads CEs like token embeddings)
         context = self.encoder_inputs(contexts)
         follow = [list(q) + list(a) for q, a in zip(questions, answers)]
-        student = self.decoder_inputs(context, "qa", follow, [len(a) for a in answers], prefix=prefix)
+        student = decoder_inputs(self, context, "qa", follow, [len(a) for a in answers], prefix=prefix)
         return DistillInputs(context, student, torch.tensor([r + [0] * (T - len(r)) for r in rows]),
                              masks.with_padding(masks.causal(T), valid), [len(r) for r in rows],
                              [len(a) for a in answers])

@@ -314,13 +314,14 @@ def step_inputs(comp, objective: str, batch: data.Batch, device) -> dict:
         inputs = {"distill": comp.distill_inputs(batch.context, batch.question, batch.answer, batch.prefix,
                                                  batch.dec_context)}
     else:
-        inputs = {"context": comp.encoder_inputs(batch.context, batch.ratios)}   # ONE compression for every task
+        context = comp.encoder_inputs(batch.context, batch.ratios)   # ONE compression serves every task
+        inputs = {"context": context}
         if objective in ("pretrain", "ae"):   # AE / TR, PIC Eq. (6): x_1..x_p, EOS
-            inputs["ae"] = comp.decoder_inputs(inputs["context"], "ae", batch.ae)
+            inputs["ae"] = compressors.decoder_inputs(comp, context, "ae", batch.ae)
         if objective == "pretrain":           # LM / TC, PIC Eq. (7): x_p+1.., EOS, after x_p
-            inputs["lm"] = comp.decoder_inputs(inputs["context"], "lm", batch.lm, last_tokens=batch.last)
+            inputs["lm"] = compressors.decoder_inputs(comp, context, "lm", batch.lm, last_tokens=batch.last)
         if objective == "qa":                 # the loss on the answer and EOS only
-            inputs["qa"] = comp.decoder_inputs(inputs["context"], "qa", batch.qa, batch.n_answer, prefix=batch.prefix)
+            inputs["qa"] = compressors.decoder_inputs(comp, context, "qa", batch.qa, batch.n_answer, prefix=batch.prefix)
     return {task: compressors.on_device(part, device) for task, part in inputs.items()}
 
 
