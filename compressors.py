@@ -104,7 +104,7 @@ class DecoderBatch(dict):
     """The decoder's keyword inputs, `decoder(**batch)`: inputs_embeds (B, T, d), position_ids (B, T), attn_mask
     (B, T, P+T) or None, past_kv or None. And, as an attribute, `supervised`: where the loss is taken, one
     (flat index b*T + t, the token it predicts) per supervised prediction, as Python numbers, so that no step ever
-    waits for the GPU to say where (Compressor.decoder_batch sets it)."""
+    waits for the GPU to say where (Compressor.assemble sets it, from DecoderInputs)."""
 
 
 # ---- a step's inputs: everything a forward reads that Python lists decide (ids, positions, masks, where the memory is
@@ -131,7 +131,7 @@ class EncoderInputs:
 
 @dataclass
 class DecoderInputs:
-    """What a decoder forward and its loss read (Compressor.decoder_inputs). Every input slot of the (B, T) rows is a
+    """What a decoder forward and its loss read (decoder_inputs). Every input slot of the (B, T) rows is a
     row of one table (Compressor.assemble): [zeros (padding), the learned special vectors named in `specials`, the
     memory's B*M vectors (carrier embeds only), the embeddings of `tokens`], so the rows are one index, whatever B."""
     tokens: torch.Tensor            # (N,) every token id the rows read, embedded in one call
