@@ -42,16 +42,18 @@ Chunks are always separate rows of one batched encoder forward. That *is* the bl
 `masks.segments` mask (no chunk can see another), computed at linear cost instead of on one long
 sequence with a dense mask; tests/test_compressors.py checks the two agree.
 
-Every tensor built here is made on the model's device (`device=`), and the shapes that steer Python
-control flow (how many slots a sample has, which positions carry a loss) are kept as Python numbers,
-so a forward pass never waits for the GPU to report a value (tests/test_devices.py checks both).
+What a forward reads that Python lists decide (ids, positions, masks, where the memory is read and the loss taken)
+is built on the host first (EncoderInputs, DecoderInputs) and moved to the model's device at once (on_device), and
+the shapes that steer Python control flow (how many slots a sample has, which positions carry a loss) are kept as
+Python numbers, so a forward pass never waits for the GPU (tests/test_devices.py: every tensor on the model's device;
+tests/test_step.py: no sync in a training step, and ops that do not grow with the batch).
 """
 
 import hashlib
 import json
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -102,23 +104,149 @@ class DecoderBatch(dict):
     """The decoder's keyword inputs, `decoder(**batch)`: inputs_embeds (B, T, d), position_ids (B, T), attn_mask
     (B, T, P+T) or None, past_kv or None. And, as an attribute, `supervised`: where the loss is taken, one
     (flat index b*T + t, the token it predicts) per supervised prediction, as Python numbers, so that no step ever
-    waits for the GPU to say where (Compressor.decoder_batch sets it)."""
+    waits for the GPU to say where (Compressor.assemble sets it, from DecoderInputs)."""
 
 
-# The two carriers (EPL §3: ICAE's and 500xCompressor's), one picked when the compressor is built. A chunk's memory
-# is a list of tensors whose first dimension is its memory slots (Embeds: [h]; KV: [k_0, v_0, k_1, v_1, ...]), so
-# cutting, caching, concatenating and padding it is the same for both; the carrier says how the slots are read off
-# the encoder, what the padded batch becomes, and how the decoder receives it.
+# ---- a step's inputs: everything a forward reads that Python lists decide (ids, positions, masks, where the memory is
+# read and where the loss is taken), built on the host before the forward and moved to the device at once, so that
+# the forward and backward never wait for a copy (a copy from the host's pageable memory stalls the host until the
+# GPU's queue drains; tests/test_step.py counts them)
+
+@dataclass
+class EncoderInputs:
+    """What compressing a batch of contexts reads (Compressor.encoder_inputs): R encoder rows (chunks) of T slots,
+    B samples of at most M memory slots."""
+    rows: list                      # the Chunks, one encoder row each
+    ids: torch.Tensor               # (R, T) token ids: each chunk, its memory slots' ids, padding
+    pos: torch.Tensor | None        # (R, T) position ids; None: the default 0 .. T-1 (group_mean)
+    attn: torch.Tensor              # (R, T, T) bool: each row's encoder mask
+    mem_slot: torch.Tensor | None   # (R, T) 1 + the memory token in a slot, 0: none (None for group_mean)
+    group: torch.Tensor | None      # (R, T) group_mean: each token's group, G for padding (else None)
+    read_row: torch.Tensor          # (B, M) the encoder row that sample b's memory slot j is read from ...
+    read_at: torch.Tensor           # (B, M) ... and its index there (a slot; a group for group_mean)
+    valid: torch.Tensor             # (B, M) bool; False = padding (it reads row 0, index 0, then zeroed)
+    chunk_lens: list                # per sample, context tokens in each chunk
+    slots: list                     # per sample, memory slots of each chunk
+
+
+@dataclass
+class DecoderInputs:
+    """What a decoder forward and its loss read (decoder_inputs). Every input slot of the (B, T) rows is a
+    row of one table (Compressor.assemble): [zeros (padding), the learned special vectors named in `specials`, the
+    memory's B*M vectors (carrier embeds only), the embeddings of `tokens`], so the rows are one index, whatever B."""
+    tokens: torch.Tensor            # (N,) every token id the rows read, embedded in one call
+    specials: tuple                 # the learned vectors in the table (SPECIALS' names), in order
+    index: torch.Tensor             # (B, T) each input slot's row of the table
+    pos: torch.Tensor               # (B, T) position ids
+    attn_mask: torch.Tensor | None  # (B, T, P+T) bool, or None when nothing is padded
+    supervised: list                # where the loss is taken: [(flat index b*T + t, the token it predicts)]
+    flat: torch.Tensor              # (N_sup,) those flat indices ...
+    target: torch.Tensor            # (N_sup,) ... the tokens they predict ...
+    row: torch.Tensor               # (N_sup,) ... and the sample of each
+
+
+@dataclass
+class DistillInputs:
+    """What CompLLM's distillation reads (Compressor.distill_inputs): the teacher's plain rows, the student's."""
+    context: EncoderInputs          # the contexts, compressed
+    student: DecoderInputs          # [prefix, CEs, question, answer]
+    teacher_ids: torch.Tensor       # (B, T) [prefix, context, question, answer], right-padded
+    teacher_mask: torch.Tensor      # (B, T, T) bool: causal, padded keys hidden
+    teacher_lens: list              # per sample, its teacher row's tokens
+    answer_lens: list               # per sample, its answer's tokens
+
+
+def on_device(inputs, device: torch.device):
+    """A step's inputs (EncoderInputs, DecoderInputs, DistillInputs) with every tensor moved to `device` without
+    making the host wait: on CUDA pinned, then copied non-blocking (the copy runs behind the kernels queued before
+    it); on the CPU nothing moves."""
+    move = lambda t: (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+    return replace(inputs, **{f.name: move(v) if isinstance(v, torch.Tensor) else on_device(v, device)
+                              if is_dataclass(v) else v for f in fields(inputs) for v in [getattr(inputs, f.name)]})
+
+
+def decoder_inputs(comp, memory, task: str, follow: list, n_supervised: list | None = None,
+                   last_tokens: list | None = None, prefix: list | None = None,
+                   left_pad: bool = False) -> DecoderInputs:
+    """What comp's decoder reads for every sample, on the host: [prefix, memory, special token, follow tokens], padded.
+
+    memory: the Memory, or the EncoderInputs it comes from (only its chunk_lens and slots are read).
+    follow[b]: decoder token ids after the special token (AE: comp.ae_target(x); LM: the continuation + EOS;
+    QA: prompt + answer + EOS). n_supervised[b]: the loss covers the last n of them (default all).
+    last_tokens[b]: x_k, the last context token, for the PIC TC special token (Eq. 7). prefix[b]: decoder ids
+    before the memory (a chat template's user header). PCC's delimiters add [BOS] first and wrap each chunk's
+    memory in <mem> ... </mem>. Right padding for training, left padding (left_pad) for generation, so that
+    every row's last token is its last real one.
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown task '{task}': choose ae, lm or qa")
+    cfg, B, kind = comp.cfg, len(follow), special_token(comp.cfg, task)
+    M = max(sum(s) for s in memory.slots)   # the longest sample's slots: the memory's padded length
+    # the table's rows (DecoderInputs): 0 zeros, 1.. the learned vectors, the memory's B*M (carrier embeds), tokens
+    specials = (("ae_embed" if task == "ae" else "lm_embed",) if kind == "learned" else ()) + comp.mem_delimiters
+    delimiters = tuple(1 + specials.index(name) for name in comp.mem_delimiters)
+    # 500x/AOC: the memory is no input but a KV-cache prefix of P slots
+    P, first_token = (0, 1 + len(specials) + B * M) if comp.carrier.in_input else (M, 1 + len(specials))
+    tokens, rows, pos, targets = [], [], [], []   # tokens: the ids the table embeds, row after row
+    for b, ids in enumerate(follow):
+        before = comp.decoder_bos + list(prefix[b] if prefix else [])   # the delimiters' [BOS]; a chat header
+        mem_rows = comp.carrier.decoder_rows(memory.slots[b], 1 + len(specials) + b * M, delimiters)
+        # [BOS] (500x, AOC) or x_k (PIC Eq. 7) as the special token: a token's row, as the decoder embeds it
+        special = [comp.tok.start_id if kind == "bos" else last_tokens[b]] if kind in ("bos", "last") else []
+        at = range(first_token + len(tokens), first_token + len(tokens) + len(before) + len(special) + len(ids))
+        tokens += before + special + ids   # their rows: `at`, in this order; a learned special is row 1
+        rows.append([*at[:len(before)], *mem_rows, *[1] * (kind == "learned"), *at[len(before):]])
+        first = comp.follow_index(task, len(before), len(mem_rows))   # the index of follow[0]
+        targets.append(next_token_targets(ids, len(ids) if n_supervised is None else n_supervised[b], first))
+        # EPL §3.2 / Tables 13-15: DPL numbers the inputs physically (after the k|M| cached slots of the KV
+        # carrier); EPL (CPL) keeps the memory at its encoder positions, [AE] at 0 or [LM] at p, the text after
+        pos.append(positions.decoder_inputs(cfg.layout, cfg.carrier, task, memory.chunk_lens[b], memory.slots[b],
+                                            sum(memory.chunk_lens[b]), len(ids), span=comp.nominal_len,
+                                            n_prefix=len(before) - len(comp.decoder_bos),
+                                            delimiters=cfg.delimiters, special=kind != "none"))
+    T = max(len(r) for r in rows)
+    shift = [T - len(r) if left_pad else 0 for r in rows]        # left padding moves row b's inputs by shift[b]
+    pad = lambda b, r: [0] * shift[b] + r + [0] * (T - len(r) - shift[b])   # padding: 0 (the zero row, position 0)
+    valid = [[j < sum(memory.slots[b]) for j in range(P)] + pad(b, [True] * len(r)) for b, r in enumerate(rows)]
+    # nothing padded: the mask is the model's default (prefix + causal), and passing None lets SDPA use its fused
+    # causal kernel instead of the dense-mask one
+    attn_mask = None if all(all(v) for v in valid) else \
+        masks.with_padding(masks.with_prefix(masks.causal(T), P), torch.tensor(valid, dtype=torch.bool))
+    supervised = [(b * T + shift[b] + i, token) for b, row in enumerate(targets) for i, token in row]
+    long = lambda x: torch.tensor(x, dtype=torch.long)
+    index, flat = long([pad(b, r) for b, r in enumerate(rows)]), long([i for i, _ in supervised])   # (B, T), (N,)
+    return DecoderInputs(long(tokens), specials, index, long([pad(b, p) for b, p in enumerate(pos)]), attn_mask,
+                         supervised, flat, long([t for _, t in supervised]), flat // T)
+
+
+def memory_layout(rows: list, first) -> tuple:
+    """Where each sample's memory is read: its chunks' slots, chunk after chunk, right-padded to the longest sample's
+    M slots. rows: the Chunks, in sample order; first(j, row): the index of row j's first memory slot in what is read.
+    Returns (read_row (B, M), read_at (B, M), valid (B, M)) on the host, and per sample its chunk lengths and slots."""
+    samples = [[(j, row) for j, row in enumerate(rows) if row.sample == b] for b in range(rows[-1].sample + 1)]
+    reads = [[(j, first(j, row) + s) for j, row in sample for s in range(row.slots)] for sample in samples]
+    M = max(map(len, reads))
+    at = torch.tensor([r + [(0, 0)] * (M - len(r)) for r in reads], dtype=torch.long)   # (B, M, 2); padding: (0, 0)
+    return (at[..., 0], at[..., 1], torch.tensor([[j < len(r) for j in range(M)] for r in reads]),
+            [[len(row.ids) for _, row in sample] for sample in samples], [[row.slots for _, row in sample]
+                                                                        for sample in samples])
+
+
+# The two carriers (EPL §3: ICAE's and 500xCompressor's), one picked when the compressor is built. A memory is a list
+# of tensors whose first two dimensions are (sample, memory slot) (Embeds: [h]; KV: [k_0, v_0, k_1, v_1, ...]), so
+# reading, caching and padding it is the same for both; the carrier says how the slots are read off the encoder, what
+# the padded batch becomes, and how the decoder receives it.
 
 class Embeds:
     """ICAE §3.1: the encoder's final hidden states at the memory slots (its final norm applied), through the bridge,
     become input embeddings of the decoder; PCC code: each chunk's between <mem> and </mem>."""
     needs_kv = False   # the encoder forward need not return its K/V
+    in_input = True    # the memory's vectors are decoder inputs (its rows of DecoderInputs' table)
 
     @staticmethod
-    def read_slots(encoder_out, at: torch.Tensor) -> list:
-        """[final hidden states at the memory slots (S, d_enc)]; `at`: the slots' flat indices into (R*T)."""
-        return [encoder_out.last_hidden.flatten(0, 1)[at]]          # (R, T, d_enc) -> (R*T, d_enc) -> (S, d_enc)
+    def read_slots(encoder_out, row: torch.Tensor, at: torch.Tensor) -> list:
+        """[final hidden states at the memory slots (..., d_enc)]: encoder row `row`, slot `at`, any shape (...)."""
+        return [encoder_out.last_hidden[row, at]]                   # (R, T, d_enc) -> (..., d_enc), one index
 
     @staticmethod
     def memory(comp, padded: list, valid: torch.Tensor) -> dict:
@@ -126,14 +254,12 @@ class Embeds:
         return dict(embeds=comp.bridge(padded[0], valid), kv=None)
 
     @staticmethod
-    def decoder_rows(comp, memory: Memory, b: int) -> list:
-        """Sample b's memory as decoder input rows, chunk after chunk: a list of (m, d_dec) pieces."""
-        counts = memory.slots[b]
-        blocks = torch.split(memory.embeds[b, :sum(counts)], counts)
-        if not comp.cfg.delimiters:
-            return list(blocks)
-        dt = comp.decoder.model.embed_tokens.weight.dtype   # PCC code: <mem> m_1 .. m_k </mem> per segment
-        return sum(([comp.mem_open[None].to(dt), block, comp.mem_close[None].to(dt)] for block in blocks), [])
+    def decoder_rows(slots: list, first: int, delimiters: tuple) -> list:
+        """A sample's memory as decoder input rows, chunk after chunk: their rows of the input table (DecoderInputs),
+        its memory vectors at first, first + 1, ...; delimiters: the rows of <mem> and </mem> (PCC code:
+        <mem> m_1 .. m_k </mem> per segment), or ()."""
+        ends = list(accumulate(slots, initial=first))   # chunk c's memory: rows ends[c] .. ends[c+1]-1
+        return sum(([*delimiters[:1], *range(a, b), *delimiters[1:]] for a, b in zip(ends, ends[1:])), [])
 
     @staticmethod
     def cache(memory: Memory) -> tuple:
@@ -145,12 +271,13 @@ class KV:
     """500xCompressor / AOC: every encoder layer's K/V at the memory slots becomes a KV-cache prefix of the decoder,
     its keys keeping the encoder's RoPE positions; nothing of the memory is in the decoder's input."""
     needs_kv = True    # the encoder forward returns every layer's K/V
+    in_input = False   # the memory is a KV-cache prefix, none of the decoder's inputs
 
     @staticmethod
-    def read_slots(encoder_out, at: torch.Tensor) -> list:
-        """[k_0, v_0, k_1, v_1, ...] at the memory slots, each (S, Hkv, D); `at`: flat indices into (R*T)."""
-        # per layer (R, Hkv, T, D) -> (R, T, Hkv, D) -> (R*T, Hkv, D) -> the slots (S, Hkv, D)
-        return [t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])[at] for kv in encoder_out.kv for t in kv]
+    def read_slots(encoder_out, row: torch.Tensor, at: torch.Tensor) -> list:
+        """[k_0, v_0, k_1, v_1, ...] at the memory slots, each (..., Hkv, D): encoder row `row`, slot `at`."""
+        # per layer (R, Hkv, T, D) -> (..., Hkv, D): one index, the indexed dimensions first (they are apart)
+        return [t[row, :, at] for kv in encoder_out.kv for t in kv]
 
     @staticmethod
     def memory(comp, padded: list, valid: torch.Tensor) -> dict:
@@ -159,7 +286,7 @@ class KV:
         return dict(embeds=None, kv=list(zip(kv[0::2], kv[1::2])))
 
     @staticmethod
-    def decoder_rows(comp, memory: Memory, b: int) -> list:
+    def decoder_rows(slots: list, first: int, delimiters: tuple) -> list:
         """Nothing: the memory is in the cache."""
         return []
 
@@ -247,7 +374,7 @@ def build_encoder(cfg: CompressorConfig, decoder: Transformer, encoder: Transfor
 
 
 # ---- bridges: the encoder's output space to the decoder's input space (CompressorConfig.bridge), each a module
-# whose forward takes the memory vectors h (B, M, d_enc) and which of them are real (valid (B, M), on the host)
+# whose forward takes the memory vectors h (B, M, d_enc) and which of them are real (valid (B, M), on h's device)
 
 class NoBridge(nn.Module):
     """bridge none: the encoder's output is what the decoder reads (ICAE, 500x, AOC)."""
@@ -290,7 +417,7 @@ class LSABridge(nn.Module):
         train_own_weights(self.lsa, decoder)
 
     def forward(self, h, valid):   # causal over the summary vectors, positions 0..M-1; the output residual stream
-        attn = masks.with_padding(masks.causal(h.shape[1]), valid).to(h.device)
+        attn = masks.with_padding(masks.causal(h.shape[1], device=h.device), valid)   # made on the device
         out = self.lsa(inputs_embeds=h, attn_mask=attn, output_hidden_states=True, compute_logits=False)
         return out.hidden_states[-1]
 
@@ -416,6 +543,7 @@ class Compressor(nn.Module):
         self.context_bos, self.target_bos = ([self.enc_tok.start_id], [self.tok.start_id]) if cfg.bos else ([], [])
         # ... and the delimiters' leading BOS (PCC code): every decoder input starts [BOS] <mem> m.. </mem>
         self.decoder_bos = [self.tok.start_id] if cfg.delimiters else []
+        self.mem_delimiters = ("mem_open", "mem_close") if cfg.delimiters else ()   # PCC code: <mem> m_1 .. </mem>
         # per task, the index of follow[0] in a decoder row with no prefix (follow_index; an embeds memory counts as
         # its first row, all that matters there: whether any input precedes follow[0]). Fixed here, a plain number,
         # so that a step's examples count the tokens their loss supervises (data.supervised_tokens) without calling
@@ -544,27 +672,24 @@ class Compressor(nn.Module):
         cache: a dict that keeps each chunk's memory under the hash of what it depends on (its ids, its slots and,
         for EPL/UPL, its position): a chunk seen before is not encoded again (CompLLM §1 "reusability": a context
         shared by several queries is compressed once). For evaluation; gradients do not flow through it."""
+        inputs = self.encoder_inputs(contexts, ratios)
+        if cache is not None and inputs.group is None:   # a group mean (GMSA) depends on the ratio drawn: not kept
+            return self._encode_cached(inputs, cache)
+        return self.encode(on_device(inputs, self.device))
+
+    def encoder_inputs(self, contexts: list, ratios: list | None = None) -> EncoderInputs:
+        """What compressing `contexts` reads (compress's arguments), on the host: every chunk of every context one
+        encoder row."""
         if any(len(c) == 0 for c in contexts):
             raise ValueError("cannot compress an empty context")
         contexts = [self.context_bos + list(c) for c in contexts]
         if self.cfg.source == "group_mean":
-            return self._compress_merge(contexts, ratios)
-        rows = self._chunk_rows(contexts, lambda b, n: self.slots_for(n))
-        parts = self._encode(rows) if cache is None else self._encode_cached(rows, cache)
-        return self._gather(rows, parts, self.carrier)
+            return self._merge_inputs(contexts, ratios)
+        return self._row_inputs(self._chunk_rows(contexts, lambda b, n: self.slots_for(n)))
 
-    def _encode_cached(self, rows: list, cache: dict) -> list:
-        """_encode, for the rows whose memory `cache` does not hold yet (see compress)."""
-        keys = [self._cache_key(row) for row in rows]
-        todo = [r for r in range(len(rows)) if keys[r] not in cache]
-        new = self._encode([rows[r] for r in todo]) if todo else []
-        cache.update({keys[r]: part for r, part in zip(todo, new)})
-        return [cache[key] for key in keys]
-
-    def _encode(self, rows: list) -> list:
-        """One encoder forward over the chunk rows, each [chunk (n), memory slots (m), padding]; per row, its memory:
-        a list of tensors, memory slots first (the carrier's read_slots)."""
-        R, T, dev = len(rows), max(len(row.ids) + row.slots for row in rows), self.device
+    def _row_inputs(self, rows: list) -> EncoderInputs:
+        """The encoder rows, each [chunk (n), memory slots (m), padding]; each row's memory is its m slots."""
+        R, T = len(rows), max(len(row.ids) + row.slots for row in rows)
         ids, pos = [[self.enc_pad_id] * T for _ in range(R)], [[0] * T for _ in range(R)]
         mem_slot, row_masks = [[0] * T for _ in range(R)], []    # mem_slot: 1 + the memory token in a slot, 0: none
         for j, (_, i, chunk, m, start) in enumerate(rows):
@@ -575,62 +700,78 @@ class Compressor(nn.Module):
             pos[j][:n + m] = ctx_pos.tolist() + mem_pos.tolist()
             mem_slot[j][n:n + m] = range(1, m + 1)                   # 1-based, so that 0 can mean "no memory slot"
             row_masks.append(self.encoder_mask(n, m))                 # over [chunk, memory]
-        attn = masks.stack_padded(row_masks, T).to(dev)              # (R, T, T); padding sees only itself
-        x = self.encoder.model.embed_tokens(torch.tensor(ids, device=dev))   # (R, T, d_enc)
+        # row j's memory slots follow its n chunk tokens
+        return EncoderInputs(rows, torch.tensor(ids), torch.tensor(pos), masks.stack_padded(row_masks, T),   # (R, T, T)
+                             torch.tensor(mem_slot), None, *memory_layout(rows, lambda j, row: len(row.ids)))
+
+    def encode(self, inputs: EncoderInputs, read: list | None = None) -> Memory:
+        """The Memory of EncoderInputs on the device (encoder_inputs, on_device): one encoder forward over every row,
+        each memory tensor read (B, M, ...) with one index, whatever the batch, its padding slots zeroed. read: the
+        memory tensors, read already (compress's cache)."""
+        carrier = self.carrier if inputs.group is None else Embeds   # group_mean: GMSA's group means are embeddings
+        if read is None:
+            read = self._group_means(inputs) if inputs.group is not None else \
+                self.carrier.read_slots(self._encoder_forward(inputs), inputs.read_row, inputs.read_at)
+        padded = [torch.where(inputs.valid.view(*inputs.valid.shape, *[1] * (t.dim() - 2)), t, 0) for t in read]
+        return Memory(**carrier.memory(self, padded, inputs.valid), valid=inputs.valid, chunk_lens=inputs.chunk_lens,
+                      slots=inputs.slots)
+
+    def _encoder_forward(self, inputs: EncoderInputs):
+        """One encoder forward over the rows of `inputs` (on the device)."""
+        x = self.encoder.model.embed_tokens(inputs.ids)              # (R, T, d_enc)
         if self.mem_tokens is not None:                              # learned memory tokens fill their slots
-            mem_slot = torch.tensor(mem_slot, device=dev)            # (R, T)
             # slot s > 0 holds memory token s - 1; the clamp only keeps the index valid where s = 0 (not taken)
-            x = torch.where((mem_slot > 0)[..., None], self.mem_tokens[(mem_slot - 1).clamp(min=0)].to(x.dtype), x)
-        out = self.encoder(inputs_embeds=x, position_ids=torch.tensor(pos, device=dev), attn_mask=attn,
-                           return_kv=self.carrier.needs_kv, compute_logits=False)
-        # row j's memory slots follow its n chunk tokens: flat indices j*T + n + s into the (R*T) positions
-        at = torch.tensor([j * T + len(row.ids) + s for j, row in enumerate(rows) for s in range(row.slots)],
-                          device=dev)
-        slots = self.carrier.read_slots(out, at)                     # each (S, ...): the rows' slots, row after row
+            x = torch.where((inputs.mem_slot > 0)[..., None],
+                            self.mem_tokens[(inputs.mem_slot - 1).clamp(min=0)].to(x.dtype), x)
+        return self.encoder(inputs_embeds=x, position_ids=inputs.pos, attn_mask=inputs.attn,
+                            return_kv=self.carrier.needs_kv, compute_logits=False)
+
+    def _encode_cached(self, inputs: EncoderInputs, cache: dict) -> Memory:
+        """compress, encoding only the rows whose memory `cache` does not hold yet (see compress). A row's memory is
+        kept as a list of tensors, its slots first; every row's, row after row, is then read as one encoder output."""
+        rows, dev = inputs.rows, self.device
+        keys = [self._cache_key(row) for row in rows]
+        todo = [r for r in range(len(rows)) if keys[r] not in cache]
+        if todo:   # each new row its own sample, so that sample j's memory is row j's
+            new = on_device(self._row_inputs([rows[r]._replace(sample=j) for j, r in enumerate(todo)]), dev)
+            read = self.carrier.read_slots(self._encoder_forward(new), new.read_row, new.read_at)   # each (R', M', ...)
+            cache.update({keys[r]: [t[j, :rows[r].slots] for t in read] for j, r in enumerate(todo)})
+        parts = [cache[key] for key in keys]
+        flat = [torch.cat([part[i] for part in parts]) for i in range(len(parts[0]))]   # each (S, ...): every slot
         ends = list(accumulate((row.slots for row in rows), initial=0))   # row j's slots: ends[j] .. ends[j+1]-1
-        return [[t[a:b] for t in slots] for a, b in zip(ends, ends[1:])]
+        at = memory_layout(rows, lambda j, row: ends[j])[1].to(dev)      # (B, M) indices into the S slots
+        return self.encode(inputs, [t[at] for t in flat])
 
     def _cache_key(self, row: Chunk) -> str:
         # a chunk's memory depends on its ids and slots, and under UPL/EPL on where it starts in its context
         where = row.start if self.cfg.layout != "dpl" else 0
         return hashlib.sha1(json.dumps([row.ids, row.slots, where]).encode()).hexdigest()
 
-    def _gather(self, rows: list, parts: list, carrier) -> Memory:
-        """Each sample's memory (per chunk, a list of tensors, memory slots first), chunk after chunk, right-padded
-        to the longest sample's M slots: one Memory."""
-        per_sample = [[(row, part) for row, part in zip(rows, parts) if row.sample == b]
-                      for b in range(rows[-1].sample + 1)]
-        chunk_lens = [[len(row.ids) for row, _ in s] for s in per_sample]
-        counts = [[row.slots for row, _ in s] for s in per_sample]
-        M = max(sum(c) for c in counts)
-        valid = torch.tensor([[j < sum(c) for j in range(M)] for c in counts])   # on the host
-        pad_to = lambda t: F.pad(t, (0, 0) * (t.dim() - 1) + (0, M - t.shape[0]))   # pad dim 0 to M
-        # tensor i of every chunk of a sample, concatenated, padded and stacked: (B, M, ...)
-        padded = [torch.stack([pad_to(torch.cat([part[i] for _, part in s])) for s in per_sample])
-                  for i in range(len(parts[0]))]
-        return Memory(**carrier.memory(self, padded, valid), valid=valid.to(self.device), chunk_lens=chunk_lens,
-                      slots=counts)
-
-    def _compress_merge(self, contexts: list, ratios: list | None) -> Memory:
-        """GMSA §3.2: encode with the first k layers, mean-pool consecutive groups of r hidden states."""
-        cfg, dev = self.cfg, self.device
+    def _merge_inputs(self, contexts: list, ratios: list | None) -> EncoderInputs:
+        """GMSA §3.2's rows: each chunk's tokens, and the group of r consecutive tokens each belongs to."""
+        cfg = self.cfg
         if ratios is None:   # GMSA §4.1: the compression ratio is sampled per example
             ratios = [cfg.ratios[i] for i in torch.randint(len(cfg.ratios), (len(contexts),)).tolist()]
         rows = self._chunk_rows(contexts, lambda b, n: math.ceil(n / ratios[b]))   # groups per chunk
-        R, T, G = len(rows), max(len(row.ids) for row in rows), max(row.slots for row in rows)
-        ids = torch.tensor([row.ids + [self.enc_pad_id] * (T - len(row.ids)) for row in rows], device=dev)
+        T, G = max(len(row.ids) for row in rows), max(row.slots for row in rows)
+        ids = torch.tensor([row.ids + [self.enc_pad_id] * (T - len(row.ids)) for row in rows])
         # GMSA §3.2: consecutive groups of size r; padding goes to a spare group G, dropped
-        group = torch.tensor([[t // ratios[row.sample] if t < len(row.ids) else G for t in range(T)] for row in rows],
-                             device=dev)
+        group = torch.tensor([[t // ratios[row.sample] if t < len(row.ids) else G for t in range(T)] for row in rows])
         lens = torch.tensor([len(row.ids) for row in rows])
-        attn = masks.with_padding(masks.causal(T), torch.arange(T)[None] < lens[:, None]).to(dev)   # on the host
-        h = self.encoder(ids, attn_mask=attn, compute_logits=False).last_hidden   # (R, T, d)
+        attn = masks.with_padding(masks.causal(T), torch.arange(T)[None] < lens[:, None])
+        return EncoderInputs(rows, ids, None, attn, None, group, *memory_layout(rows, lambda j, row: 0))
+
+    def _group_means(self, inputs: EncoderInputs) -> list:
+        """GMSA §3.2: encode with the first k layers, mean-pool consecutive groups of r hidden states: [(B, M, d)]."""
+        group, G = inputs.group, max(row.slots for row in inputs.rows)
+        h = self.encoder(inputs.ids, attn_mask=inputs.attn, compute_logits=False).last_hidden   # (R, T, d)
         # exact mean over each group (the last group may be shorter): sum, then divide by its size
-        sums = torch.zeros(R, G + 1, h.shape[-1], device=dev, dtype=torch.float32)
+        sums = torch.zeros(h.shape[0], G + 1, h.shape[-1], device=h.device, dtype=torch.float32)
         sums.scatter_add_(1, group[..., None].expand(-1, -1, h.shape[-1]), h.float())
-        sizes = torch.zeros(R, G + 1, device=dev).scatter_add_(1, group, torch.ones_like(group, dtype=torch.float))
+        sizes = torch.zeros(h.shape[0], G + 1, device=h.device).scatter_add_(1, group, torch.ones_like(group,
+                                                                                                 dtype=torch.float))
         means = (sums / sizes.clamp(min=1)[..., None]).to(h.dtype)[:, :G]           # (R, G, d)
-        return self._gather(rows, [[means[r, :row.slots]] for r, row in enumerate(rows)], Embeds)
+        return [means[inputs.read_row, inputs.read_at]]
 
     # ---- the decoder side ----
 
@@ -647,68 +788,34 @@ class Compressor(nn.Module):
         token = self.tok.start_id if kind == "bos" else last_token
         return self.decoder.model.embed_tokens(torch.tensor(token, device=self.device))
 
+    def assemble(self, memory: Memory, inputs: DecoderInputs) -> DecoderBatch:
+        """The decoder's keyword inputs from DecoderInputs on the device: each input slot a row of the table [zeros,
+        the learned vectors, the memory's (carrier embeds), the tokens' embeddings], read with one index."""
+        tokens = self.decoder.model.embed_tokens(inputs.tokens)                              # (N, d)
+        specials = [getattr(self, name)[None].to(tokens.dtype) for name in inputs.specials]
+        memory_rows = [memory.embeds.flatten(0, 1)] if self.carrier.in_input else []        # (B*M, d)
+        table = torch.cat([tokens.new_zeros(1, tokens.shape[1]), *specials, *memory_rows, tokens])
+        batch = DecoderBatch(inputs_embeds=table[inputs.index], position_ids=inputs.pos,       # (B, T, d)
+                             attn_mask=inputs.attn_mask, past_kv=self.carrier.cache(memory)[0])
+        batch.supervised = inputs.supervised
+        return batch
+
     def decoder_batch(self, memory: Memory, task: str, follow: list, n_supervised: list | None = None,
                       last_tokens: list | None = None, prefix: list | None = None,
                       left_pad: bool = False) -> DecoderBatch:
-        """Decoder inputs for every sample: [prefix, memory, special token, follow tokens], padded.
+        """Decoder inputs for every sample: [prefix, memory, special token, follow tokens], padded (decoder_inputs
+        takes the same arguments). Returns a DecoderBatch: inputs_embeds (B, T, d), position_ids (B, T), attn_mask
+        (B, T, P+T) or None when nothing is padded, past_kv or None; and .supervised, where the loss is taken."""
+        inputs = decoder_inputs(self, memory, task, follow, n_supervised, last_tokens, prefix, left_pad)
+        return self.assemble(memory, on_device(inputs, self.device))
 
-        follow[b]: decoder token ids after the special token (AE: comp.ae_target(x); LM: the continuation + EOS;
-        QA: prompt + answer + EOS). n_supervised[b]: the loss covers the last n of them (default all).
-        last_tokens[b]: x_k, the last context token, for the PIC TC special token (Eq. 7). prefix[b]: decoder ids
-        before the memory (a chat template's user header). PCC's delimiters add [BOS] first and wrap each chunk's
-        memory in <mem> ... </mem>. Right padding for training, left padding (left_pad) for generation, so that
-        every row's last token is its last real one.
-        Returns a DecoderBatch: inputs_embeds (B, T, d), position_ids (B, T), attn_mask (B, T, P+T) or None when
-        nothing is padded, past_kv or None; and .supervised, where the loss is taken.
-        """
-        if task not in TASKS:
-            raise ValueError(f"unknown task '{task}': choose ae, lm or qa")
-        cfg, embed, dev = self.cfg, self.decoder.model.embed_tokens, self.device
-        embed_ids = lambda ids: embed(torch.tensor(ids, dtype=torch.long, device=dev))     # (n, d)
-        past_kv, P = self.carrier.cache(memory)   # 500x/AOC: the memory is a KV-cache prefix of P slots
-        rows, pos, targets = [], [], []
-        for b, ids in enumerate(follow):
-            before = self.decoder_bos + list(prefix[b] if prefix else [])   # the delimiters' [BOS]; a chat header
-            special = self.special_embedding(task, last_tokens[b] if last_tokens else None)
-            mem_rows = self.carrier.decoder_rows(self, memory, b)
-            x = ([embed_ids(before)] if before else []) + mem_rows
-            x += [special[None].to(embed.weight.dtype)] if special is not None else []
-            rows.append(torch.cat(x + [embed_ids(ids)]))                                  # (n_b, d)
-            first = self.follow_index(task, len(before), sum(len(r) for r in mem_rows))   # the index of follow[0]
-            targets.append(next_token_targets(ids, len(ids) if n_supervised is None else n_supervised[b], first))
-            # EPL §3.2 / Tables 13-15: DPL numbers the inputs physically (after the k|M| cached slots of the KV
-            # carrier); EPL (CPL) keeps the memory at its encoder positions, [AE] at 0 or [LM] at p, the text after
-            pos.append(positions.decoder_inputs(cfg.layout, cfg.carrier, task, memory.chunk_lens[b],
-                                                memory.slots[b], sum(memory.chunk_lens[b]), len(ids),
-                                                span=self.nominal_len, n_prefix=len(before) - len(self.decoder_bos),
-                                                delimiters=cfg.delimiters, special=special is not None))
-        T = max(len(r) for r in rows)
-        shift = [T - len(r) if left_pad else 0 for r in rows]        # left padding moves row b's inputs by shift[b]
-        x = torch.stack([F.pad(r, (0, 0, shift[b], T - len(r) - shift[b])) for b, r in enumerate(rows)])  # (B, T, d)
-        pos = torch.tensor([[0] * shift[b] + p + [0] * (T - len(p) - shift[b]) for b, p in enumerate(pos)],
-                           device=dev)                                                    # (B, T)
-        valid = [[False] * shift[b] + [True] * len(r) + [False] * (T - len(r) - shift[b]) for b, r in enumerate(rows)]
-        if P:
-            valid = [[j < sum(memory.slots[b]) for j in range(P)] + v for b, v in enumerate(valid)]
-        # nothing padded: the mask is the model's default (prefix + causal), and passing None lets SDPA use its fused
-        # causal kernel instead of the dense-mask one; else built on the host, moved once
-        attn_mask = None if all(all(v) for v in valid) else \
-            masks.with_padding(masks.with_prefix(masks.causal(T), P), torch.tensor(valid)).to(dev)
-        batch = DecoderBatch(inputs_embeds=x, position_ids=pos, attn_mask=attn_mask, past_kv=past_kv)
-        batch.supervised = [(b * T + shift[b] + i, token) for b, row in enumerate(targets) for i, token in row]
-        return batch
-
-    def _supervised(self, memory, task, follow, n_supervised, last_tokens, prefix):
+    def _supervised(self, memory: Memory, inputs: DecoderInputs):
         """The decoder's final hidden states at the inputs that predict a supervised token, and those tokens:
         (h (N, d), targets (N,), row of each (N,)). Logits are never made for every position: B*T*vocab would
         dwarf everything else."""
         with self.decoding():   # the frozen LLM: its inputs (embeddings) and its forward
-            batch = self.decoder_batch(memory, task, follow, n_supervised, last_tokens, prefix)
-            h = self.decoder(**batch, compute_logits=False).last_hidden                # (B, T, d)
-        T, dev = h.shape[1], h.device
-        flat = torch.tensor([i for i, _ in batch.supervised], dtype=torch.long, device=dev)
-        tgt = torch.tensor([t for _, t in batch.supervised], dtype=torch.long, device=dev)
-        return h.reshape(-1, h.shape[-1])[flat], tgt, flat // T                      # (N, d), (N,), (N,)
+            h = self.decoder(**self.assemble(memory, inputs), compute_logits=False).last_hidden   # (B, T, d)
+        return h.reshape(-1, h.shape[-1])[inputs.flat], inputs.target, inputs.row            # (N, d), (N,), (N,)
 
     def lm_loss(self, memory: Memory, task: str, follow: list, n_supervised: list | None = None,
                 last_tokens: list | None = None, prefix: list | None = None, normalize_by: int | None = None):
@@ -717,7 +824,12 @@ class Compressor(nn.Module):
         Returns (loss, number of supervised tokens): the mean over these tokens, or their summed NLL divided by
         normalize_by (train.py passes the count of its whole step, so that micro-batches and processes add up to
         the step's mean, whatever their sizes)."""
-        h, tgt, _ = self._supervised(memory, task, follow, n_supervised, last_tokens, prefix)
+        inputs = decoder_inputs(self, memory, task, follow, n_supervised, last_tokens, prefix)
+        return self.loss(memory, on_device(inputs, self.device), normalize_by)
+
+    def loss(self, memory: Memory, inputs: DecoderInputs, normalize_by: int | None = None):
+        """lm_loss from DecoderInputs on the device (a training step builds them before its forward)."""
+        h, tgt, _ = self._supervised(memory, inputs)
         # in chunks of positions, each chunk's fp32 logits recomputed in backward instead of kept (model.py)
         return chunked_cross_entropy(h, self.decoder.lm_head, tgt) / (normalize_by or max(len(tgt), 1)), len(tgt)
 
@@ -732,7 +844,8 @@ class Compressor(nn.Module):
     def nll(self, memory: Memory, task: str, follow: list, n_supervised: list | None = None,
             last_tokens: list | None = None, prefix: list | None = None) -> tuple:
         """Per sample: (summed NLL, number of supervised tokens), as Python lists, for evaluation."""
-        h, tgt, row = self._supervised(memory, task, follow, n_supervised, last_tokens, prefix)
+        inputs = on_device(decoder_inputs(self, memory, task, follow, n_supervised, last_tokens, prefix), self.device)
+        h, tgt, row = self._supervised(memory, inputs)
         token_nll = F.cross_entropy(self.decoder.lm_head(h).float(), tgt, reduction="none")
         B = len(follow)
         sums = torch.zeros(B, device=h.device).index_add_(0, row, token_nll)
@@ -748,38 +861,51 @@ class Compressor(nn.Module):
         contexts: encoder ids; questions: the prompt after the context (qa_parts' "prompt"); answers: ids;
         prefix / dec_contexts: qa_parts' decoder pieces (default none / the contexts themselves). normalize_by:
         divide the summed example losses by this many examples instead of these (train.py: its whole step's)."""
-        dec, dev = self.decoder, self.device
+        inputs = self.distill_inputs(contexts, questions, answers, prefix, dec_contexts)
+        return self.distill(on_device(inputs, self.device), normalize_by)
+
+    def distill_inputs(self, contexts: list, questions: list, answers: list, prefix: list | None = None,
+                       dec_contexts: list | None = None) -> DistillInputs:
+        """What distill_loss reads (its arguments), on the host."""
         B = len(contexts)
         prefix = prefix or [[] for _ in range(B)]
         dec_contexts = dec_contexts or contexts
-        # teacher: [prefix, context, question, answer] as plain tokens, no gradient, the unmodified LLM
+        # teacher: [prefix, context, question, answer] as plain tokens
         rows = [list(p) + list(c) + list(q) + list(a) for p, c, q, a in zip(prefix, dec_contexts, questions, answers)]
         T = max(map(len, rows))
-        ids = torch.tensor([r + [0] * (T - len(r)) for r in rows], device=dev)
         valid = torch.tensor([[j < len(r) for j in range(T)] for r in rows])
-        with torch.no_grad(), self.decoding():
-            teacher = dec(ids, attn_mask=masks.with_padding(masks.causal(T), valid).to(dev),
-                          output_hidden_states=True, compute_logits=False).hidden_states
         # student: [prefix, CEs, question, answer] (no special token: the LLM reads CEs like token embeddings)
-        memory = self.compress(contexts)
+        context = self.encoder_inputs(contexts)
         follow = [list(q) + list(a) for q, a in zip(questions, answers)]
-        batch = self.decoder_batch(memory, "qa", follow, [len(a) for a in answers], prefix=prefix)
+        student = decoder_inputs(self, context, "qa", follow, [len(a) for a in answers], prefix=prefix)
+        return DistillInputs(context, student, torch.tensor([r + [0] * (T - len(r)) for r in rows]),
+                             masks.with_padding(masks.causal(T), valid), [len(r) for r in rows],
+                             [len(a) for a in answers])
+
+    def distill(self, inputs: DistillInputs, normalize_by: int | None = None):
+        """distill_loss from DistillInputs on the device (a training step builds them before its forward)."""
+        dec = self.decoder
+        with torch.no_grad(), self.decoding():   # the teacher: no gradient, the unmodified LLM
+            teacher = dec(inputs.teacher_ids, attn_mask=inputs.teacher_mask, output_hidden_states=True,
+                          compute_logits=False).hidden_states
+        memory = self.encode(inputs.context)
         with self.decoding():
+            batch = self.assemble(memory, inputs.student)
             student = dec(**batch, output_hidden_states=True, compute_logits=False).hidden_states
         T = batch["inputs_embeds"].shape[1]
         loss = 0.0
-        for b, a in enumerate(answers):
-            at_t = slice(len(rows[b]) - len(a), len(rows[b]))      # the answer's own inputs in the teacher ...
+        for b, (n, a) in enumerate(zip(inputs.teacher_lens, inputs.answer_lens)):
+            at_t = slice(n - a, n)                                 # the answer's own inputs in the teacher ...
             # ... and in the student: the input after each one that predicts an answer token (right-padded rows)
             first = min(i for i, _ in batch.supervised if i // T == b) % T + 1
-            at_s = slice(first, first + len(a))
+            at_s = slice(first, first + a)
             example = 0.0
             for layer in range(1, len(teacher)):                   # ℓ = 1..L (0 is the embedding layer)
                 h, h_s = teacher[layer][b, at_t].float(), student[layer][b, at_s].float()
                 sigma = h.std()                                    # CompLLM Eq. (2): this example's teacher Std
                 example = example + F.smooth_l1_loss(h_s, h, beta=1.0) / sigma   # Eq. (1), mean over t∈A, j≤d
-            loss = loss + example / (normalize_by or B)            # Eq. (3): the expectation over examples
-        return loss, sum(len(a) for a in answers)
+            loss = loss + example / (normalize_by or len(inputs.answer_lens))   # Eq. (3): the expectation over examples
+        return loss, sum(inputs.answer_lens)
 
     @torch.no_grad()
     def generate(self, memory: Memory, task: str, prompt: list | None = None, max_new_tokens: int = 64,

@@ -319,6 +319,7 @@ class Batch:
     question: list | None = None    # distill: the template's text after the context
     answer: list | None = None      # distill: the frozen LLM's own answer (add_teacher_answers)
     norm: dict | None = None        # task -> its loss divisor over the whole step (step_normalizers): the step sets it
+    inputs: dict | None = None      # on the device, what the forward reads that these lists decide (train.step_inputs)
 
 
 def collate(examples) -> Batch:

@@ -180,5 +180,5 @@ def window_mask(mask, P: int, T: int, window: int, device):
     all). Slots, not position_ids: EPL's moved positions do not move the window, as in HF."""
     if P + T <= window:  # the band hides nothing: keep the fast causal kernel
         return mask
-    base = mask if mask is not None else masks.with_prefix(masks.causal(T), P).to(device)
+    base = mask if mask is not None else masks.with_prefix(masks.causal(T, device=device), P)
     return masks.with_window(base, window)   # never an all-False row

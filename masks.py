@@ -53,13 +53,14 @@ def _check_int(name, value, minimum):
 
 # ---- the masks ----
 
-def causal(n, num_mem=0):
+def causal(n, num_mem=0, device=None):
     """Ordinary causal mask [n+M, n+M]: query i sees keys 0 … i. With num_mem = M, the baseline compressor mask over
     [context, memory] (PCC / ICAE / 500xCompressor / AOC, PIC Figure 4(a)): every memory token m_t sees the whole
-    context and m_1 … m_t (PIC Eq. 2: h_t = Compressor(X, m_<t)); the encoder mask setting "causal"."""
+    context and m_1 … m_t (PIC Eq. 2: h_t = Compressor(X, m_<t)); the encoder mask setting "causal". device: where
+    to build it (a mask from shapes alone is made where it is used, with no copy from the host)."""
     _check_int("n", n, 0)
     _check_int("num_mem", num_mem, 0)
-    return torch.ones(n + num_mem, n + num_mem, dtype=torch.bool).tril()
+    return torch.ones(n + num_mem, n + num_mem, dtype=torch.bool, device=device).tril()
 
 
 def block_bounds(context_len, num_blocks):
@@ -193,7 +194,7 @@ def stack_padded(row_masks, size):
     return out
 
 
-def sliding_window(num_queries, num_keys, window):
+def sliding_window(num_queries, num_keys, window, device=None):
     """Gemma 3's local attention band [T, S]: key j is within W slots of query i, j > q − W, where the queries are
     the last T of the S key slots (query i is slot q = S−T+i, as in with_padding). The query itself and the W−1
     slots before it pass (HF masking_utils.sliding_window_overlay: kv_idx > q_idx − sliding_window).
@@ -204,8 +205,8 @@ def sliding_window(num_queries, num_keys, window):
     _check_int("num_queries", num_queries, 0)
     _check_int("num_keys", num_keys, num_queries)
     _check_int("window", window, 1)
-    q = torch.arange(num_keys - num_queries, num_keys)[:, None]   # [T, 1] the queries' slots
-    k = torch.arange(num_keys)[None, :]                            # [1, S]
+    q = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]   # [T, 1] the queries' slots
+    k = torch.arange(num_keys, device=device)[None, :]                            # [1, S]
     return k > q - window
 
 
@@ -217,7 +218,7 @@ def with_window(mask, window):
     returns NaN there on some kernels, and 0 × NaN in the next layer reaches real tokens). Real queries always
     see themselves, so they are untouched."""
     T, S = mask.shape[-2], mask.shape[-1]
-    return _no_empty_rows(mask & sliding_window(T, S, window).to(mask.device))
+    return _no_empty_rows(mask & sliding_window(T, S, window, mask.device))
 
 
 # ---- text rendering ----

@@ -409,7 +409,7 @@ class Attention(nn.Module):
         scores = q.float() @ k.float().transpose(-1, -2)                   # (B, H, T, T)
         scores = scores / math.sqrt(self.head_dim) if self.scale is None else scores * self.scale
         if mask is None:
-            mask = masks.causal(x.shape[1]).to(x.device)
+            mask = masks.causal(x.shape[1], device=x.device)
         return scores.masked_fill(~mask, float("-inf")).softmax(-1)
 
 
@@ -573,7 +573,7 @@ class Transformer(nn.Module):
         elif P > 0 and T > 1:
             # SDPA's is_causal aligns the triangle top-left (query i sees keys 0..i), but new token i sits at
             # key slot P + i: it must see the whole prefix and new tokens 0..i, i.e. keys 0..P+i.
-            mask = masks.with_prefix(masks.causal(T), P).to(h.device)  # (T, S)
+            mask = masks.with_prefix(masks.causal(T, device=h.device), P)  # (T, S), made on the device
         else:
             mask = None  # plain causal (P == 0), or one new token that sees the whole cache
         full_attn = (cos, sin, mask)   # what a global layer attends with; a local one (Block.sliding): Gemma's

@@ -277,6 +277,7 @@ def micro_batches(run: Run, comp, corpus: data.Corpus, step: int) -> list:
         batch.norm = norm
         if run.sampling.objective == "distill":   # the frozen LLM answers first (once per example, cached)
             data.add_teacher_answers(comp, batch, corpus.answers, run.answer_tokens, run.autocast)
+        batch.inputs = step_inputs(comp, run.sampling.objective, batch, run.device)
         batches.append(batch)
     return batches
 
@@ -303,6 +304,31 @@ def step_guard(run: Run, step: int, batches: list):
 # (data.step_normalizers), so that the shares of every micro-batch and process add up to the step's mean.
 
 
+def step_inputs(comp, objective: str, batch: data.Batch, device) -> dict:
+    """What the objective's forward reads that the batch's Python lists decide (ids, positions, masks, where memory is
+    read and loss taken: compressors.EncoderInputs, DecoderInputs, DistillInputs), built on the host and moved to
+    `device` before the step's first kernel, so that its forward and backward never wait for a copy."""
+    if objective == "distill":
+        inputs = {"distill": comp.distill_inputs(batch.context, batch.question, batch.answer, batch.prefix,
+                                                 batch.dec_context)}
+    else:
+        context = comp.encoder_inputs(batch.context, batch.ratios)   # ONE compression serves every task
+        inputs = {"context": context}
+        if objective in ("pretrain", "ae"):   # AE / TR, PIC Eq. (6): x_1..x_p, EOS
+            inputs["ae"] = compressors.decoder_inputs(comp, context, "ae", batch.ae)
+        if objective == "pretrain":           # LM / TC, PIC Eq. (7): x_p+1.., EOS, after x_p
+            inputs["lm"] = compressors.decoder_inputs(comp, context, "lm", batch.lm, last_tokens=batch.last)
+        if objective == "qa":                 # the loss on the answer and EOS only
+            inputs["qa"] = compressors.decoder_inputs(comp, context, "qa", batch.qa, batch.n_answer, prefix=batch.prefix)
+    return {task: compressors.on_device(part, device) for task, part in inputs.items()}
+
+
+def inputs_of(comp, objective: str, batch: data.Batch) -> dict:
+    """batch.inputs (micro_batches builds them before the step), or, for a batch made elsewhere (plan.py's example,
+    a test's), built now."""
+    return batch.inputs if batch.inputs is not None else step_inputs(comp, objective, batch, comp.device)
+
+
 class TrainStep(nn.Module):
     """The objective as a module's forward(), so DistributedDataParallel and FSDP can sync what it computes."""
 
@@ -318,35 +344,33 @@ class TrainStep(nn.Module):
 
 def loss_pretrain(comp, batch: data.Batch, lm_weight):
     """EPL §3.1.1 / PIC Eq. (6)-(8): ONE compression of x_1..x_p serves both tasks."""
-    memory = comp.compress(batch.context, ratios=batch.ratios)
+    inputs = inputs_of(comp, "pretrain", batch)
+    memory = comp.encode(inputs["context"])
     # AE / TR, PIC Eq. (6): x_1..x_p, EOS; LM / TC, PIC Eq. (7): x_p+1.., EOS
-    l_ae, _ = comp.lm_loss(memory, "ae", batch.ae, normalize_by=batch.norm["ae"])
-    l_lm, _ = comp.lm_loss(memory, "lm", batch.lm, last_tokens=batch.last,
-                           normalize_by=batch.norm["lm"])
+    l_ae, _ = comp.loss(memory, inputs["ae"], normalize_by=batch.norm["ae"])
+    l_lm, _ = comp.loss(memory, inputs["lm"], normalize_by=batch.norm["lm"])
     return lm_weight * l_lm + (1 - lm_weight) * l_ae, {"ae": l_ae, "lm": l_lm}   # PIC Eq. (8), λ = α = 0.5
 
 
 def loss_ae(comp, batch: data.Batch):
     """ICAE autoencoding / AOC Eq. (4) / GMSA §3.4 stage 1: regenerate the compressed text from the memory
     (500x/AOC after [BOS], ICAE/GMSA after [AE]: the compressor's ae_token)."""
-    memory = comp.compress(batch.context, ratios=batch.ratios)
-    l_ae, _ = comp.lm_loss(memory, "ae", batch.ae, normalize_by=batch.norm["ae"])
+    inputs = inputs_of(comp, "ae", batch)
+    l_ae, _ = comp.loss(comp.encode(inputs["context"]), inputs["ae"], normalize_by=batch.norm["ae"])
     return l_ae, {"ae": l_ae}
 
 
 def loss_qa(comp, batch: data.Batch):
     """QA fine-tuning (EPL §4, GMSA KEFT Eq. 8): [memory; [LM]; question] -> answer, loss on answer + EOS only."""
-    memory = comp.compress(batch.context, ratios=batch.ratios)
-    l_qa, _ = comp.lm_loss(memory, "qa", batch.qa, n_supervised=batch.n_answer, prefix=batch.prefix,
-                           normalize_by=batch.norm["qa"])
+    inputs = inputs_of(comp, "qa", batch)
+    l_qa, _ = comp.loss(comp.encode(inputs["context"]), inputs["qa"], normalize_by=batch.norm["qa"])
     return l_qa, {"qa": l_qa}
 
 
 def loss_distill(comp, batch: data.Batch):
     """CompLLM Eq. (1)-(3): Σ_ℓ SmoothL1(H̃_ℓ, H_ℓ) / σ_ℓ over the answer tokens, teacher = the LLM with the
     full context, student = the LLM with the concept embeddings."""
-    l, _ = comp.distill_loss(batch.context, batch.question, batch.answer, batch.prefix, batch.dec_context,
-                             normalize_by=batch.norm["distill"])
+    l, _ = comp.distill(inputs_of(comp, "distill", batch)["distill"], normalize_by=batch.norm["distill"])
     return l, {"distill": l}
 
 

@@ -265,36 +265,37 @@ def test_the_reduced_precision_marker_follows_the_arithmetic_not_the_prose():
 # ---- reading paths: a preset, a one-step run and one training step in one sitting ----
 
 
-def test_every_preset_reads_in_200_lines_and_aoc_with_at_most_4_config_conditions():
+def test_every_preset_reads_in_210_lines_and_aoc_with_at_most_4_config_conditions():
     # each preset's path from its record to the decoder's input, measured as the README's reading guide measures it
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import reading_guide
     table, totals = reading_guide.guide()
-    assert all(lines <= 200 for lines, _ in totals.values()), totals
+    assert all(lines <= 210 for lines, _ in totals.values()), totals
     assert totals["aoc"][1] <= 4, totals["aoc"]
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     assert table in readme, "README's reading guide is out of date: paste the output of python tests/reading_guide.py"
-    # a one-step AOC run reads in one sitting: at most 127 project functions in 12 files (the settings resolved in
+    # a one-step AOC run reads in one sitting: at most 131 project functions in 12 files (the settings resolved in
     # cli.py's small named steps count among them, and the check of its texts' chunking, train.chunk_warning and
-    # Compressor.chunk_slots; the log's two in runlog.py, which the recipes' summaries read without torch); the README's sentence says how many it calls (tests/test_records.py reads it against
-    # this table's row)
+    # Compressor.chunk_slots; the log's two in runlog.py, which the recipes' summaries read without torch); the
+    # README's sentence says how many it calls (tests/test_records.py reads it against this table's row)
     aoc = re.search(r"^\| `aoc` .* \| (\d+) in (\d+) \| \d+ \(\d+ in \d+\) \|$", table, re.M)   # the run, one step
     functions, files = map(int, aoc.groups())
-    assert functions <= 127 and files <= 12, (functions, files)
+    assert functions <= 131 and files <= 12, (functions, files)
 
 
-def test_one_aoc_training_step_turns_between_files_at_most_9_times():
+def test_one_aoc_training_step_turns_between_files_at_most_6_times():
     """One train_step of AOC (the tiny demo: forward, backward, clip and step over the micro-batches the loop drew),
-    read in the order its project functions are first called, turns from one file to another at most 9 times:
-    train.py, then for the encoder's pass and again for the decoder's, compressors.py, positions.py, masks.py and
-    model.py once each; parallel.py last (the gradient norm and the step's numbers, summed over the processes). The
+    read in the order its project functions are first called, turns from one file to another at most 6 times:
+    train.py (its inputs were built before the step, micro_batches), compressors.py and model.py for the encoder's
+    pass, compressors.py, masks.py (the KV prefix's mask, made on the device) and model.py for the decoder's;
+    parallel.py last (the gradient norm and the step's numbers, summed over the processes). The
     README's reading guide says how many: its table's last column (the test above holds the table to the code) and a
     sentence tests/test_records.py reads against it."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import reading_guide
     path, switches = reading_guide.step_path("aoc")
     files = [f for i, (f, _) in enumerate(path) if i == 0 or path[i - 1][0] != f]
-    assert switches <= 9, files
+    assert switches <= 6, files
     assert files[:2] == ["train.py", "compressors.py"] and files[-1] == "parallel.py", files
 
 

@@ -232,8 +232,8 @@ def test_qa_loss_is_on_the_answer_and_eos_only(tmp_path, device):
     assert all(qa == parts[i]["prompt"] + a for qa, i, a in zip(batch.qa, which, answers))
     assert batch.norm["qa"] == sum(map(len, answers))
     seen = []
-    decoder_batch = comp.decoder_batch
-    comp.decoder_batch = lambda *a, **k: seen.append(decoder_batch(*a, **k)) or seen[-1]
+    assemble = comp.assemble   # the decoder's inputs, from the step's DecoderInputs
+    comp.assemble = lambda *a, **k: seen.append(assemble(*a, **k)) or seen[-1]
     loss, _ = train.loss_qa(comp, batch)
     (dec_in,) = seen
     T = dec_in["inputs_embeds"].shape[1]
@@ -350,8 +350,8 @@ def test_gmsa_draws_each_examples_ratio_from_4_and_8_and_compresses_it_by_that_r
     tensors, _ = D.tokenize_corpus(D.BUILTIN_TEXTS, [], "gmsa-ratio-test", comp, str(tmp_path), with_qa=False)
     sampling = D.Sampling("ae", "window", 16, 40, batch_size=8, seed=0)
     memories = []
-    compress = comp.compress
-    comp.compress = lambda *a, **k: memories.append(compress(*a, **k)) or memories[-1]
+    encode = comp.encode   # the step's memory, from its EncoderInputs
+    comp.encode = lambda *a, **k: memories.append(encode(*a, **k)) or memories[-1]
     drawn, mixed = [], 0
     for step in range(4):
         examples = D.step_examples(tensors, sampling, comp, step)
@@ -369,7 +369,7 @@ def test_gmsa_draws_each_examples_ratio_from_4_and_8_and_compresses_it_by_that_r
     ids = tok.encode(DOC[:31])
     torch.manual_seed(0)
     with torch.no_grad():
-        counts = compress([ids] * 16).slots   # (1 + 31) / 4 = 8 vectors, or 32 / 8 = 4
+        counts = comp.compress([ids] * 16).slots   # (1 + 31) / 4 = 8 vectors, or 32 / 8 = 4
     assert sorted({c for [c] in counts}) == [4, 8], counts
 
 
