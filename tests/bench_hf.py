@@ -325,9 +325,9 @@ def main():
             del ours, theirs, comp
         print("| method | loss step 1 ours / transformers | step 2 | ours ms/step | transformers ms/step | "
               "transformers/ours (median, range over rounds) |\n|---|---|---|---|---|---|")
-        for method, losses, seen, ratios in results:
+        for method, check, seen, ratios in results:
             o, t = (1e3 * statistics.median(seen[k]) for k in ("ours", "transformers"))
-            print(f"| {method} | {losses[0][0]:.6f} / {losses[0][1]:.6f} | {losses[1][0]:.6f} / {losses[1][1]:.6f} | "
+            print(f"| {method} | {check[0][0]:.6f} / {check[0][1]:.6f} | {check[1][0]:.6f} / {check[1][1]:.6f} | "
                   f"{o:.0f} | {t:.0f} | {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
 
 
