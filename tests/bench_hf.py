@@ -245,38 +245,46 @@ def losses(ours, theirs, ids: list, steps: int = 2) -> list:
 
 # ---- timing and profiling ----
 
-def timed_rounds(steps: dict, ids: list, rounds: int) -> dict:
-    """name -> seconds per step over `rounds` rounds after a warm-up round; in each round every step runs once, the
-    order alternating round by round, so that the machine's load hits both alike."""
-    seen = {name: [] for name in steps}
+def timed_rounds(steps: dict, ids: list, rounds: int) -> tuple:
+    """(name -> wall seconds per step, name -> CPU seconds per step, all threads) over `rounds` rounds after a warm-up
+    round; in each round every step runs once, the order alternating round by round, so that the machine's load
+    hits both alike. The CPU time counts what the step computed, not the time it waited for a core that other jobs
+    held (it does count OpenMP's spinning)."""
+    wall, cpu = {name: [] for name in steps}, {name: [] for name in steps}
     for r in range(rounds + 1):
         for name in (list(steps) if r % 2 else list(steps)[::-1]):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             steps[name](ids)
             if r:
-                seen[name].append(time.perf_counter() - t0)
-    return seen
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+        print(f"  round {r}{' (warm-up)' if r == 0 else ''} done", file=sys.stderr, flush=True)
+    return wall, cpu
 
 
 def profiled(step, ids: list, n: int) -> dict:
-    """aten op -> (calls, self CPU µs) per step, over n steps under torch.profiler."""
+    """aten op -> (calls, self CPU µs, FLOPs) per step, over n steps under torch.profiler (its FLOPs: matrix
+    products only)."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         for _ in range(n):
             step(ids)
-    return {e.key: (e.count / n, e.self_cpu_time_total / n) for e in prof.key_averages() if e.key.startswith("aten::")}
+    return {e.key: (e.count / n, e.self_cpu_time_total / n, e.flops / n) for e in prof.key_averages()
+            if e.key.startswith("aten::")}
 
 
 def profile_table(ours: dict, theirs: dict, top: int = 14) -> str:
     """The ops that take the most self CPU time on either side, with calls and ms per step on each."""
-    keys = sorted(set(ours) | set(theirs), key=lambda k: -max(ours.get(k, (0, 0))[1], theirs.get(k, (0, 0))[1]))
+    none = (0, 0, 0)
+    keys = sorted(set(ours) | set(theirs), key=lambda k: -max(ours.get(k, none)[1], theirs.get(k, none)[1]))
     rows = ["| aten op | ours calls | ours ms | transformers calls | transformers ms |", "|---|---|---|---|---|"]
     for k in keys[:top]:
-        (oc, ot), (tc, tt) = ours.get(k, (0, 0)), theirs.get(k, (0, 0))
+        (oc, ot, _), (tc, tt, _) = ours.get(k, none), theirs.get(k, none)
         rows.append(f"| {k[len('aten::'):]} | {oc:,.0f} | {ot / 1e3:.1f} | {tc:,.0f} | {tt / 1e3:.1f} |")
     total = lambda d, i: sum(v[i] for v in d.values())
     rows.append(f"| all aten ops | {total(ours, 0):,.0f} | {total(ours, 1) / 1e3:.1f} | {total(theirs, 0):,.0f} | "
                 f"{total(theirs, 1) / 1e3:.1f} |")
+    rows.append(f"| GFLOP of matrix products | {total(ours, 2) / 1e9:.1f} | | {total(theirs, 2) / 1e9:.1f} | |")
     return "\n".join(rows)
 
 
@@ -284,7 +292,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--model", help="an HF Llama folder (default: a random one of SmolLM2-135M's shape)")
-    p.add_argument("--steps", type=int, default=6, help="timed rounds, one step of each side a round")
+    p.add_argument("--steps", type=int, default=6, help="timed rounds, one step of each side a round (0: the loss "
+                   "check only)")
     p.add_argument("--profile-steps", type=int, default=2, help="steps of each side under the profiler (0: none)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--len", type=int, default=64, help="tokens per text")
@@ -307,29 +316,32 @@ def main():
             ids = texts(comp.tok, a.batch, a.len)
             # the same loss at the first step, and at the second (after one AdamW step on each side)
             check = losses(ours, theirs, ids)
-            seen = timed_rounds({"ours": ours, "transformers": theirs}, ids, a.steps)
-            ratios = [t / o for o, t in zip(seen["ours"], seen["transformers"])]
-            results.append((method, check, seen, ratios))
-            ms = {k: [1e3 * s for s in v] for k, v in seen.items()}
-            print(f"{method}: loss step 1 {check[0][0]:.6f} ours, {check[0][1]:.6f} transformers "
-                  f"(rel. {abs(check[0][0] - check[0][1]) / abs(check[0][1]):.1e}); step 2 {check[1][0]:.6f} "
-                  f"and {check[1][1]:.6f} (rel. {abs(check[1][0] - check[1][1]) / abs(check[1][1]):.1e})")
-            print(f"  ms/step ours {statistics.median(ms['ours']):.0f} ({min(ms['ours']):.0f}-{max(ms['ours']):.0f}), "
-                  f"transformers {statistics.median(ms['transformers']):.0f} "
-                  f"({min(ms['transformers']):.0f}-{max(ms['transformers']):.0f}); transformers/ours "
-                  f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})", flush=True)
+            rel = [abs(o - t) / abs(t) for o, t in check]
+            print(f"{method}: loss step 1 {check[0][0]:.6f} ours, {check[0][1]:.6f} transformers (rel. {rel[0]:.1e}); "
+                  f"step 2 {check[1][0]:.6f} and {check[1][1]:.6f} (rel. {rel[1]:.1e})", flush=True)
+            if a.steps:
+                wall, cpu = timed_rounds({"ours": ours, "transformers": theirs}, ids, a.steps)
+                results.append((method, check, wall))
+                for unit, seen in (("ms/step", wall), ("CPU ms/step (all threads)", cpu)):
+                    ratios = [t / o for o, t in zip(seen["ours"], seen["transformers"])]
+                    print(f"  {unit}: " + ", ".join(f"{k} {1e3 * statistics.median(v):.0f} "
+                                                    f"({1e3 * min(v):.0f}-{1e3 * max(v):.0f})"
+                                                    for k, v in seen.items()) +
+                          f"; transformers/ours {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
+                          flush=True)
             if a.profile_steps:
-                print(f"\n{method}, per step (median of {a.profile_steps} profiled steps each):\n")
+                print(f"\n{method}, per step (the mean over {a.profile_steps} profiled steps each; self CPU time):\n")
                 print(profile_table(profiled(ours, ids, a.profile_steps), profiled(theirs, ids, a.profile_steps)))
                 print(flush=True)
             del ours, theirs, comp
-        print("| method | loss step 1 ours / transformers | step 2 | ours ms/step | transformers ms/step | "
-              "transformers/ours (median, range over rounds) |\n|---|---|---|---|---|---|")
-        for method, check, seen, ratios in results:
-            o, t = (1e3 * statistics.median(seen[k]) for k in ("ours", "transformers"))
+        if results:
+            print("| method | loss step 1 ours / transformers | step 2 | ours ms/step | transformers ms/step | "
+                  "transformers/ours (median, range over rounds) |\n|---|---|---|---|---|---|")
+        for method, check, wall in results:
+            o, t = (1e3 * statistics.median(wall[k]) for k in ("ours", "transformers"))
+            ratios = [t / o for o, t in zip(wall["ours"], wall["transformers"])]
             print(f"| {method} | {check[0][0]:.6f} / {check[0][1]:.6f} | {check[1][0]:.6f} / {check[1][1]:.6f} | "
                   f"{o:.0f} | {t:.0f} | {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
-
 
 if __name__ == "__main__":
     main()
