@@ -45,9 +45,14 @@ from presets import CompressorConfig, validate
 # ---- the compressor's files: compressor.safetensors (its trained tensors) and compressor.json (its config) ----
 
 
+def saved_tensors(comp: compressors.Compressor, saved_under: CompressorConfig | None = None) -> dict:
+    """The compressor's own tensors a checkpoint saved under `saved_under` (default: its config) holds, by name."""
+    return {n: p for n, p in comp.named_parameters() if compressors.is_saved(saved_under or comp.cfg, n)}
+
+
 def trained_state(comp: compressors.Compressor) -> dict:
-    """The tensors a checkpoint holds (saved), by name."""
-    return {n: p.detach().contiguous() for n, p in comp.named_parameters() if compressors.is_saved(comp.cfg, n)}
+    """The tensors a checkpoint holds (saved), by name, detached and contiguous."""
+    return {n: p.detach().contiguous() for n, p in saved_tensors(comp).items()}
 
 
 def save(comp: compressors.Compressor, out_dir: str, extra: dict | None = None, tensors: bool = True):
@@ -68,11 +73,6 @@ def save(comp: compressors.Compressor, out_dir: str, extra: dict | None = None, 
     with open(tmp, "w") as f:
         json.dump(meta, f, indent=2)
     os.replace(tmp, os.path.join(out_dir, "compressor.json"))
-
-
-def saved_tensors(comp: compressors.Compressor, saved_under: CompressorConfig | None = None) -> dict:
-    """The compressor's own tensors a checkpoint saved under `saved_under` (default: its config) holds, by name."""
-    return {n: p for n, p in comp.named_parameters() if compressors.is_saved(saved_under or comp.cfg, n)}
 
 
 def check_fits(own: dict, shapes: dict):

@@ -160,9 +160,10 @@ def on_device(inputs, device: torch.device):
     """A step's inputs (EncoderInputs, DecoderInputs, DistillInputs) with every tensor moved to `device` without
     making the host wait: on CUDA pinned, then copied non-blocking (the copy runs behind the kernels queued before
     it); on the CPU nothing moves."""
-    move = lambda t: (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
-    return replace(inputs, **{f.name: move(v) if isinstance(v, torch.Tensor) else on_device(v, device)
-                              if is_dataclass(v) else v for f in fields(inputs) for v in [getattr(inputs, f.name)]})
+    # a tensor moves, a nested inputs record (DistillInputs' parts) moves field by field, anything else stays
+    move = lambda v: (v.pin_memory() if device.type == "cuda" else v).to(device, non_blocking=True) \
+        if isinstance(v, torch.Tensor) else on_device(v, device) if is_dataclass(v) else v
+    return replace(inputs, **{f.name: move(getattr(inputs, f.name)) for f in fields(inputs)})
 
 
 def decoder_inputs(comp, memory, task: str, follow: list, n_supervised: list | None = None,
