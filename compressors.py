@@ -119,7 +119,7 @@ class EncoderInputs:
     rows: list                      # the Chunks, one encoder row each
     ids: torch.Tensor               # (R, T) token ids: each chunk, its memory slots' ids, padding
     pos: torch.Tensor | None        # (R, T) position ids; None: the default 0 .. T-1 (group_mean)
-    attn: torch.Tensor              # (R, T, T) bool: each row's encoder mask
+    attn: torch.Tensor | None       # (R, T, T) bool: each row's encoder mask; None: plain causal, nothing padded
     mem_slot: torch.Tensor | None   # (R, T) 1 + the memory token in a slot, 0: none (None for group_mean)
     group: torch.Tensor | None      # (R, T) group_mean: each token's group, G for padding (else None)
     read_row: torch.Tensor          # (B, M) the encoder row that sample b's memory slot j is read from ...
@@ -701,8 +701,11 @@ class Compressor(nn.Module):
             pos[j][:n + m] = ctx_pos.tolist() + mem_pos.tolist()
             mem_slot[j][n:n + m] = range(1, m + 1)                   # 1-based, so that 0 can mean "no memory slot"
             row_masks.append(self.encoder_mask(n, m))                 # over [chunk, memory]
-        # row j's memory slots follow its n chunk tokens
-        return EncoderInputs(rows, torch.tensor(ids), torch.tensor(pos), masks.stack_padded(row_masks, T),   # (R, T, T)
+        # no row padded under the plain causal rule: no mask, so SDPA's causal kernel reads each K/V head in place
+        # (enable_gqa) instead of a repeat per query head (model.sdpa); equal up to rounding (ours, as DecoderInputs)
+        plain = self.encoder_mask is masks.causal and all(len(row.ids) + row.slots == T for row in rows)
+        # row j's memory slots follow its n chunk tokens; the mask (R, T, T)
+        return EncoderInputs(rows, *map(torch.tensor, (ids, pos)), None if plain else masks.stack_padded(row_masks, T),
                              torch.tensor(mem_slot), None, *memory_layout(rows, lambda j, row: len(row.ids)))
 
     def encode(self, inputs: EncoderInputs, read: list | None = None) -> Memory:

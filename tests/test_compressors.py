@@ -70,6 +70,32 @@ def batch_atol(device):
     return 1e-6 if device.type == "cpu" else 1e-5
 
 
+def test_an_unpadded_causal_encoder_batch_runs_without_a_mask_and_never_repeats_kv(device):
+    """Rows of equal length under the plain causal rule go to the encoder with no mask (SDPA's causal kernel reads
+    each K/V head in place); their memory equals the masked forward's. A padded batch, or PIC's rule, keeps its mask."""
+    dec, tok = tiny(device)
+    comp = C.build("500x", dec, tok, mem=3, chunk_len=32)
+    same = [tok.encode("Twelve letters"), tok.encode("Twelve bottles")]
+    assert len(same[0]) == len(same[1])
+    inputs = C.on_device(comp.encoder_inputs(same), comp.device)
+    assert inputs.attn is None
+    repeats = []
+    original = torch.Tensor.repeat_interleave
+    torch.Tensor.repeat_interleave = lambda t, *a, **k: repeats.append(1) or original(t, *a, **k)
+    try:
+        kv = comp.encode(inputs).kv
+    finally:
+        torch.Tensor.repeat_interleave = original
+    assert repeats == []
+    masked = C.on_device(comp.encoder_inputs(same), comp.device)
+    masked.attn = masks.stack_padded([masks.causal(len(row.ids), row.slots) for row in masked.rows], masked.ids.shape[1])
+    for (k, v), (k_m, v_m) in zip(kv, comp.encode(masked).kv, strict=True):
+        torch.testing.assert_close(k, k_m.to(k.device), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v, v_m.to(v.device), rtol=1e-5, atol=1e-6)
+    assert comp.encoder_inputs([same[0], same[0][:-2]]).attn is not None   # padded
+    assert C.build("pic", dec, tok, mem=3, chunk_len=32).encoder_inputs(same).attn is not None
+
+
 # ---------------------------------------------------------------------------- ICAE
 
 

@@ -569,9 +569,31 @@ def test_chunked_cross_entropy_saves_no_logits(device):
         return total
 
     assert saved_bytes(plain_cross_entropy) >= N * V * 4
-    chunked = saved_bytes(lambda h, w, t: chunked_cross_entropy(h, w, t, chunk=256))
+    chunked = saved_bytes(lambda h, w, t: chunked_cross_entropy(h, w, t, chunk=256, keep_below=0))
     assert chunked <= N * d * 4 + N * 8  # the hidden rows and the int64 targets, nothing V-sized
     assert chunked < N * V * 4 / 10
+
+
+def test_small_logits_are_kept_not_recomputed(device):
+    """Below keep_below bytes of fp32 logits, lm_head runs once a step (forward only), as in the plain call, with
+    the plain call's loss and gradients; above it, twice (its backward recomputes each chunk's logits)."""
+    hidden, lm_head, targets = ce_problem(device)
+    N, V = hidden.shape[0], lm_head.out_features
+    for keep_below, calls_expected in ((N * V * 4 + 1, 1), (N * V * 4, 4)):   # 1000 positions in 256-chunks: 4
+        calls = []
+        handle = lm_head.register_forward_hook(lambda *a: calls.append(1))
+        hidden.grad = lm_head.weight.grad = None
+        chunked_cross_entropy(hidden, lm_head, targets, chunk=256, keep_below=keep_below).backward()
+        handle.remove()
+        assert len(calls) == calls_expected * (1 if calls_expected == 1 else 2)
+    hidden.grad = lm_head.weight.grad = None
+    loss = chunked_cross_entropy(hidden, lm_head, targets)   # the default keeps these 8 MB
+    loss.backward()
+    g_h, g_w = hidden.grad.clone(), lm_head.weight.grad.clone()
+    hidden.grad = lm_head.weight.grad = None
+    plain = plain_cross_entropy(hidden, lm_head, targets)
+    plain.backward()
+    assert torch.equal(loss, plain) and torch.equal(g_h, hidden.grad) and torch.equal(g_w, lm_head.weight.grad)
 
 
 # ---------------------------------------------------------------------------- LoRA
