@@ -1,6 +1,7 @@
 """The real English corpus the recipes train and score on, built offline from a Debian package.
 
     python recipes/corpus.py [--out runs/corpus]        # ~10 s; needs apt-get + dpkg-deb (any Debian/Ubuntu)
+    python recipes/corpus.py --out runs/corpus_long --min-words 110   # passages for 8x (128 tokens into 16 slots)
 
 Source: the Python 3.11 documentation as Debian ships it (package `python3.11-doc`, from the Debian
 archive, no other network), © Python Software Foundation, PSF License version 2 (the package's
@@ -17,6 +18,11 @@ What it writes into --out:
                      for QA fine-tuning (PIC, GMSA KEFT) and CompLLM's distillation (ours, built here: the
                      answer is a specific word of the paragraph, a name or number a model cannot guess)
     stats.json       counts, and which file went where
+
+--min-words N (ours, for 8x): each text is a passage instead, consecutive prose paragraphs of one file joined until
+it has at least N words (a file's short remainder joins its last passage): 8x compresses 128-token texts, and a
+paragraph of the documentation is 62 words on average, so only 210 of the 3,255 training paragraphs reach 128
+SmolLM2 tokens. The split, the cleaning and the questions are the same.
 
 The held-out QA set the recipes score on is recipes/qa_heldout.jsonl (60 questions written by hand about
 held-out paragraphs, each answer copied from its paragraph).
@@ -106,6 +112,22 @@ def cloze(paragraph: str, seed: int):
     return {"context": paragraph, "question": f'Which word fills the blank in: "{blanked}"', "answer": word}
 
 
+def passages(texts: list, min_words: int) -> list:
+    """Consecutive paragraphs joined (one space) until each passage has at least min_words words; a short remainder
+    joins the last passage (a file shorter than min_words is one short passage)."""
+    out, words = [], 0
+    for text in texts:
+        if out and words < min_words:
+            out[-1] += " " + text
+        else:
+            out.append(text)
+            words = 0
+        words += len(text.split())
+    if len(out) > 1 and words < min_words:   # the remainder is out[-1]: it joins the one before
+        out[-2:] = [" ".join(out[-2:])]
+    return out
+
+
 def held_out(path: str) -> bool:
     return int(hashlib.sha1(path.encode()).hexdigest(), 16) % 10 == 0
 
@@ -127,6 +149,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/corpus", help="output folder (default runs/corpus)")
     p.add_argument("--deb", help=f"a downloaded {PACKAGE}_*.deb instead of apt-get download")
+    p.add_argument("--min-words", type=int, default=0, help="ours: join consecutive paragraphs of a file into passages "
+                   "of at least this many words (110 gives 128-token texts for 8x; default 0: paragraphs)")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as work:
         root = fetch_sources(a.deb, work)
@@ -138,6 +162,8 @@ def main(argv=None):
                 continue
             with open(os.path.join(root, rel), encoding="utf-8") as f:
                 found = list(paragraphs(f.read()))
+            if a.min_words:
+                found = passages(found, a.min_words)
             if found:
                 part = "heldout" if held_out(rel) else "train"
                 split[part] += found
@@ -149,12 +175,12 @@ def main(argv=None):
     qa = [q for i, t in enumerate(split["train"]) for q in [cloze(t, i)] if q]
     with open(os.path.join(a.out, "qa_train.jsonl"), "w") as f:
         f.writelines(json.dumps(q) + "\n" for q in qa)
-    stats = {part: {"paragraphs": len(t), "words": sum(len(x.split()) for x in t), "files": where[part]}
+    stats = {part: {"paragraphs" if not a.min_words else f"passages of >= {a.min_words} words": len(t), "words": sum(len(x.split()) for x in t), "files": where[part]}
              for part, t in split.items()}
     with open(os.path.join(a.out, "stats.json"), "w") as f:
         json.dump({"package": PACKAGE, "license": "PSF License version 2", **stats}, f, indent=1)
     for part in split:
-        print(f"{part}: {stats[part]['paragraphs']} paragraphs, {stats[part]['words']} words, "
+        print(f"{part}: {len(split[part])} {'passages' if a.min_words else 'paragraphs'}, {stats[part]['words']} words, "
               f"{len(where[part])} files -> {os.path.join(a.out, part + '.jsonl')}")
     print(f"qa_train: {len(qa)} fill-in-the-blank questions -> {os.path.join(a.out, 'qa_train.jsonl')}")
 

@@ -145,6 +145,21 @@ def anchors(md: Path) -> set:
     return out
 
 
+def test_corpus_passages_join_a_files_paragraphs_to_the_word_count():
+    """corpus.py --min-words (the 8x corpus): consecutive paragraphs joined, in order and whole, until a passage
+    has min_words; a short remainder joins the last passage; a file of one short paragraph stays one passage."""
+    import sys
+    sys.path.insert(0, str(REPO / "recipes"))
+    import corpus
+    paras = [" ".join(f"p{i}w{j}" for j in range(n)) for i, n in enumerate((50, 70, 130, 40, 30, 50))]
+    out = corpus.passages(paras, 110)
+    assert out == [" ".join(paras[:2]), paras[2], " ".join(paras[3:])]   # 120, 130, 120 words
+    assert all(len(p.split()) >= 110 for p in out[:-1])
+    out = corpus.passages(paras[:5], 110)   # 40 + 30 = 70 left: joins the 130-word one before it
+    assert out == [" ".join(paras[:2]), " ".join(paras[2:5])]
+    assert corpus.passages(paras[3:4], 110) == [paras[3]] and corpus.passages([], 110) == []
+
+
 @pytest.mark.parametrize("readme", READMES)
 def test_every_relative_link_in_the_readmes_resolves(readme):
     md = REPO / readme
