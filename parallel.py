@@ -36,7 +36,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from compressors import blocks
+import compressors
+from checkpoint import copy_into
+from model import weight_reader
 
 
 def under_torchrun() -> bool:
@@ -136,17 +138,38 @@ def summed(values: torch.Tensor, world: int) -> list:
 
 def shard(comp, step_fn, device, bf16):
     """fully_shard every transformer block of comp's models, then the step (the root unit), on a mesh of `device`'s
-    kind. Every rank built the same compressor (the frozen base from the same files, the trained init from the same
-    seed: train.main), so each keeps its own slices of it and nothing is sent."""
+    kind. train.main built the compressor on the meta device: sharding assigns each rank its slices, and materialise
+    then fills them."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # bf16 runs: the blocks' weights gathered in bf16, gradients reduced in fp32 (what autocast computes). Inputs are
     # not cast (cast_forward_inputs=False): RoPE's cos/sin stay fp32, as under autocast
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False) \
         if bf16 else MixedPrecisionPolicy()
-    for block in blocks(comp):   # (a LoRA encoder is the decoder: its blocks are sharded once)
+    for block in compressors.blocks(comp):   # (a LoRA encoder is the decoder: its blocks are sharded once)
         fully_shard(block, mesh=mesh, mp_policy=mixed)
     fully_shard(step_fn, mesh=mesh)   # the root: embeddings, memory tokens, bridge, gathered whole for the step
     return step_fn
+
+
+def materialise(step_fn, comp, device, frozen):
+    """This rank's slices of a compressor built on the meta device and sharded (shard), filled: storage for this rank's
+    shards only (to_empty on the root unit; Transformer._apply re-derives the RoPE buffers, non-persistent, on the
+    device), then every tensor's value, one whole tensor at a time (compressors.initial_values: the base weights read
+    from their files tensor by tensor, everything else drawn as a one-process build draws it, from the seed every rank
+    set alike), cut to this rank's shard (checkpoint.copy_into) and dropped before the next is read or drawn. No rank
+    ever holds the whole model, and nothing is sent."""
+    step_fn.to_empty(device=device)
+    cfg = comp.cfg
+    # each base model's weights, read tensor by tensor from its files (--model, and --decoder's separate compressor)
+    readers = {name: weight_reader(name, frozen, device) for name in {cfg.model, cfg.compressor_model} if name}
+    filled = set()
+    for tensor, value in compressors.initial_values(comp, frozen, device, lambda model, name: readers[model](name)):
+        copy_into(tensor, value)
+        filled.add(id(tensor))
+        del value   # before the next one is read or drawn
+    unfilled = [name for name, p in comp.named_parameters() if id(p) not in filled]
+    if unfilled:   # (a tensor initial_values does not know would keep to_empty's garbage)
+        raise RuntimeError(f"compressors.initial_values gives no value for {unfilled[:5]}")
 
 
 def shard_optimizer_state(opt, opt_state: dict) -> dict:
