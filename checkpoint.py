@@ -16,7 +16,8 @@ train_state.pt. An --fsdp run (of any size, one process included) writes sharded
 torch.distributed.checkpoint (DCP) folder: each rank writes its own shard of the trained tensors and of AdamW's state
 (sharded_state), and a load reads into each tensor in place whatever part of it this rank holds, so a checkpoint saved
 on N processes loads on M, one process without a process group included (load_trained_from, load_sharded). Saving or
-loading, no process holds more than its shard and the tensor DCP is copying. `python checkpoint.py --to-single RUN`
+loading, no process holds more than its shard and the tensor DCP is copying; a compressor.safetensors loads into an
+FSDP run's shards one tensor at a time too (load_trained, copy_into). `python checkpoint.py --to-single RUN`
 turns a run's newest sharded checkpoint into the one-process format (one host then holds everything, as its file
 does).
 """

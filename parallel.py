@@ -1,5 +1,5 @@
 """Training on more than one process: torchrun's process group, DDP or FSDP2 around the training step, and the
-checkpoint of a sharded run. train.py calls it wherever a process meets the others (processes, wrap,
+checkpoint of a sharded run. train.py calls it wherever a process meets the others (processes, wrap, materialise,
 no_gradient_sync around every micro-batch of a step but the last, clip_grad_norm, the step's summed numbers,
 shard_optimizer_state); a run of one process on one device passes through each untouched.
 
@@ -18,9 +18,16 @@ tokens, bridge) whole for the whole step. Mixed dtypes (bf16 frozen, fp32 traine
 each tensor in its own dtype. Where the run computes in bf16 (autocast), the blocks' MixedPrecisionPolicy gathers
 their weights in bf16 and reduces gradients in fp32, as autocast computes in one process (tests/test_scale.py).
 
+No rank holds the whole compressor at any time. train.py builds it on the meta device (shapes and dtypes, no storage),
+shard assigns each rank its slices, and materialise fills them: what the base models give (the frozen LLM, and the
+copies that train: AOC's encoder, PCC's compressor) read from their safetensors one tensor at a time, each cut to this
+rank's shard and dropped before the next, and the rest of the trained init drawn on every rank from one seed, in the
+order a one-process build draws it (compressors.initial_values), so every rank holds the slices of the very tensors a
+run of one process starts from, and nothing is sent.
+
 An FSDP run's checkpoints are sharded (checkpoint.py: torch.distributed.checkpoint, each rank writes and reads its
-own slices, on any number of processes); a one-process checkpoint continues under FSDP through shard_optimizer_state,
-which cuts its AdamW moments into this rank's shards.
+own slices, on any number of processes); a one-process checkpoint continues under FSDP, its trained tensors read one
+at a time into the shards (checkpoint.load_trained) and its AdamW moments cut into them (shard_optimizer_state).
 """
 
 import os
