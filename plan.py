@@ -29,7 +29,8 @@ states follow the shards. Two more numbers, outside the step's total:
     build        = what a GPU holds while the compressor is built ("fits" asks it of the card too): one process, or
                    DDP, builds it whole; --fsdp builds it on the meta device, shards it, and fills each GPU's shards
                    one whole tensor at a time (parallel.materialise), so a GPU holds its shards and the largest
-                   tensor whole, in the frozen dtype as it is read or drawn (a linear or MLP bridge is drawn whole)
+                   tensor whole, in the frozen dtype as it is read or drawn (a linear or MLP bridge is drawn whole;
+                   a file stored in another dtype adds that copy while it converts: tests/README.md measures it)
     checkpoint   = host memory a save adds per process: one process copies its trained tensors whole to the host
                    (trained numel × 4, compressor.safetensors); under --fsdp each rank writes its own shards
                    (torch.distributed.checkpoint), one at a time: the largest trained tensor's shard and DCP's
