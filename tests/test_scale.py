@@ -454,13 +454,13 @@ META_CASES = {   # every preset on tiny, and what changes where a build draws or
     "icae-mem-norm": (["--method", "icae", "--mem-norm"], torch.float32),   # Rescaled's target, from the table
     "lora-aoc": (["--method", "aoc", "--encoder", "lora"], torch.float32),  # a LoRA'd MLP-free copy
     "gmsa-keft": (["--method", "gmsa"], torch.float32),                     # the decoder's q/k/v train (fp32)
-    "icae-folder": (["--method", "icae", "--model", "FOLDER"], torch.bfloat16),   # the files' tensors
+    "icae-folder-bf16": (["--method", "icae", "--model", "FOLDER"], torch.bfloat16),   # the files' tensors
     "pcc-folder": (["--method", "pcc", "--model", "FOLDER", "--decoder", "tiny"], torch.float32),   # two models
 }
 
 
 @pytest.mark.parametrize("case", META_CASES)
-def test_fsdp_builds_on_meta_and_fills_every_tensor_as_one_process_builds_it(case, model_folder, tmp_path):
+def test_fsdp_builds_on_meta_and_fills_every_tensor_as_one_process_builds_it(case, model_folder, tmp_path, device):
     """Under --fsdp the compressor is built on the meta device (no parameter has storage: nothing of it is whole
     anywhere), sharded, then filled (parallel.materialise): the base weights read from their files, the trained init
     drawn again in the order a build draws it. In a process group of one, where a shard is the whole tensor, every
@@ -471,13 +471,12 @@ def test_fsdp_builds_on_meta_and_fills_every_tensor_as_one_process_builds_it(cas
     from torch.distributed.tensor import DTensor
     flags, frozen = META_CASES[case]
     flags = [model_folder if f == "FOLDER" else f for f in flags]
-    s = cli.parse_args([*flags, "--out", str(tmp_path), "--device", "cpu"])
+    s = cli.parse_args([*flags, "--out", str(tmp_path), "--device", str(device)])
     cfg = replace(s.config, decoder_train="keft") if case == "gmsa-keft" else s.config
     weights = "a stage-1 run" if case == "gmsa-keft" else None   # (KEFT's check; nothing is loaded at the build)
-    cpu = torch.device("cpu")
-    torch.manual_seed(5)
-    plain = train.build_compressor(cfg, cpu, frozen, weights)
-    with parallel.processes("cpu", fsdp=True) as (device, _, world):
+    torch.manual_seed(5)   # (on CUDA the draws are the GPU generator's, in both builds)
+    plain = train.build_compressor(cfg, device, frozen, weights)
+    with parallel.processes(str(device), fsdp=True) as (device, _, world):
         torch.manual_seed(5)
         comp = train.build_compressor(cfg, torch.device("meta"), frozen, weights)
         assert all(p.is_meta for p in comp.parameters()) and all(b.is_meta for b in comp.buffers())
