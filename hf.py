@@ -1,8 +1,9 @@
 """
 Reading Hugging Face checkpoints: the tokenizer wrapper (special ids resolved as HF resolves them), a folder or hub
 id resolved to local files, and strict safetensors loading (single or sharded; every missing, unexpected or wrongly
-shaped tensor named). Also the config.json of each paper model, for benchmarks at their shapes without a download.
-model.py builds the Transformer these fill (load_pretrained).
+shaped tensor named), whole or one tensor at a time (tensor_reader: an FSDP rank's slices). Also the config.json of
+each paper model, for benchmarks at their shapes without a download. model.py builds the Transformer these fill
+(load_pretrained).
 """
 
 from __future__ import annotations

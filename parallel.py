@@ -168,7 +168,7 @@ def materialise(step_fn, comp, device, frozen):
     step_fn.to_empty(device=device)
     cfg = comp.cfg
     # each base model's weights, read tensor by tensor from its files (--model, and --decoder's separate compressor)
-    readers = {name: weight_reader(name, frozen, device) for name in {cfg.model, cfg.compressor_model} if name}
+    readers = {name: weight_reader(name, frozen, device) for name in (cfg.model, cfg.compressor_model) if name}
     filled = set()
     for tensor, value in compressors.initial_values(comp, frozen, device, lambda model, name: readers[model](name)):
         copy_into(tensor, value)

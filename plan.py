@@ -242,7 +242,8 @@ def make_plan(cfg, run, make_step, shape: str | None = None) -> Plan:
     # the build: the shards, and the largest tensor whole as it is read or drawn, in the frozen dtype (a linear or MLP
     # bridge is drawn as a whole module)
     bridge = getattr(comp.bridge, "inner", comp.bridge)
-    drawn = sum(p.numel() for p in bridge.parameters()) if isinstance(bridge, (compressors.LinearBridge, compressors.MLPBridge)) else 0
+    drawn = sum(p.numel() for p in bridge.parameters()) \
+        if isinstance(bridge, (compressors.LinearBridge, compressors.MLPBridge)) else 0
     whole = max(drawn, *(p.numel() for p in comp.parameters())) * run.frozen.itemsize
     return Plan(params, -(-weights // gpus) + root + gathered, 4 * (-(-trained // gpus) + root_trained),
                 8 * -(-trained // gpus), activations, micro, gpus, fsdp, build=-(-weights // gpus) + whole,
