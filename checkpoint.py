@@ -16,7 +16,8 @@ train_state.pt. An --fsdp run (of any size, one process included) writes sharded
 torch.distributed.checkpoint (DCP) folder: each rank writes its own shard of the trained tensors and of AdamW's state
 (sharded_state), and a load reads into each tensor in place whatever part of it this rank holds, so a checkpoint saved
 on N processes loads on M, one process without a process group included (load_trained_from, load_sharded). Saving or
-loading, no process holds more than its shard and the tensor DCP is copying. `python checkpoint.py --to-single RUN`
+loading, no process holds more than its shard and the tensor DCP is copying; a compressor.safetensors loads into an
+FSDP run's shards one tensor at a time too (load_trained, copy_into). `python checkpoint.py --to-single RUN`
 turns a run's newest sharded checkpoint into the one-process format (one host then holds everything, as its file
 does).
 """
@@ -32,10 +33,12 @@ from glob import glob
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, \
     set_optimizer_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 import compressors
 from model import load_pretrained
@@ -86,19 +89,32 @@ def check_fits(own: dict, shapes: dict):
                          f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}")
 
 
-def load_trained(comp: compressors.Compressor, state: dict, saved_under: CompressorConfig | None = None):
-    """Load exactly the tensors `save` wrote; list whatever is missing, unexpected or misshapen. saved_under: the config
-    they were saved under, when it is not the compressor's (GMSA's KEFT starts from a stage-1 run, which holds no
-    decoder q/k/v: those are the base model's)."""
-    own = saved_tensors(comp, saved_under)
-    if comp.encoder.lm_head is None:   # accepts encoder.lm_head.* (a head this PCC/PIC encoder lacks): dropped
-        state = {n: t for n, t in state.items() if not n.startswith("encoder.lm_head.")}
-    # accepts GMSA's LSA blocks named `lsa.*` as well as `bridge.lsa.*` (the bridge module's names)
-    state = {("bridge." + n if n.startswith("lsa.") else n): t for n, t in state.items()}
-    check_fits(own, {n: t.shape for n, t in state.items()})
+def load_trained(comp: compressors.Compressor, state, saved_under: CompressorConfig | None = None):
+    """Load exactly the tensors `save` wrote; list whatever is missing, unexpected or misshapen. state: name -> tensor,
+    or a compressor.safetensors open (safe_open), read one tensor at a time: each is copied into its parameter (under
+    FSDP into this rank's shard of it: copy_into) and dropped before the next is read. saved_under: the config they
+    were saved under, when it is not the compressor's (GMSA's KEFT starts from a stage-1 run, which holds no decoder
+    q/k/v: those are the base model's)."""
+    own, on_disk = saved_tensors(comp, saved_under), not isinstance(state, dict)
+    # our name -> the saved one. Accepts encoder.lm_head.* (a head this PCC/PIC encoder lacks: dropped), and GMSA's LSA
+    # blocks named `lsa.*` as well as `bridge.lsa.*` (the bridge module's names)
+    names = {("bridge." + n if n.startswith("lsa.") else n): n for n in state.keys()
+             if comp.encoder.lm_head is not None or not n.startswith("encoder.lm_head.")}
+    check_fits(own, {n: state.get_slice(k).get_shape() if on_disk else state[k].shape for n, k in names.items()})
+    for n, p in own.items():
+        copy_into(p, state.get_tensor(names[n]) if on_disk else state[names[n]])
+
+
+def copy_into(tensor: torch.Tensor, whole: torch.Tensor):
+    """`whole`'s values into `tensor`; where `tensor` is this rank's shard of a sharded parameter (a DTensor: FSDP),
+    into the part it holds: cut here with no communication (distribute_tensor, src_data_rank=None) and copied into the
+    shard's own storage. The caller drops `whole` after (one whole tensor at a time)."""
     with torch.no_grad():
-        for n, p in own.items():
-            p.copy_(state[n])
+        if isinstance(tensor, DTensor):
+            part = distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None)
+            tensor.to_local().copy_(part.to_local())
+        else:
+            tensor.copy_(whole)
 
 
 def read_checkpoint_config(ckpt_dir: str) -> dict:
@@ -161,11 +177,12 @@ def load_trained_from(comp: compressors.Compressor, ckpt_dir: str, saved_under: 
         except (OSError, dcp.CheckpointException) as e:
             raise ValueError(f"'{folder}' cannot be read ({first_line(e)}): restore it or retrain") from None
         return
-    try:
-        state = load_file(os.path.join(ckpt_dir, "compressor.safetensors"), device=str(comp.device))
+    try:   # (the file's header: its tensors are read one at a time, load_trained)
+        state = safe_open(os.path.join(ckpt_dir, "compressor.safetensors"), framework="pt", device=str(comp.device))
     except Exception as e:
         raise ValueError(f"'{ckpt_dir}/compressor.safetensors' cannot be read ({e}): restore it or retrain") from None
-    load_trained(comp, state, saved_under)
+    with state:
+        load_trained(comp, state, saved_under)
 
 
 def first_line(e: Exception) -> str:

@@ -64,7 +64,7 @@ import torch.nn.functional as F
 import masks
 import positions
 from positions import TASKS
-from lora import add_lora, lora_disabled
+from lora import LoRALinear, add_lora, draw_lora_A, lora_disabled
 from model import RMSNorm, Transformer, chunked_cross_entropy, copy_model
 from presets import CHAT_MARKERS, TEMPLATES, CompressorConfig, make_config
 
@@ -315,12 +315,13 @@ def embed_scale(model: Transformer) -> float:
     return getattr(model.model.embed_tokens, "scale", 1.0)
 
 
-def draw(mem_init: str, n: int, model: Transformer) -> torch.Tensor:
+def draw(mem_init: str, n: int, model: Transformer, table: torch.Tensor | None = None) -> torch.Tensor:
     """n vectors of `model`'s width, drawn as mem_init says, on its device and in its dtype: (std, mean) of
     "embed", EPL code: normal_(mean=embed.mean(), std=embed.std()), scalars of the table's rows; "hf", PCC code:
     resize_token_embeddings' init of new rows, N(0, initializer_range); both at the size the decoder reads its rows
-    (embed_scale: x sqrt(d) on Gemma 3). "normal": AOC/500x torch.randn, ICAE nn.Embedding's default N(0, 1)."""
-    w, s = model.model.embed_tokens.weight, embed_scale(model)
+    (embed_scale: x sqrt(d) on Gemma 3). "normal": AOC/500x torch.randn, ICAE nn.Embedding's default N(0, 1).
+    table: the model's embedding table whole, where the model holds none yet (a build on the meta device)."""
+    w, s = model.model.embed_tokens.weight if table is None else table, embed_scale(model)
     std, mean = ((w.float().std() * s, w.float().mean() * s) if mem_init == "embed" else
                  (0.02 * s, 0.0) if mem_init == "hf" else (1.0, 0.0))
     return (torch.randn(n, w.shape[1], device=w.device) * std + mean).to(w.dtype)
@@ -430,25 +431,31 @@ class Rescaled(nn.Module):
     def __init__(self, bridge: nn.Module, decoder: Transformer):
         super().__init__()
         self.inner = bridge
-        self.target = decoder.model.embed_tokens.weight.detach().float().norm(dim=-1).mean().item() * \
-            embed_scale(decoder)
+        w = decoder.model.embed_tokens.weight
+        # built on the meta device, the table has no values yet: initial_values sets the target from the file's
+        self.target = None if w.is_meta else self.target_of(w, decoder)
+
+    @staticmethod
+    def target_of(table: torch.Tensor, decoder: Transformer) -> float:
+        return table.detach().float().norm(dim=-1).mean().item() * embed_scale(decoder)
 
     def forward(self, h, valid):
         m = self.inner(h, valid)
         return m * (self.target / m.float().norm(dim=-1, keepdim=True).clamp_min(1e-6)).to(m.dtype)
 
 
-def build_bridge(cfg: CompressorConfig, decoder: Transformer, d_enc: int) -> nn.Module:
-    """The bridge module cfg.bridge names, between an encoder d_enc wide and `decoder`."""
+def build_bridge(cfg: CompressorConfig, decoder: Transformer, d_enc: int, device=None, dtype=None) -> nn.Module:
+    """The bridge module cfg.bridge names, between an encoder d_enc wide and `decoder`, on the decoder's device and in
+    its dtype, or on `device` in `dtype` (initial_values draws a linear or MLP bridge again)."""
     d_dec, w = decoder.config.hidden_size, decoder.model.embed_tokens.weight
     if cfg.bridge == "none":
         if cfg.carrier == "embeds" and d_enc != d_dec:
             raise ValueError(f"the encoder is {d_enc} wide and the decoder {d_dec}: use --bridge mlp or linear")
         return NoBridge()
     if cfg.bridge == "linear":
-        return LinearBridge(d_enc, d_dec, device=w.device, dtype=w.dtype)
-    if cfg.bridge == "mlp":
-        return MLPBridge(d_enc, d_dec).to(w.device, w.dtype)
+        return LinearBridge(d_enc, d_dec, device=device or w.device, dtype=dtype or w.dtype)
+    if cfg.bridge == "mlp":   # made on the CPU, then moved (its draws are the CPU generator's)
+        return MLPBridge(d_enc, d_dec).to(device or w.device, dtype or w.dtype)
     if d_enc != d_dec:
         raise ValueError(f"LSA blocks are decoder layers ({d_dec} wide) and the encoder is {d_enc} wide")
     return LSABridge(decoder, cfg.lsa_layers)
@@ -945,7 +952,7 @@ class Compressor(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# the blocks a compressor runs (FSDP's units), and building one
+# the blocks a compressor runs (FSDP's units), its initial values tensor by tensor, and building one
 
 def blocks(comp: Compressor) -> list:
     """Every distinct transformer block the compressor runs: the encoder's, the decoder's, GMSA's LSA blocks (a
@@ -955,6 +962,47 @@ def blocks(comp: Compressor) -> list:
         for block in model.model.layers if model is not None else ():
             seen.setdefault(id(block), block)
     return list(seen.values())
+
+
+def initial_values(comp: Compressor, frozen: torch.dtype, device: torch.device, read):
+    """Every tensor of a compressor built on the meta device (train.py --fsdp) with the value a build on `device` gives
+    it, one tensor at a time: yields (tensor, value), the value whole, in `frozen` (the dtype a build makes everything
+    in, before set_dtypes) on `device`; the caller copies it into this rank's shard and drops it before the next.
+    read(model, name): tensor `name` of base model `model` (a name or path, as cfg.model) as load_pretrained loads it.
+
+    First what the build draws from torch's generator, in the order it draws it (Compressor.__init__: the encoder's
+    LoRA in module order, the memory tokens, the bridge, the learned special tokens), so that from the same generator
+    state (train.py seeds it alike on every rank) the values are the build's, bit for bit. draw's statistics (--mem-init
+    embed) come from the embedding table read whole, as the build has it: the same numbers, where an all-reduce over
+    the table's shards would sum in another order. Then everything a base model's weights give: the frozen LLM(s) and
+    the copies that train (AOC's encoder, GMSA's LSA blocks, PCC's compressor LLM), all but the LoRA matrices."""
+    cfg, embed = comp.cfg, "model.embed_tokens.weight"
+    encoder_model = cfg.compressor_model if cfg.encoder == "separate" and cfg.compressor_model else cfg.model
+    for m in comp.encoder.modules():   # add_lora draws each A as it wraps a layer (a LoRA encoder may be the decoder)
+        if isinstance(m, LoRALinear):
+            yield m.lora_A, draw_lora_A(m.r, m.in_features, device, frozen)
+            yield m.lora_B, torch.zeros(m.lora_B.shape, device=device, dtype=frozen)
+    if comp.mem_tokens is not None:
+        yield comp.mem_tokens, draw(cfg.mem_init, comp.mem_tokens.shape[0], comp.encoder, read(encoder_model, embed))
+    bridge = getattr(comp.bridge, "inner", comp.bridge)   # (inside --mem-norm's Rescaled)
+    if isinstance(bridge, (LinearBridge, MLPBridge)):   # made again as build_bridge makes it: a few d x d, whole
+        yield from zip(bridge.parameters(), build_bridge(cfg, comp.decoder, comp.encoder.config.hidden_size, device,
+                                                         frozen).parameters())
+    specials = [name for name in SPECIALS if hasattr(comp, name)]
+    if specials or isinstance(comp.bridge, Rescaled):   # the decoder's table, held while these few vectors are drawn
+        table = read(cfg.model, embed)
+        if isinstance(comp.bridge, Rescaled):
+            comp.bridge.target = Rescaled.target_of(table, comp.decoder)
+        for name in specials:
+            yield getattr(comp, name), draw(cfg.mem_init, 1, comp.decoder, table)[0]
+        del table
+    seen = set()   # a tensor shared by two models (the encoder's embedding is the decoder's) is read once
+    for model, name_or_path in ((comp.decoder, cfg.model), (comp.encoder, encoder_model),
+                                (getattr(bridge, "lsa", None), cfg.model)):
+        for name, p in model.named_parameters() if model is not None else ():
+            if "lora_" not in name and id(p) not in seen:
+                seen.add(id(p))
+                yield p, read(name_or_path, name)
 
 
 def build(method: str, decoder: Transformer, tok, encoder_model: Transformer | None = None, encoder_tok=None,

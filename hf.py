@@ -1,8 +1,9 @@
 """
 Reading Hugging Face checkpoints: the tokenizer wrapper (special ids resolved as HF resolves them), a folder or hub
 id resolved to local files, and strict safetensors loading (single or sharded; every missing, unexpected or wrongly
-shaped tensor named). Also the config.json of each paper model, for benchmarks at their shapes without a download.
-model.py builds the Transformer these fill (load_pretrained).
+shaped tensor named), whole or one tensor at a time (tensor_reader: an FSDP rank's slices). Also the config.json of
+each paper model, for benchmarks at their shapes without a download. model.py builds the Transformer these fill
+(load_pretrained).
 """
 
 from __future__ import annotations
@@ -152,18 +153,39 @@ def resolve(name_or_path: str) -> Path:
     return Path(local)
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a model folder: the shards model.safetensors.index.json names, or model.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return sorted({folder / f for f in read_json(index)["weight_map"].values()})
+    if (folder / "model.safetensors").exists():
+        return [folder / "model.safetensors"]
+    raise FileNotFoundError(f"no safetensors weights in {folder} (expected model.safetensors or "
+                            f"model.safetensors.index.json; re-save .bin checkpoints with save_pretrained)")
+
+
+def tensor_reader(folder: Path, dtype, device, prefix: str = ""):
+    """read(name) -> the one tensor `name` (prefix stripped, as load_weights names it) of a model folder's weights, in
+    `dtype` on `device`, as load_weights loads it: its file is opened for that tensor alone and closed again (no
+    mapping of the whole file stays), so a process that reads tensor after tensor holds one at a time."""
+    where = {}
+    for f in weight_files(folder):
+        with safe_open(f, framework="pt") as sf:
+            where |= {k.removeprefix(prefix): (f, k) for k in sf.keys()}
+
+    def read(name):
+        f, key = where[name]
+        with safe_open(f, framework="pt", device=str(device)) as sf:
+            return sf.get_tensor(key).to(dtype)
+    return read
+
+
 def load_weights(model, folder: Path, dtype, device, prefix: str = ""):
     """Strict: check every name and shape in the file headers first (nothing loaded yet), then load shard by
     shard with assign=True, so each tensor exists once, already in `dtype` on `device`. prefix: stripped from the
-    file's names (a multimodal Gemma 3's "language_model.")."""
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted({folder / f for f in read_json(index)["weight_map"].values()})
-    elif (folder / "model.safetensors").exists():
-        files = [folder / "model.safetensors"]
-    else:
-        raise FileNotFoundError(f"no safetensors weights in {folder} (expected model.safetensors or "
-                                f"model.safetensors.index.json; re-save .bin checkpoints with save_pretrained)")
+    file's names (a multimodal Gemma 3's "language_model."). On the meta device (train.py --fsdp builds there, and
+    each rank reads its slices after sharding: tensor_reader) the names and shapes are checked and nothing is read."""
+    files = weight_files(folder)
     cfg = model.config
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
@@ -195,6 +217,9 @@ def load_weights(model, folder: Path, dtype, device, prefix: str = ""):
                     if names]
         raise ValueError(f"checkpoint {folder} does not fit a {cfg.arch} model with mlp={cfg.mlp!r}: "
                          + "; ".join(problems) + " (check config.json matches the weights)")
+    if torch.device(device).type == "meta":
+        model.to(dtype)
+        return
     for f in files:
         with safe_open(f, framework="pt", device=str(device)) as sf:
             shard = {k.removeprefix(prefix): sf.get_tensor(k).to(dtype) for k in sf.keys()

@@ -29,11 +29,8 @@ class LoRALinear(nn.Linear):
         super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
         self.weight, self.bias = base.weight, base.bias
         w = base.weight
-        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=w.device, dtype=w.dtype))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=w.device, dtype=w.dtype))
-        # PEFT's default (what ICAE uses): A is (r, in), so kaiming_uniform with a=√5 bounds it by 1/√in; EPL's
-        # hand-written LoRA stores A as (in, r), so its fan_in is r and its init is √(in/r) times larger.
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # B = 0 makes the start exact
+        self.lora_A = nn.Parameter(draw_lora_A(r, base.in_features, w.device, w.dtype))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=w.device, dtype=w.dtype))  # B = 0: exact
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()  # PEFT: Identity when p = 0
         self.r, self.scale = r, alpha / r
 
@@ -46,6 +43,15 @@ class LoRALinear(nn.Linear):
 
     def extra_repr(self):
         return f"{super().extra_repr()}, r={self.r}, scale={self.scale}"
+
+
+def draw_lora_A(r: int, in_features: int, device, dtype) -> torch.Tensor:
+    """A's initial value, (r, in), drawn from torch's generator. PEFT's default (what ICAE uses): A is (r, in), so
+    kaiming_uniform with a=√5 bounds it by 1/√in; EPL's hand-written LoRA stores A as (in, r), so its fan_in is r and
+    its init is √(in/r) times larger."""
+    A = torch.empty(r, in_features, device=device, dtype=dtype)
+    nn.init.kaiming_uniform_(A, a=math.sqrt(5))
+    return A
 
 
 def _swap_module(model: nn.Module, name: str, new: nn.Module):

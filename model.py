@@ -22,8 +22,9 @@ every step (no mask when nothing is padded); each step's attention reads the cac
 row). For training memory: `model.grad_ckpt = True` (activation checkpointing per block) and
 `chunked_cross_entropy` (no (N, V) fp32 logits kept for backward).
 
-Also here: load_pretrained (an HF folder, hub id or "tiny" -> model and tokenizer; the files are read by hf.py) and
-a tiny random model for tests. LoRA lives in lora.py. Positions are explicit inputs everywhere: EPL moves them.
+Also here: load_pretrained (an HF folder, hub id or "tiny" -> model and tokenizer; the files are read by hf.py; on the
+meta device only checked), weight_reader (the same weights one tensor at a time) and a tiny random model for tests.
+LoRA lives in lora.py. Positions are explicit inputs everywhere: EPL moves them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch.utils.checkpoint
 import gemma3
 import masks
 from hf import GEMMA_3_4B_CONFIG, LLAMA_2_7B_CONFIG, LLAMA_3_2_1B_CONFIG, LLAMA_3_8B_CONFIG, QWEN3_4B_CONFIG, \
-    Tokenizer, byte_tokenizer, load_weights, read_json, resolve
+    Tokenizer, byte_tokenizer, load_weights, read_json, resolve, tensor_reader
 from lora import lora_as_now
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma3")
@@ -792,3 +793,13 @@ def load_pretrained(name_or_path: str, dtype=torch.float32, device="cpu",
     return model.eval(), Tokenizer.from_dir(folder)
 
 
+def weight_reader(name_or_path: str, dtype=torch.float32, device="cpu"):
+    """read(name) -> one tensor of a model's weights by its name here (model.layers.0.mlp.up_proj.weight), in `dtype`
+    on `device`, the values load_pretrained gives it, read alone (hf.tensor_reader): train.py --fsdp builds on the
+    meta device and each rank reads the base weights tensor by tensor into its shards (parallel.materialise).
+    "tiny": from build_tiny's weights, built whole (the demo's 0.8 MB)."""
+    if name_or_path == "tiny":
+        state = build_tiny()[0].state_dict()
+        return lambda name: state[name].to(dtype=dtype, device=device)
+    folder = resolve(name_or_path)
+    return tensor_reader(folder, dtype, device, prefix=gemma3.weights_prefix(read_json(folder / "config.json")))

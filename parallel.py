@@ -1,5 +1,5 @@
 """Training on more than one process: torchrun's process group, DDP or FSDP2 around the training step, and the
-checkpoint of a sharded run. train.py calls it wherever a process meets the others (processes, wrap,
+checkpoint of a sharded run. train.py calls it wherever a process meets the others (processes, wrap, materialise,
 no_gradient_sync around every micro-batch of a step but the last, clip_grad_norm, the step's summed numbers,
 shard_optimizer_state); a run of one process on one device passes through each untouched.
 
@@ -18,9 +18,16 @@ tokens, bridge) whole for the whole step. Mixed dtypes (bf16 frozen, fp32 traine
 each tensor in its own dtype. Where the run computes in bf16 (autocast), the blocks' MixedPrecisionPolicy gathers
 their weights in bf16 and reduces gradients in fp32, as autocast computes in one process (tests/test_scale.py).
 
+No rank holds the whole compressor at any time. train.py builds it on the meta device (shapes and dtypes, no storage),
+shard assigns each rank its slices, and materialise fills them: what the base models give (the frozen LLM, and the
+copies that train: AOC's encoder, PCC's compressor) read from their safetensors one tensor at a time, each cut to this
+rank's shard and dropped before the next, and the rest of the trained init drawn on every rank from one seed, in the
+order a one-process build draws it (compressors.initial_values), so every rank holds the slices of the very tensors a
+run of one process starts from, and nothing is sent.
+
 An FSDP run's checkpoints are sharded (checkpoint.py: torch.distributed.checkpoint, each rank writes and reads its
-own slices, on any number of processes); a one-process checkpoint continues under FSDP through shard_optimizer_state,
-which cuts its AdamW moments into this rank's shards.
+own slices, on any number of processes); a one-process checkpoint continues under FSDP, its trained tensors read one
+at a time into the shards (checkpoint.load_trained) and its AdamW moments cut into them (shard_optimizer_state).
 """
 
 import os
@@ -36,7 +43,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from compressors import blocks
+import compressors
+from checkpoint import copy_into
+from model import weight_reader
 
 
 def under_torchrun() -> bool:
@@ -136,17 +145,38 @@ def summed(values: torch.Tensor, world: int) -> list:
 
 def shard(comp, step_fn, device, bf16):
     """fully_shard every transformer block of comp's models, then the step (the root unit), on a mesh of `device`'s
-    kind. Every rank built the same compressor (the frozen base from the same files, the trained init from the same
-    seed: train.main), so each keeps its own slices of it and nothing is sent."""
+    kind. train.main built the compressor on the meta device: sharding assigns each rank its slices, and materialise
+    then fills them."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # bf16 runs: the blocks' weights gathered in bf16, gradients reduced in fp32 (what autocast computes). Inputs are
     # not cast (cast_forward_inputs=False): RoPE's cos/sin stay fp32, as under autocast
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False) \
         if bf16 else MixedPrecisionPolicy()
-    for block in blocks(comp):   # (a LoRA encoder is the decoder: its blocks are sharded once)
+    for block in compressors.blocks(comp):   # (a LoRA encoder is the decoder: its blocks are sharded once)
         fully_shard(block, mesh=mesh, mp_policy=mixed)
     fully_shard(step_fn, mesh=mesh)   # the root: embeddings, memory tokens, bridge, gathered whole for the step
     return step_fn
+
+
+def materialise(step_fn, comp, device, frozen):
+    """This rank's slices of a compressor built on the meta device and sharded (shard), filled: storage for this rank's
+    shards only (to_empty on the root unit; Transformer._apply re-derives the RoPE buffers, non-persistent, on the
+    device), then every tensor's value, one whole tensor at a time (compressors.initial_values: the base weights read
+    from their files tensor by tensor, everything else drawn as a one-process build draws it, from the seed every rank
+    set alike), cut to this rank's shard (checkpoint.copy_into) and dropped before the next is read or drawn. No rank
+    ever holds the whole model, and nothing is sent."""
+    step_fn.to_empty(device=device)
+    cfg = comp.cfg
+    # each base model's weights, read tensor by tensor from its files (--model, and --decoder's separate compressor)
+    readers = {name: weight_reader(name, frozen, device) for name in (cfg.model, cfg.compressor_model) if name}
+    filled = set()
+    for tensor, value in compressors.initial_values(comp, frozen, device, lambda model, name: readers[model](name)):
+        copy_into(tensor, value)
+        filled.add(id(tensor))
+        del value   # before the next one is read or drawn
+    unfilled = [name for name, p in comp.named_parameters() if id(p) not in filled]
+    if unfilled:   # (a tensor initial_values does not know would keep to_empty's garbage)
+        raise RuntimeError(f"compressors.initial_values gives no value for {unfilled[:5]}")
 
 
 def shard_optimizer_state(opt, opt_state: dict) -> dict:

@@ -26,8 +26,11 @@ transformer blocks: embeddings, lm_head, memory tokens, bridge) and two blocks g
 prefetched; in bf16 under MixedPrecisionPolicy), the root's gradients whole until they are reduce-scattered; AdamW's
 states follow the shards. Two more numbers, outside the step's total:
 
-    build        = the whole compressor's weights: every GPU builds it whole (train.build_compressor), then shards
-                   it (parallel.shard), so under --fsdp too a GPU must hold it once; "fits" asks it of the card
+    build        = what a GPU holds while the compressor is built ("fits" asks it of the card too): one process, or
+                   DDP, builds it whole; --fsdp builds it on the meta device, shards it, and fills each GPU's shards
+                   one whole tensor at a time (parallel.materialise), so a GPU holds its shards and the largest
+                   tensor whole, in the frozen dtype as it is read or drawn (a linear or MLP bridge is drawn whole;
+                   a file stored in another dtype adds that copy while it converts: tests/README.md measures it)
     checkpoint   = host memory a save adds per process: one process copies its trained tensors whole to the host
                    (trained numel × 4, compressor.safetensors); under --fsdp each rank writes its own shards
                    (torch.distributed.checkpoint), one at a time: the largest trained tensor's shard and DCP's
@@ -192,7 +195,7 @@ class Plan:
     micro: int            # examples per micro-batch and GPU
     gpus: int = 1
     fsdp: bool = False
-    build: int = 0        # bytes per GPU while the compressor is built, before any sharding (the whole compressor)
+    build: int = 0        # bytes per GPU while the compressor is built (--fsdp: its shards and one tensor whole)
     save: int = 0         # host bytes a checkpoint's save adds per process
 
     @property
@@ -236,8 +239,14 @@ def make_plan(cfg, run, make_step, shape: str | None = None) -> Plan:
                     build=weights, save=4 * trained)
     gathered = 2 * max(sum(p.numel() * (2 if autocast else p.element_size()) for p in b.parameters())
                        for b in blocks)   # the running block and the prefetched next one (bf16: MixedPrecisionPolicy)
+    # the build: the shards, and the largest tensor whole as it is read or drawn, in the frozen dtype (a linear or MLP
+    # bridge is drawn as a whole module)
+    bridge = getattr(comp.bridge, "inner", comp.bridge)
+    drawn = sum(p.numel() for p in bridge.parameters()) \
+        if isinstance(bridge, (compressors.LinearBridge, compressors.MLPBridge)) else 0
+    whole = max(drawn, *(p.numel() for p in comp.parameters())) * run.frozen.itemsize
     return Plan(params, -(-weights // gpus) + root + gathered, 4 * (-(-trained // gpus) + root_trained),
-                8 * -(-trained // gpus), activations, micro, gpus, fsdp, build=weights,
+                8 * -(-trained // gpus), activations, micro, gpus, fsdp, build=-(-weights // gpus) + whole,
                 save=-(-largest // gpus) + COPY_AHEAD)
 
 
@@ -259,8 +268,9 @@ def describe(plan: Plan, cfg, run, shape: str | None, frozen_dtype: str) -> str:
               f"  AdamW states   {gb(plan.optimizer)}",
               f"  activations    {gb(plan.activations)}   (counted saved tensors x {OVERHEAD}, calibrated on CUDA)",
               f"  total          {gb(plan.total)}   {'fits' if plan.fits else 'does not fit'} on one {CARD_GB} GB card",
-              f"  build          {gb(plan.build)}   (the whole compressor, built on each GPU"
-              f"{' before it is sharded' if plan.fsdp else ''})",
+              f"  build          {gb(plan.build)}   "
+              + ("(built on the meta device, sharded, then filled: the shards and one tensor whole)" if plan.fsdp
+                 else "(the whole compressor, built on each GPU)"),
               f"  checkpoint     {gb(plan.save)}   of host memory per process at a save ("
               + ("DCP: its own shards, one at a time)" if plan.fsdp else "the trained tensors, whole)")]
     if not plan.fits:

@@ -54,28 +54,27 @@ from runlog import trim_log, write_log
 # ---- the compressor ----
 
 
-def build_compressor(cfg, device, frozen=torch.float32, weights=None, weights_cfg=None, warm=None):
-    """The compressor of `cfg` (cli.py made it, once), with the trained tensors it starts from: `weights`, a checkpoint
-    directory (--resume's newest, or the --init run) whose tensors were saved under `weights_cfg`, or `warm`,
-    --warm-start's run. Trained weights are fp32 (AdamW's master weights), frozen base weights `frozen`
-    (--frozen-dtype, Compressor.set_dtypes, before any tensor is loaded: they load unrounded); CUDA runs, and bf16
-    ones anywhere, compute in bf16 through autocast."""
-    # --model compresses and decodes; with --decoder, --model is only the compressor (pcc/pic): cfg.model decodes
-    decoder, tok = load_pretrained(cfg.model, dtype=frozen, device=device)
-    encoder, enc_tok = load_pretrained(cfg.compressor_model, dtype=frozen, device=device) \
-        if cfg.compressor_model else (None, None)
-    # a KEFT config (GMSA §3.5) freezes encoder + LSA and trains decoder W_q, W_k, W_v from here on (set_stage)
-    comp = compressors.Compressor(cfg, decoder, tok, encoder, enc_tok).set_dtypes(frozen)
+def build_compressor(cfg, device, frozen=torch.float32, weights=None, weights_cfg=None):
+    """The compressor of `cfg` (cli.py made it, once), as built, before the trained tensors it starts from load
+    (main: `weights`, a checkpoint directory whose tensors were saved under `weights_cfg`, or --warm-start's run).
+    Trained weights are fp32 (AdamW's master weights), frozen base weights `frozen` (--frozen-dtype,
+    Compressor.set_dtypes, before any tensor is loaded: they load unrounded); CUDA runs, and bf16 ones anywhere,
+    compute in bf16 through autocast. On the meta device (--fsdp): shapes and dtypes only, nothing read or drawn
+    (parallel.materialise fills each rank's slices once sharded)."""
+    # --model compresses and decodes; with --decoder, --model is only the compressor (pcc/pic): cfg.model decodes.
+    # On the meta device every tensor the build makes is meta, the ones made on the default device too (the MLP bridge)
+    with torch.device("meta") if device.type == "meta" else nullcontext():
+        decoder, tok = load_pretrained(cfg.model, dtype=frozen, device=device)
+        encoder, enc_tok = load_pretrained(cfg.compressor_model, dtype=frozen, device=device) \
+            if cfg.compressor_model else (None, None)
+        # a KEFT config (GMSA §3.5) freezes encoder + LSA and trains decoder W_q, W_k, W_v from here on (set_stage)
+        comp = compressors.Compressor(cfg, decoder, tok, encoder, enc_tok).set_dtypes(frozen)
     # KEFT starts here (not a resumed KEFT run, nor one from --init of a KEFT run): from a stage-1 run's tensors
     if cfg.decoder_train == "keft" and (weights_cfg is None or weights_cfg.decoder_train != "keft"):
         if comp.shares_decoder:   # the LoRA encoder IS the decoder: training its q/k/v would move the encoder too
             fail(f"--stage keft trains the decoder's q/k/v, which {cfg.method}'s LoRA encoder shares")
         if not weights:
             fail("--stage keft starts from a stage-1 (ae) run: pass --init DIR")
-    if weights:
-        checkpoint.load_trained_from(comp, weights, weights_cfg)
-    elif warm:
-        warm_start(comp, warm)
     return comp
 
 
@@ -445,29 +444,41 @@ def main(argv=None):
         except ValueError as e:
             fail(e)
         run = cli.place(s, device, rank, world)   # the batch split over the processes, the dtypes, the seed
-        # torch's RNG draws the init of memory tokens / LoRA / bridges, from --seed on every process (each holds
-        # the init rank 0 draws: FSDP shards that one, and DDP's copy of rank 0's weights changes nothing), then LoRA
-        # dropout, one stream per process (--seed + rank from the build on); the data, GMSA's rates included, has
-        # generators of its own (step_examples), so torch's is the only global generator a run draws from
+        # torch's RNG draws the init of memory tokens / LoRA / bridges, from --seed on every process (each draws
+        # what rank 0 draws: under FSDP each keeps its slices of it, and DDP's copy of rank 0's weights changes
+        # nothing), then LoRA dropout, one stream per process (--seed + rank after the build); the data, GMSA's rates
+        # included, has generators of its own (step_examples), so torch's is the only global generator a run draws from
         torch.manual_seed(s.seed)
         if run.start >= run.steps:
             print(f"{s.resume} is already at step {run.start} of {run.steps}: nothing to do (raise --steps)")
             return parallel.leave_rank()
-        # the compressor (from the checkpoint when resuming), and the objective as a module, wrapped for the processes
+        # the compressor, and the objective as a module, wrapped for the processes. Under --fsdp it is built on the
+        # meta device (no storage), sharded, and each rank then fills only its own slices (parallel.materialise): no
+        # rank ever holds the whole model
         state = s.resume_state or {}
-        # a sharded checkpoint's trained tensors load after the sharding, into each rank's shards (restore)
+        # a sharded checkpoint's trained tensors load after the optimizer is made, with its moments (restore)
         weights = None if state.get("sharded") else s.weights
-        try:   # a bad model name, a corrupt checkpoint: one line, not a traceback
-            comp = build_compressor(s.config, device, run.frozen, weights, s.weights_config, s.warm_start)
+        try:   # a bad model name: one line, not a traceback
+            comp = build_compressor(s.config, torch.device("meta") if run.fsdp else device, run.frozen, weights,
+                                    s.weights_config)
         except (ValueError, OSError) as e:
             fail(e)
-        if run.rank:   # (rank 0 continues from the build, as a run of one process does)
-            torch.manual_seed(run.seed)
         for model in (comp.encoder, comp.decoder):   # activation checkpointing per block (model.py)
             model.grad_ckpt = run.grad_ckpt
         if s.compile:
             compile_blocks(comp)
         step_module = parallel.wrap(comp, step_of(comp), run.fsdp, device, world, bf16=run.bf16)
+        try:   # the trained tensors it starts from (--init, a one-process checkpoint, --warm-start), one at a time
+            if run.fsdp:   # the base from its files, the trained init drawn from --seed as one process draws it
+                parallel.materialise(step_module, comp, device, run.frozen)
+            if weights:
+                checkpoint.load_trained_from(comp, weights, s.weights_config)
+            elif s.warm_start:
+                warm_start(comp, s.warm_start)
+        except (ValueError, OSError) as e:   # a corrupt checkpoint, one that does not fit: one line
+            fail(e)
+        if run.rank:   # (rank 0 continues from the build, as a run of one process does)
+            torch.manual_seed(run.seed)
         corpus = load_corpus(run, comp, s.data, s.cache_dir, state.get("data"), s.resume)
         params = comp.trainable_parameters()   # what compressors.py leaves trainable for this method and stage
         opt = make_optimizer(comp, s.lr, s.betas, s.weight_decay, s.mem_lr, device)

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -256,7 +257,8 @@ def test_plan_per_gpu_under_fsdp_and_ddp(tmp_path):
     """--plan --gpus N: DDP keeps every weight on every GPU and adds its gradient buckets; --fsdp divides every
     tensor at rest by N, and while a step runs holds the root unit (what is outside the transformer blocks) whole,
     two blocks gathered (bf16 under MixedPrecisionPolicy) and the root's gradients whole; the micro-batch is
-    batch / N. The build and a checkpoint's save are counted apart. Each term is checked against a real build's parameters (tiny, pcc: a fully trained encoder)."""
+    batch / N. The build and a checkpoint's save are counted apart. Each term is checked against a real build's
+    parameters (tiny, pcc: a fully trained encoder)."""
     argv = ["--method", "pcc", "--batch-size", "8", "--out", str(tmp_path)]
     one, ddp, fsdp = (plan_of(argv + extra) for extra in ([], ["--gpus", "4"], ["--gpus", "4", "--fsdp"]))
     comp = train.build_compressor(cli.parse_args(argv + ["--frozen-dtype", "bf16"]).config, torch.device("cpu"),
@@ -271,10 +273,13 @@ def test_plan_per_gpu_under_fsdp_and_ddp(tmp_path):
     assert (ddp.weights, ddp.grads, ddp.optimizer) == (one.weights, 2 * one.grads, one.optimizer)
     assert fsdp.weights == -(-size(comp.parameters()) // 4) + root + 2 * block
     assert fsdp.grads == 4 * (-(-trained // 4) + root_trained) and fsdp.optimizer == 8 * -(-trained // 4)
-    # every GPU builds the whole compressor before sharding it; a save adds to the host the trained tensors whole
-    # (one process) or, sharded (DCP), the largest one's shard and the writer's copy-ahead buffer
+    # one process and DDP build the whole compressor; --fsdp builds it on the meta device, and a GPU holds its shards
+    # and one tensor whole while it fills them (in the frozen dtype, bf16; PCC's MLP bridge, drawn whole, is smaller
+    # than the embedding). A save adds to the host the trained tensors whole (one process) or, sharded (DCP), the
+    # largest one's shard and the writer's copy-ahead buffer
     largest = max(p.numel() * 4 for p in comp.parameters() if p.requires_grad)
-    assert one.build == ddp.build == fsdp.build == size(comp.parameters())
+    assert one.build == ddp.build == size(comp.parameters())
+    assert fsdp.build == -(-size(comp.parameters()) // 4) + 2 * max(p.numel() for p in comp.parameters())
     assert one.save == 4 * trained and fsdp.save == -(-largest // 4) + checkpoint.COPY_AHEAD
     assert ddp.activations < one.activations and fsdp.activations < ddp.activations   # autocast copies: root only
     with pytest.raises(SystemExit) as e:
@@ -426,6 +431,113 @@ def test_fsdp_in_one_process_trains_as_without_it(tmp_path, device):
         for a, b in zip(plain, sharded, strict=True):
             assert abs(a["loss"] - b["loss"]) <= 1e-2 * a["loss"], (a["step"], a["loss"], b["loss"])
     assert not torch.distributed.is_initialized()   # the group of one is gone again
+
+
+# ---- --fsdp builds on the meta device: each rank fills its own slices, one whole tensor at a time ----
+
+# a model folder, read from its safetensors (bf16) tensor by tensor: untied lm_head, another width and vocabulary
+FOLDER_CONFIG = dict(model_type="llama", vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    from bench_plan import random_checkpoint
+    return random_checkpoint(str(tmp_path_factory.mktemp("folder") / "model"), FOLDER_CONFIG)
+
+
+META_CASES = {   # every preset on tiny, and what changes where a build draws or reads (flags, frozen dtype)
+    **{method: (["--method", method], torch.float32) for method in P.METHODS},
+    "pcc-bf16": (["--method", "pcc"], torch.bfloat16),               # MLP bridge, drawn on the CPU and cast
+    "compllm-bf16": (["--method", "compllm", "--objective", "ae"], torch.bfloat16),   # linear bridge, LoRA in bf16
+    "icae-mem-norm": (["--method", "icae", "--mem-norm"], torch.float32),   # Rescaled's target, from the table
+    "lora-aoc": (["--method", "aoc", "--encoder", "lora"], torch.float32),  # a LoRA'd MLP-free copy
+    "gmsa-keft": (["--method", "gmsa"], torch.float32),                     # the decoder's q/k/v train (fp32)
+    "icae-folder-bf16": (["--method", "icae", "--model", "FOLDER"], torch.bfloat16),   # the files' tensors
+    "pcc-folder": (["--method", "pcc", "--model", "FOLDER", "--decoder", "tiny"], torch.float32),   # two models
+}
+
+
+@pytest.mark.parametrize("case", META_CASES)
+def test_fsdp_builds_on_meta_and_fills_every_tensor_as_one_process_builds_it(case, model_folder, tmp_path, device):
+    """Under --fsdp the compressor is built on the meta device (no parameter has storage: nothing of it is whole
+    anywhere), sharded, then filled (parallel.materialise): the base weights read from their files, the trained init
+    drawn again in the order a build draws it. In a process group of one, where a shard is the whole tensor, every
+    tensor is then bit for bit the one a plain build from the same seed makes, in its dtype and with its
+    requires_grad, and so are the RoPE buffers and --mem-norm's target: the same values a one-process run starts
+    from, whatever the preset, the frozen dtype or the model files."""
+    import parallel
+    from torch.distributed.tensor import DTensor
+    flags, frozen = META_CASES[case]
+    flags = [model_folder if f == "FOLDER" else f for f in flags]
+    s = cli.parse_args([*flags, "--out", str(tmp_path), "--device", str(device)])
+    cfg = replace(s.config, decoder_train="keft") if case == "gmsa-keft" else s.config
+    weights = "a stage-1 run" if case == "gmsa-keft" else None   # (KEFT's check; nothing is loaded at the build)
+    torch.manual_seed(5)   # (on CUDA the draws are the GPU generator's, in both builds)
+    plain = train.build_compressor(cfg, device, frozen, weights)
+    with parallel.processes(str(device), fsdp=True) as (device, _, world):
+        torch.manual_seed(5)
+        comp = train.build_compressor(cfg, torch.device("meta"), frozen, weights)
+        assert all(p.is_meta for p in comp.parameters()) and all(b.is_meta for b in comp.buffers())
+        step = parallel.wrap(comp, train.TrainStep(comp, s.objective, s.lm_weight), True, device, world,
+                             bf16=frozen == torch.bfloat16)
+        parallel.materialise(step, comp, device, frozen)
+        want, got = dict(plain.named_parameters()), dict(comp.named_parameters())
+        assert want.keys() == got.keys() and all(isinstance(p, DTensor) for p in got.values())
+        for name, p in want.items():
+            q = got[name].full_tensor()
+            assert torch.equal(p, q) and (p.dtype, p.requires_grad) == (q.dtype, got[name].requires_grad), name
+        for (name, a), (_, b) in zip(plain.named_buffers(), comp.named_buffers(), strict=True):
+            assert torch.equal(a, b), name
+        assert getattr(plain.bridge, "target", None) == getattr(comp.bridge, "target", None)
+
+
+def test_fsdp_holds_no_compressor_until_sharded_and_one_whole_tensor_at_a_time(model_folder, tmp_path, monkeypatch):
+    """What keeps each rank at its shards plus one tensor while an --fsdp run starts: the compressor has no storage
+    when it is sharded (parallel.shard sees meta tensors only), and each tensor read whole afterwards, from the base
+    model's safetensors or from a one-process compressor.safetensors (here --warm-start's; --init's and a resumed
+    one-process checkpoint's are read the same way, checkpoint.load_trained), is cut to the rank's shard and gone
+    before the next is read: at every read, no tensor read before is alive. In a process group of one (train.py --fsdp
+    without torchrun), whose shard of a tensor is all of it; every rank of a larger group runs the same code."""
+    import weakref
+    import parallel
+    from safetensors import safe_open
+    reads = {"base": [], "checkpoint": []}   # a weak reference to every tensor read, by where it was read from
+
+    def tracked(read, where):
+        def read_one(name):
+            assert all(r() is None for refs in reads.values() for r in refs), f"{name}: a tensor read before is held"
+            t = read(name)
+            reads[where].append(weakref.ref(t))
+            return t
+        return read_one
+
+    class File:   # an open compressor.safetensors whose get_tensor is tracked
+        def __init__(self, *a, **kw):
+            self.f = safe_open(*a, **kw)
+            self.keys, self.get_slice, self.get_tensor = self.f.keys, self.f.get_slice, tracked(self.f.get_tensor,
+                                                                                               "checkpoint")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return self.f.__exit__(*a)
+    shard, weight_reader, sharded = parallel.shard, parallel.weight_reader, []
+    monkeypatch.setattr(parallel, "shard", lambda comp, *a: sharded.append(all(p.is_meta for p in comp.parameters()))
+                        or shard(comp, *a))
+    monkeypatch.setattr(parallel, "weight_reader", lambda *a: tracked(weight_reader(*a), "base"))
+    monkeypatch.setattr(checkpoint, "safe_open", File)
+    flags = ["--method", "icae", "--model", model_folder, "--mem", "4", "--chunk-len", "16", *LORA, "--batch-size", "2",
+             "--steps", "1", "--device", "cpu", "--eval-every", "0"]
+    train.main(flags + ["--out", str(tmp_path / "first")])   # one process: built whole, as before
+    assert sharded == [] and reads == {"base": [], "checkpoint": []}
+    train.main(flags + ["--fsdp", "--warm-start", str(tmp_path / "first"), "--out", str(tmp_path / "sharded")])
+    assert sharded == [True]
+    base = set(load_file(os.path.join(model_folder, "model.safetensors")))
+    trained = set(load_file(str(tmp_path / "first" / "compressor.safetensors")))
+    assert len(reads["base"]) >= len(base) and len(reads["checkpoint"]) == len(trained)
 
 
 # ---- sharded checkpoints (torch.distributed.checkpoint) that reshard ----
