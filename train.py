@@ -343,9 +343,9 @@ class TrainStep(nn.Module):
     def forward(self, batch):
         if self.objective == "pretrain":
             return loss_pretrain(self.comp, batch, self.lm_weight)
-        if self.objective == "ae":
-            return loss_ae(self.comp, batch, self.own_other_weight)
-        return {"qa": loss_qa, "distill": loss_distill}[self.objective](self.comp, batch)
+        if self.objective == "ae" and self.own_other_weight:
+            return loss_ae_own_other(self.comp, batch, self.own_other_weight)
+        return {"ae": loss_ae, "qa": loss_qa, "distill": loss_distill}[self.objective](self.comp, batch)
 
 
 def loss_pretrain(comp, batch: data.Batch, lm_weight):
@@ -358,17 +358,19 @@ def loss_pretrain(comp, batch: data.Batch, lm_weight):
     return lm_weight * l_lm + (1 - lm_weight) * l_ae, {"ae": l_ae, "lm": l_lm}   # PIC Eq. (8), λ = α = 0.5
 
 
-def loss_ae(comp, batch: data.Batch, own_other_weight=0.0):
+def loss_ae(comp, batch: data.Batch):
     """ICAE autoencoding / AOC Eq. (4) / GMSA §3.4 stage 1: regenerate the compressed text from the memory
-    (500x/AOC after [BOS], ICAE/GMSA after [AE]: the compressor's ae_token); --own-other-weight W (ours) adds W x
-    the own/other term (own_vs_other)."""
+    (500x/AOC after [BOS], ICAE/GMSA after [AE]: the compressor's ae_token)."""
     inputs = inputs_of(comp, "ae", batch)
-    memory = comp.encode(inputs["context"])
-    if own_other_weight:
-        l_ae, term = own_vs_other(comp, memory, inputs["ae"], batch.norm)
-        return l_ae + own_other_weight * term, {"ae": l_ae, "own_vs_other": term}
-    l_ae, _ = comp.loss(memory, inputs["ae"], normalize_by=batch.norm["ae"])
+    l_ae, _ = comp.loss(comp.encode(inputs["context"]), inputs["ae"], normalize_by=batch.norm["ae"])
     return l_ae, {"ae": l_ae}
+
+
+def loss_ae_own_other(comp, batch: data.Batch, weight: float):
+    """Ours (--own-other-weight W): loss_ae's AE loss plus W x the own/other term (own_vs_other)."""
+    inputs = inputs_of(comp, "ae", batch)
+    l_ae, term = own_vs_other(comp, comp.encode(inputs["context"]), inputs["ae"], batch.norm)
+    return l_ae + weight * term, {"ae": l_ae, "own_vs_other": term}
 
 
 def own_vs_other(comp, memory, inputs, norm: dict):

@@ -486,7 +486,7 @@ def test_own_other_term_is_the_softplus_of_own_minus_the_neighbours_loss(method,
     batch = D.collate(examples)
     batch.norm = D.step_normalizers(comp, "ae", examples)
     assert len({len(t) for t in batch.ae}) > 1 and batch.norm["texts"] == 4
-    loss, parts = train.loss_ae(comp, batch, 0.3)
+    loss, parts = train.loss_ae_own_other(comp, batch, 0.3)
     own, n = comp.nll(comp.compress(batch.context), "ae", batch.ae)
     other, _ = comp.nll(comp.compress([batch.context[i] for i in (1, 0, 3, 2)]), "ae", batch.ae)
     softplus = lambda x: math.log1p(math.exp(x))
