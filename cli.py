@@ -139,6 +139,11 @@ def add_data_flags(p: argparse.ArgumentParser):
     g.add_argument("--warm-start", metavar="RUN", help="start from the trained tensors of another run's compressor "
                    "(its --out; the same tensor names and shapes), keeping this run's settings: e.g. a 4x arm from "
                    "the 1:1 arm that carries its text")
+    g.add_argument("--own-other-weight", type=float, default=0.0, metavar="W", help="ae: add W x the own/other "
+                   "term, the mean over texts of softplus(own - other), where own is a text's mean AE loss with its "
+                   "own memory and other with its neighbour's in the micro-batch (texts 1-2, 3-4, ... trade memories; "
+                   "log 2 when the memory is one prompt for every text): a lever against that collapse. Needs an "
+                   "even --micro-batch (default 0: off)")
 
     g = p.add_argument_group("data")
     g.add_argument("--min-len", type=int, help="shortest text |X| in tokens (default: the paper's, scaled "
@@ -392,6 +397,7 @@ class Settings:
     # levers (ours) and data
     mem_lr: float | None
     len_curriculum: tuple | None
+    own_other_weight: float     # 0: off
     warm_start: str | None
     answer_tokens: int
     cache_dir: str              # --cache-dir, default OUT/cache
@@ -522,6 +528,9 @@ def resolved(flags: dict) -> Settings:
         if not (1 <= curriculum[0] <= min_len and curriculum[1] >= 1):
             fail(f"--len-curriculum N K needs 1 <= N <= --min-len ({min_len}) and K >= 1, got {curriculum[0]} "
                  f"{curriculum[1]}")
+    if values["own_other_weight"] < 0 or (values["own_other_weight"] and values["objective"] != "ae"):
+        fail(f"--own-other-weight W adds W x the own/other term to the AE loss: it needs W >= 0 and --objective ae, "
+             f"got {values['own_other_weight']:g} and {values['objective']}")
     # --warm-start (ours): another run's trained tensors, this run's settings; --init starts from one already
     if warm and not values["plan"] and (init or not (os.path.isfile(os.path.join(warm, "compressor.safetensors"))
                                                      or sharded_folder(warm))):
@@ -629,6 +638,10 @@ def place(s: Settings, device: torch.device, rank: int, world: int, micro: int |
         micro = s.micro_batch or s.batch_size // world
         if micro < 1 or s.batch_size % (micro * world):
             fail(f"--batch-size {s.batch_size} must be a multiple of --micro-batch {micro} x {world} GPU(s)")
+    if s.own_other_weight and micro % 2:   # (ours) Memory.neighbours: texts 1-2, 3-4, ... of a micro-batch
+        fail(f"--own-other-weight trades memories between the texts of a micro-batch in pairs (1-2, 3-4, ...), so "
+             f"a micro-batch of {micro} has a text without a neighbour: use an even --micro-batch"
+             f"{' (or --batch-size)' if not s.micro_batch else ''}")
     # --frozen-dtype auto: bf16 on CUDA (the EPL and AOC code's dtype), fp32 elsewhere. bf16 weights need autocast on
     # the CPU too (a matmul of fp32 activations with bf16 weights is an error outside it)
     frozen = torch.bfloat16 if s.frozen_dtype == "bf16" or (s.frozen_dtype == "auto" and

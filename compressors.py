@@ -90,6 +90,23 @@ class Memory:
                        kv=None if self.kv is None else [(mix(k0, k1), mix(v0, v1))
                                                         for (k0, v0), (k1, v1) in zip(self.kv, other.kv)])
 
+    def neighbours(self) -> "Memory":
+        """Ours (train.py --own-other-weight): each sample's memory traded with its neighbour's, samples 0 and 1, 2 and
+        3, ..., on every tensor the decoder reads: another text's memory, for the same decoder rows. Pairs, not a roll
+        over the batch, so that a micro-batch of any even size holds whole pairs and the step's pairs are the same
+        however it is split. The two samples of a pair must have the same slots (their decoder rows are the same)."""
+        B = self.valid.shape[0]
+        if B % 2 or self.slots[0::2] != self.slots[1::2]:
+            raise ValueError(f"own/other pairs texts 1-2, 3-4, ... of a micro-batch, which needs an even number of "
+                             f"texts with the same memory slots in each pair (got {B} texts, slots {self.slots}): use "
+                             "an even --micro-batch and texts that compress to the same slots (--min-len = --max-len, "
+                             "or one chunk each)")
+        swap = lambda t: t.unflatten(0, (B // 2, 2)).flip(1).flatten(0, 1)   # (B, ...) -> (B/2, 2, ...) -> (B, ...)
+        trade = lambda xs: [x for a, b in zip(xs[0::2], xs[1::2]) for x in (b, a)]   # the same on a Python list
+        return Memory(embeds=None if self.embeds is None else swap(self.embeds),
+                      kv=None if self.kv is None else [(swap(k), swap(v)) for k, v in self.kv],
+                      valid=swap(self.valid), chunk_lens=trade(self.chunk_lens), slots=trade(self.slots))
+
 
 class Chunk(NamedTuple):
     """One chunk of one context (chunk_len tokens at most): one row of the encoder batch."""
@@ -231,6 +248,34 @@ def memory_layout(rows: list, first) -> tuple:
     return (at[..., 0], at[..., 1], torch.tensor([[j < len(r) for j in range(M)] for r in reads]),
             [[len(row.ids) for _, row in sample] for sample in samples], [[row.slots for _, row in sample]
                                                                         for sample in samples])
+
+
+def group_means(x: torch.Tensor, group: torch.Tensor, G: int) -> torch.Tensor:
+    """The exact mean of x (R, T, d) over each row's groups: group (R, T) holds each position's group, 0 .. G - 1, or
+    G for a position that belongs to none (dropped). Returns (R, G, d); an empty group's mean is 0. Sums, then a
+    division by each group's size, so that a shorter group (the last one) is still its own mean."""
+    sums = torch.zeros(x.shape[0], G + 1, x.shape[-1], device=x.device, dtype=torch.float32)
+    sums.scatter_add_(1, group[..., None].expand(-1, -1, x.shape[-1]), x.float())
+    sizes = torch.zeros(x.shape[0], G + 1, device=x.device).scatter_add_(1, group, torch.ones_like(group,
+                                                                                                 dtype=torch.float))
+    return (sums / sizes.clamp(min=1)[..., None]).to(x.dtype)[:, :G]
+
+
+def text_means(x: torch.Tensor, mem_slot: torch.Tensor) -> torch.Tensor:
+    """--mem-from-text (ours): at each memory slot of the encoder rows, the mean of its chunk's token embeddings over
+    the slot's segment, (R, T, d), 0 elsewhere. x (R, T, d): the rows' input embeddings, each row [chunk (n), memory
+    slots (m), padding]; mem_slot (R, T): 1 + the slot's index, 0 for no slot (EncoderInputs). The n tokens are cut
+    into m contiguous segments, token t in segment ⌊t·m/n⌋ (sizes ⌊n/m⌋ or ⌈n/m⌉; with n < m some are empty: 0).
+    n and m are read off mem_slot on the device, so no row's length is needed on the host."""
+    T = x.shape[1]
+    is_slot = mem_slot > 0
+    n = is_slot.int().argmax(1, keepdim=True)                 # (R, 1) the first memory slot follows the n tokens
+    m = mem_slot.amax(1, keepdim=True)                        # (R, 1)
+    t = torch.arange(T, device=x.device)[None]                # (1, T)
+    segment = torch.where(t < n, t * m // n, T)               # (R, T): each token's segment; T: none (dropped)
+    means = group_means(x, segment, T)                        # (R, T, d): segment j's mean at index j
+    at = (mem_slot - 1).clamp(min=0)[..., None].expand_as(x)  # slot s reads segment s - 1 (the clamp: s = 0, unused)
+    return torch.where(is_slot[..., None], means.gather(1, at), 0)
 
 
 # The two carriers (EPL §3: ICAE's and 500xCompressor's), one picked when the compressor is built. A memory is a list
@@ -522,8 +567,13 @@ class Compressor(nn.Module):
         decoder.requires_grad_(False)   # the decoder is frozen in every method (KEFT unfreezes q/k/v later)
         self.decoder = decoder          # registered first: tensors an encoder shares with it are named decoder.*
         self.encoder = build_encoder(cfg, decoder, encoder)
-        # memory source: learned memory tokens, shared by every chunk (ICAE §3.1; AOC Eq. 2 "Y_m")
-        self.mem_tokens = None
+        # memory source: learned memory tokens, shared by every chunk (ICAE §3.1; AOC Eq. 2 "Y_m"). --mem-from-text
+        # (ours): each memory token's encoder input is the learned token PLUS the mean embedding of its segment of the
+        # chunk (text_means). Added, not in its place: the learned token still tells slot j from slot k and is what
+        # ICAE trains, while the mean makes every text's memory start apart from the first step (the shared tokens
+        # alone start every text's memory from the same inputs, and the embedding carrier's memories collapse to one
+        # prompt, recipes/README.md's diagnosis). Chosen here, once.
+        self.mem_tokens, self.from_text = None, cfg.mem_from_text
         if cfg.source == "mem_tokens":
             n_tokens = cfg.mem if cfg.ratio <= 0 else cfg.chunk_len   # ratio mode: at most one per token
             self.mem_tokens = nn.Parameter(draw(cfg.mem_init, n_tokens, self.encoder))
@@ -732,8 +782,10 @@ class Compressor(nn.Module):
         x = self.encoder.model.embed_tokens(inputs.ids)              # (R, T, d_enc)
         if self.mem_tokens is not None:                              # learned memory tokens fill their slots
             # slot s > 0 holds memory token s - 1; the clamp only keeps the index valid where s = 0 (not taken)
-            x = torch.where((inputs.mem_slot > 0)[..., None],
-                            self.mem_tokens[(inputs.mem_slot - 1).clamp(min=0)].to(x.dtype), x)
+            mem = self.mem_tokens[(inputs.mem_slot - 1).clamp(min=0)].to(x.dtype)
+            if self.from_text:   # --mem-from-text (ours): plus the mean embedding of the slot's segment of the text
+                mem = mem + text_means(x, inputs.mem_slot)
+            x = torch.where((inputs.mem_slot > 0)[..., None], mem, x)
         return self.encoder(inputs_embeds=x, position_ids=inputs.pos, attn_mask=inputs.attn,
                             return_kv=self.carrier.needs_kv, compute_logits=False)
 
@@ -774,14 +826,8 @@ class Compressor(nn.Module):
 
     def _group_means(self, inputs: EncoderInputs) -> list:
         """GMSA §3.2: encode with the first k layers, mean-pool consecutive groups of r hidden states: [(B, M, d)]."""
-        group, G = inputs.group, max(row.slots for row in inputs.rows)
         h = self.encoder(inputs.ids, attn_mask=inputs.attn, compute_logits=False).last_hidden   # (R, T, d)
-        # exact mean over each group (the last group may be shorter): sum, then divide by its size
-        sums = torch.zeros(h.shape[0], G + 1, h.shape[-1], device=h.device, dtype=torch.float32)
-        sums.scatter_add_(1, group[..., None].expand(-1, -1, h.shape[-1]), h.float())
-        sizes = torch.zeros(h.shape[0], G + 1, device=h.device).scatter_add_(1, group, torch.ones_like(group,
-                                                                                                 dtype=torch.float))
-        means = (sums / sizes.clamp(min=1)[..., None]).to(h.dtype)[:, :G]           # (R, G, d)
+        means = group_means(h, inputs.group, max(row.slots for row in inputs.rows))               # (R, G, d)
         return [means[inputs.read_row, inputs.read_at]]
 
     # ---- the decoder side ----
@@ -843,6 +889,12 @@ class Compressor(nn.Module):
         h, tgt, _ = self._supervised(memory, inputs)
         # in chunks of positions, each chunk's fp32 logits recomputed in backward instead of kept (model.py)
         return chunked_cross_entropy(h, self.decoder.lm_head, tgt) / (normalize_by or max(len(tgt), 1)), len(tgt)
+
+    def token_nll(self, memory: Memory, inputs: DecoderInputs):
+        """Each supervised token's NLL (N,), with gradients, and the sample of each (N,) (train.py's
+        --own-other-weight, ours: a text's loss under its own memory and under another's)."""
+        h, tgt, row = self._supervised(memory, inputs)
+        return chunked_cross_entropy(h, self.decoder.lm_head, tgt, reduction="none"), row
 
     def follow_index(self, task: str, n_before: int, n_memory: int) -> int:
         """The decoder row layout, one rule for decoder_batch and follow_start: the ids before the memory

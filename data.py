@@ -335,13 +335,13 @@ def step_normalizers(comp, objective, examples):
     """What each task's loss is divided by: its supervised tokens over the whole step (every micro-batch of every
     process), so that the step's loss is the mean over its tokens however it is split (the gradient-accumulation
     normalisation, as Hugging Face's Trainer fixed it in 2024); distillation is a mean over examples (CompLLM
-    Eq. 3), so its normaliser is the step's number of examples."""
+    Eq. 3), so its normaliser is the step's number of examples, as is AE's own/other term's ("texts", ours)."""
     batch, start = collate(examples), comp.follow_start
     if objective == "distill":
         return {"distill": len(examples)}
     if objective == "qa":
         return {"qa": supervised_tokens(batch.qa, batch.n_answer, batch.prefix, start["qa"])}
-    norm = {"ae": supervised_tokens(batch.ae, None, None, start["ae"])}
+    norm = {"ae": supervised_tokens(batch.ae, None, None, start["ae"]), "texts": len(examples)}
     if objective == "pretrain":
         norm["lm"] = supervised_tokens(batch.lm, None, None, start["lm"])
     return norm

@@ -673,9 +673,10 @@ class Transformer(nn.Module):
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor,
-                          chunk: int = 1024, keep_below: int = 2 ** 26) -> torch.Tensor:
+                          chunk: int = 1024, keep_below: int = 2 ** 26, reduction: str = "sum") -> torch.Tensor:
     """sum_i CE(lm_head(hidden_i).float(), targets_i) over N positions -> scalar (targets -100 are skipped, as in
-    F.cross_entropy), equal to the plain call but never holding fp32 logits for all N positions at once.
+    F.cross_entropy), equal to the plain call but never holding fp32 logits for all N positions at once;
+    reduction "none": each position's CE, (N,) (train.py's --own-other-weight compares them text by text).
 
     hidden (N, d), targets (N,). Why: with Qwen's 152k vocabulary, 8k supervised positions have 8k x 152k x 4 B
     = 5 GB of fp32 logits, and autograd keeps as much again (cross_entropy saves its log-softmax). Here each
@@ -684,11 +685,15 @@ def chunked_cross_entropy(hidden: torch.Tensor, lm_head: nn.Module, targets: tor
     keep_below (ours): when all N positions' fp32 logits take fewer bytes than this (64 MiB: SmolLM2's 49k
     vocabulary over 4 texts of 64 tokens), they are kept instead, as the plain call keeps them: at that size the
     recomputation is one more lm_head product in backward (5% of a 135M model's step) to save little memory."""
-    def chunk_loss(h, t):  # (n, d), (n,) -> scalar
-        return F.cross_entropy(lm_head(h).float(), t, reduction="sum")
+    def chunk_loss(h, t):  # (n, d), (n,) -> scalar, or (n,) for reduction "none"
+        return F.cross_entropy(lm_head(h).float(), t, reduction=reduction)
 
     if hidden.shape[0] * lm_head.weight.shape[0] * 4 < keep_below:
         return chunk_loss(hidden, targets)
+    if reduction == "none":
+        return torch.cat([torch.utils.checkpoint.checkpoint(chunk_loss, hidden[s:s + chunk], targets[s:s + chunk],
+                                                            use_reentrant=False)
+                          for s in range(0, hidden.shape[0], chunk)])
     total = hidden.new_zeros((), dtype=torch.float32)
     for s in range(0, hidden.shape[0], chunk):
         total = total + torch.utils.checkpoint.checkpoint(chunk_loss, hidden[s:s + chunk], targets[s:s + chunk],

@@ -76,6 +76,10 @@ class CompressorConfig:
                          "vocabulary rows)", ("embed", "normal", "hf"))
     cap_mem: bool = axis(False, "ours: a chunk shorter than --mem gets as many slots as tokens (the papers' code "
                          "gives it all --mem)")
+    mem_from_text: bool = axis(False, "ours, a lever against the collapse of the memory to one prompt: each memory "
+                               "token's encoder input is the learned token plus the mean embedding of its segment of "
+                               "the chunk (slot j of m: the j-th of m contiguous segments); the papers start every "
+                               "text's memory from the same learned tokens")
     # --- cutting the context ---
     chunking: str = axis("fixed", "chunks of --chunk-len, or CompLLM's sentence segments of at most --chunk-len "
                          "tokens", ("fixed", "sentences"))
@@ -335,6 +339,9 @@ def validate(cfg: CompressorConfig):
     if cfg.carrier == "kv" and cfg.ae_token == "none":
         raise ValueError("carrier kv with --ae-token none leaves nothing after the memory to predict the text's first "
                          "token from: use --ae-token bos or learned")
+    if cfg.mem_from_text and cfg.source != "mem_tokens":
+        raise ValueError(f"--mem-from-text adds a text's segment means to learned memory tokens, and {cfg.method} has "
+                         f"none (source={cfg.source}): drop --mem-from-text")
     if cfg.carrier == "kv" and cfg.mem_norm:
         raise ValueError("--mem-norm rescales memory embeddings: the kv carrier has none (use --carrier embeds)")
     if cfg.carrier == "kv" and cfg.delimiters:

@@ -283,13 +283,16 @@ def micro_batches(run: Run, comp, corpus: data.Corpus, step: int) -> list:
 
 @contextmanager
 def step_guard(run: Run, step: int, batches: list):
-    """A step that runs out of memory, or ends with a non-finite loss or gradient norm (FloatingPointError), ends the
-    run with one line, before any optimizer step or save: the last checkpoint in --out stays the last good state."""
+    """A step that runs out of memory, ends with a non-finite loss or gradient norm (FloatingPointError), or draws a
+    batch the settings cannot train on (ValueError), ends the run with one line, before any optimizer step or save:
+    the last checkpoint in --out stays the last good state."""
     kept = f"the last good checkpoint in {run.out} is kept"
     try:
         yield
     except FloatingPointError as e:
         fail(f"{e}: stopping; {kept}")
+    except ValueError as e:   # a batch the settings cannot train on (--own-other-weight's pairs: Memory.neighbours)
+        fail(f"step {step + 1}: {e}; {kept}")
     except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
         if not is_out_of_memory(e):
             raise
@@ -331,13 +334,16 @@ def inputs_of(comp, objective: str, batch: data.Batch) -> dict:
 class TrainStep(nn.Module):
     """The objective as a module's forward(), so DistributedDataParallel and FSDP can sync what it computes."""
 
-    def __init__(self, comp, objective, lm_weight):
+    def __init__(self, comp, objective, lm_weight, own_other_weight=0.0):
         super().__init__()
         self.comp, self.objective, self.lm_weight = comp, objective, lm_weight
+        self.own_other_weight = own_other_weight   # --own-other-weight (ours), ae only; 0: off
 
     def forward(self, batch):
         if self.objective == "pretrain":
             return loss_pretrain(self.comp, batch, self.lm_weight)
+        if self.objective == "ae" and self.own_other_weight:
+            return loss_ae_own_other(self.comp, batch, self.own_other_weight)
         return {"ae": loss_ae, "qa": loss_qa, "distill": loss_distill}[self.objective](self.comp, batch)
 
 
@@ -357,6 +363,34 @@ def loss_ae(comp, batch: data.Batch):
     inputs = inputs_of(comp, "ae", batch)
     l_ae, _ = comp.loss(comp.encode(inputs["context"]), inputs["ae"], normalize_by=batch.norm["ae"])
     return l_ae, {"ae": l_ae}
+
+
+def loss_ae_own_other(comp, batch: data.Batch, weight: float):
+    """Ours (--own-other-weight W): loss_ae's AE loss plus W x the own/other term (own_vs_other)."""
+    inputs = inputs_of(comp, "ae", batch)
+    l_ae, term = own_vs_other(comp, comp.encode(inputs["context"]), inputs["ae"], batch.norm)
+    return l_ae + weight * term, {"ae": l_ae, "own_vs_other": term}
+
+
+def own_vs_other(comp, memory, inputs, norm: dict):
+    """Ours (--own-other-weight), a lever against the embedding carrier's collapse, where the encoder writes nearly
+    one memory for every text (held-out own/other ~1): the AE loss, and beside it
+
+        L_oo = (1/N) Σ_b softplus(ℓ_b(own) − ℓ_b(other)),
+
+    ℓ_b(m) the mean NLL of text b's AE tokens with memory m, its own or its neighbour's (Memory.neighbours: texts
+    1-2, 3-4, ... trade memories), N the step's texts. A two-way logistic loss that the decoder tell its own memory
+    from another's: log 2 (0.693) when the two are alike, falling to 0 as the own one wins, its push fading as it
+    does (a hinge would need a margin, a ratio could push `other` up without end). Each text's term over the whole
+    step's count (norm["texts"]), and pairs that a micro-batch of any even size holds whole, so the shares of every
+    micro-batch and process add up to the step's value, as the AE loss's do. The AE loss comes from the same pass
+    (own's per-token NLL summed over norm["ae"]), so the term costs one more decoder pass, no more encoding."""
+    own, row = comp.token_nll(memory, inputs)                 # (N_tok,), (N_tok,): the AE loss's own tokens ...
+    other, _ = comp.token_nll(memory.neighbours(), inputs)    # ... each read with the neighbour's memory
+    B = inputs.index.shape[0]
+    count = torch.zeros(B, device=own.device).index_add_(0, row, torch.ones_like(own))   # each text's tokens (>= 1)
+    mean = lambda nll: torch.zeros(B, device=nll.device).index_add(0, row, nll) / count  # (B,) ℓ_b
+    return own.sum() / norm["ae"], nn.functional.softplus(mean(own) - mean(other)).sum() / norm["texts"]
 
 
 def loss_qa(comp, batch: data.Batch):
@@ -430,7 +464,8 @@ def restore(run: Run, comp, opt, ckpt: str, state: dict):
 
 def main(argv=None):
     s = cli.parse_args(argv)   # every setting, resolved once, with its source
-    step_of = partial(TrainStep, objective=s.objective, lm_weight=s.lm_weight)   # comp -> the objective as a module
+    step_of = partial(TrainStep, objective=s.objective, lm_weight=s.lm_weight,   # comp -> the objective as a module
+                      own_other_weight=s.own_other_weight)
     if s.plan:   # what the run would need, built on the meta device: nothing is allocated or written
         try:
             return plan.show(s.config, cli.planned(s), step_of, s.shape, s.frozen_dtype)

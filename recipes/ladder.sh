@@ -26,7 +26,9 @@
 # changes, no bridge or delimiters, on the preset's own carrier: the arm that isolates the carrier), ratio=C (CompLLM's
 # ratio: ceil(n/C) slots per sentence segment make C = 4 a measured 3.5x, C = 5 a measured 4.3x), ae=TOKEN (the token
 # after the memory that predicts the text's first token: CompLLM has none, which the K/V carrier cannot take, so
-# compllm:kv+ae=bos+ratio=5), lr=X (the preset's learning rate replaced by X). Levers joined by + stack, in order
+# compllm:kv+ae=bos+ratio=5), lr=X (the preset's learning rate replaced by X), ownother[=W] (--own-other-weight W, default
+# 1: a loss that a text's own memory beat its neighbour's) and memfromtext (--mem-from-text: memory slots that start
+# from the text's segment means), the two against the embedding carrier's collapse. Levers joined by + stack, in order
 # (long+batch16: the paper batch for LONG_STEPS). JOBS=N (ours) trains up to N lever arms at once, each one's output in
 # OUT/NAME.out: on one GPU a small model leaves the device mostly idle, so arms side by side cost little more than one.
 PAPER=ladder
@@ -75,7 +77,11 @@ lever_flag() {
     ratio)      echo --ratio "$value" ;;   # CompLLM's C: on its sentence segments (S = 20) C = 4 is a measured 3.5x
     ae)         echo --ae-token "$value" ;;   # ae=bos: CompLLM on the K/V carrier needs a token after its memory
     lr)         echo --lr "$value" ;;         # lr=5e-4: the preset's learning rate, replaced
-    *)          echo "unknown lever $1 (epl lora long batch16 curriculum memlr pretrain warm=ARM nobos kv nobridge ratio=C ae=TOKEN lr=X)" >&2; exit 2 ;;
+    # ours, against the embedding carrier's collapse: a text's own memory must beat its neighbour's (a loss term of
+    # weight W, 1 for plain ownother), and memory slots that start from the text's segment means
+    ownother)   echo --own-other-weight "$([ "$value" = "$1" ] && echo 1 || echo "$value")" ;;
+    memfromtext) echo --mem-from-text ;;
+    *)          echo "unknown lever $1 (epl lora long batch16 curriculum memlr pretrain warm=ARM nobos kv nobridge ratio=C ae=TOKEN lr=X ownother[=W] memfromtext)" >&2; exit 2 ;;
   esac
 }
 lever_flags() {   # one lever, or several joined by +: each one's flags in turn (curriculum spans long's steps)

@@ -63,6 +63,8 @@ ARMS += [
     ("icae_template_chat", "icae", ["--objective", "qa", "--template", "chat"]),
     ("icae_template_pcc", "icae", ["--objective", "qa", "--template", "pcc"]),
     ("icae_mem_lr", "icae", ["--objective", "ae", "--mem-lr", "1e-2"]),
+    ("icae_own_other", "icae", ["--objective", "ae", "--own-other-weight", "0.5"]),
+    ("icae_mem_from_text", "icae", ["--objective", "ae", "--mem-from-text"]),
     ("icae_curriculum", "icae", ["--objective", "ae", "--len-curriculum", "8", "2", "--crop", "window",
                                  "--min-len", "8"]),
     ("icae_micro", "icae", ["--objective", "ae", "--micro-batch", "1"]),

@@ -902,3 +902,46 @@ def test_mem_norm_puts_the_memory_at_the_token_embeddings_scale(device):
     assert all(not P.make_config(m).mem_norm for m in P.METHODS)     # no preset uses it
     with pytest.raises(ValueError, match="--mem-norm"):
         P.make_config("aoc", mem_norm=True)
+
+
+# ---------------------------------------------------------------------------- ours: --mem-from-text
+
+
+def test_mem_from_text_starts_slot_j_from_the_mean_of_segment_j(device):
+    # ours (a lever against the embedding carrier's collapse, never a preset's default): memory slot j's encoder input
+    # is learned memory token j plus the mean embedding of the j-th of m contiguous segments of its chunk. Two texts,
+    # padded rows: [BOS] + 16 tokens (one chunk of 17: segments of 5, 4, 4, 4 tokens) and [BOS] + 20 tokens (chunks of
+    # 17 and 4: the second's segments one token each)
+    dec, tok = tiny(device)
+    comp = C.build("icae", dec, tok, mem=4, chunk_len=17, mem_from_text=True)
+    texts = [tok.encode("Sixteen tokens!!"), tok.encode("twenty tokens of it..")[:20]]
+    calls = capture(comp.encoder)
+
+    def slot_inputs(texts):   # each encoder row's 4 memory slots, as the encoder reads them: (rows, 4, d)
+        comp.compress(texts)
+        x, mem_slot = calls[-1]["inputs_embeds"], comp.encoder_inputs(texts).mem_slot.to(device)
+        return x[mem_slot > 0].view(x.shape[0], 4, -1)
+
+    got = slot_inputs(texts)
+    ctx = [[tok.start_id] + texts[0], [tok.start_id] + texts[1]]
+    emb = lambda ids: comp.encoder.model.embed_tokens(torch.tensor(ids, device=device))
+    segments = {0: (ctx[0], [(0, 5), (5, 9), (9, 13), (13, 17)]), 2: (ctx[1][17:], [(0, 1), (1, 2), (2, 3), (3, 4)])}
+    for row, (ids, bounds) in segments.items():
+        for j, (a, b) in enumerate(bounds):
+            torch.testing.assert_close(got[row, j], comp.mem_tokens[j] + emb(ids[a:b]).mean(0))
+    # a token changed in segment 1 of the first text (its token 6, at index 6 after [BOS]) changes slot 1's input only
+    changed = slot_inputs([texts[0][:5] + [texts[0][5] ^ 1] + texts[0][6:], texts[1]])
+    assert [torch.equal(changed[0, j], got[0, j]) for j in range(4)] == [True, False, True, True]
+    assert torch.equal(changed[1:], got[1:])
+    # a chunk shorter than its slots ([BOS] a b, 3 tokens, 4 slots): the last segment is empty, its slot the token
+    short = slot_inputs([tok.encode("ab")])
+    torch.testing.assert_close(short[0, 3], comp.mem_tokens[3])
+    torch.testing.assert_close(short[0, 1], comp.mem_tokens[1] + emb(tok.encode("a"))[0])
+    # off (every preset): every slot's input is its learned memory token, whatever the text
+    dec, tok = tiny(device)
+    comp = C.build("icae", dec, tok, mem=4, chunk_len=17)
+    calls = capture(comp.encoder)
+    assert torch.equal(slot_inputs(texts), comp.mem_tokens.detach().expand(3, 4, -1))
+    assert all(not P.make_config(m).mem_from_text for m in P.METHODS)
+    with pytest.raises(ValueError, match="--mem-from-text adds a text's segment means to learned memory tokens"):
+        P.make_config("compllm", mem_from_text=True)

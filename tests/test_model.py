@@ -550,6 +550,19 @@ def test_chunked_cross_entropy_equals_plain(device):
     close(g_w_c, g_w, atol=1e-5)
 
 
+def test_chunked_cross_entropy_per_position_equals_plain(device):
+    """reduction "none" (train.py's --own-other-weight reads each token's loss): each position's CE, chunked or kept,
+    with the plain call's gradients."""
+    hidden, lm_head, targets = ce_problem(device)
+    plain = torch.nn.functional.cross_entropy(lm_head(hidden).float(), targets, reduction="none")
+    weights = torch.rand(len(targets), device=device)   # a gradient that tells the positions apart
+    want = torch.autograd.grad((plain * weights).sum(), hidden)[0]
+    for keep_below in (0, 2 ** 26):   # in 256-chunks (1000 = 3x256 + 232), and kept
+        got = chunked_cross_entropy(hidden, lm_head, targets, chunk=256, keep_below=keep_below, reduction="none")
+        close(got, plain, atol=1e-5)
+        close(torch.autograd.grad((got * weights).sum(), hidden)[0], want, atol=1e-5)
+
+
 def test_chunked_cross_entropy_saves_no_logits(device):
     """What autograd keeps for backward, summed over saved tensors: the plain loss keeps at least the fp32
     logits' worth (N x V x 4 bytes); the chunked one only its inputs, however large the vocabulary."""

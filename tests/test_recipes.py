@@ -521,6 +521,14 @@ def test_ladder_levers_stack_and_the_8x_rung():
     assert bad.returncode == 2 and "unknown rung 2x (1x, 4x or 8x)" in bad.stdout
 
 
+def test_ladder_levers_against_the_collapse():
+    """The levers (ours) against the embedding carrier's collapse: ownother is --own-other-weight 1, ownother=W its
+    weight W (in the arm's name), memfromtext --mem-from-text; they stack like the others."""
+    got = ladder_shell("echo $(lever_flags ownother 64); echo $(lever_flags ownother=0.5+memfromtext 64); "
+                       "lever_name ownother=0.5+memfromtext").stdout.split("\n")[:3]
+    assert got == ["--own-other-weight 1", "--own-other-weight 0.5 --mem-from-text", "ownother0.5+memfromtext"]
+
+
 def test_ladder_arms_that_differ_only_in_a_value_train_in_their_own_folders(tmp_path):
     """`LEVERS="aoc:lr=1e-2 aoc:lr=1e-5"` trains two folders: every valued lever keeps its value in the name (a name
     without it would send the second arm to the first one's run); the folders KEPT_NAMES lists keep their names where

@@ -80,15 +80,16 @@ def batch_of(comp, objective, n):
                   distill=dict(question=[p["prompt"] for p in qa], answer=[[5, 6, tok.eos_id]] * n,
                                prefix=[p["prefix"] for p in qa], dec_context=texts))[objective]
     ratios = [comp.cfg.ratios[i % len(comp.cfg.ratios)] for i in range(n)] if comp.cfg.source == "group_mean" else None
-    return D.Batch(context=texts, tokens=0, ratios=ratios, norm=dict(ae=500, lm=50, qa=50, distill=n), **fields)
+    return D.Batch(context=texts, tokens=0, ratios=ratios, norm=dict(ae=500, lm=50, qa=50, distill=n, texts=n),
+                   **fields)
 
 
-def step_ops(comp, objective, n) -> StepOps:
+def step_ops(comp, objective, n, own_other_weight=0.0) -> StepOps:
     """One step's forward and backward over a micro-batch of n, its inputs built first (as train.micro_batches does),
     counted. (The AE objective's ops are pretraining's AE half.)"""
     batch = batch_of(comp, objective, n)
     batch.inputs = train.step_inputs(comp, objective, batch, comp.device)
-    step = train.TrainStep(comp, objective, 0.5)
+    step = train.TrainStep(comp, objective, 0.5, own_other_weight)
     with StepOps() as seen:
         loss, _ = step(batch)
         loss.backward()
@@ -111,3 +112,18 @@ def test_the_ops_of_a_step_do_not_grow_with_the_batch(method):
     comp = build(method, "cpu")
     at_4, at_16 = step_ops(comp, "pretrain", 4).ops, step_ops(comp, "pretrain", 16).ops
     assert at_4 == at_16, (method, at_16 - at_4, at_4 - at_16)
+
+
+def test_the_levers_against_the_collapse_never_wait_and_do_not_grow_with_the_batch():
+    """Ours, ICAE's AE step with both levers on: --mem-from-text (each slot's segment mean, read off the encoder rows
+    on the device) and --own-other-weight (a second decoder pass with the neighbours' memories, traded by a flip of
+    the batch dimension): no host sync, and the same ops at batch 4 and 16 (one chunk per text, so that neighbours
+    have the same slots)."""
+    levers = dict(mem=4, chunk_len=200, lora_r=2, mem_from_text=True)
+    tok = build_tiny()[1]
+    with torch.device("meta"):
+        decoder = Transformer(ModelConfig.from_hf(TINY_CONFIG))
+    assert step_ops(C.build("icae", decoder, tok, **levers), "ae", 4, 0.5).syncs == Counter()
+    comp = C.build("icae", *build_tiny(), **levers)
+    at_4, at_16 = step_ops(comp, "ae", 4, 0.5).ops, step_ops(comp, "ae", 16, 0.5).ops
+    assert at_4 == at_16, (at_16 - at_4, at_4 - at_16)

@@ -467,6 +467,55 @@ def test_len_curriculum_grows_the_texts_from_n_tokens(tmp_path):
         cli.parse_args(["--method", "aoc", "--crop", "window", "--min-len", "8", "--len-curriculum", "9", "10"])
 
 
+# --own-other-weight: texts of 8 to 40 tokens, each one chunk of 4 slots (--chunk-len 41 holds [BOS] + 40), so
+# every pair of neighbours has the same slots and the texts' mean losses weigh their tokens unlike the AE mean does
+OWN_OTHER = ["--method", "icae", "--objective", "ae", "--mem", "4", "--chunk-len", "41", *LORA, "--crop", "window",
+             "--min-len", "8", "--max-len", "40", "--own-other-weight", "0.3"]
+
+
+@pytest.mark.parametrize("method", ["icae", "500x"])   # both carriers: input embeddings, K/V
+def test_own_other_term_is_the_softplus_of_own_minus_the_neighbours_loss(method, tmp_path, device):
+    """--own-other-weight W: loss = AE + W · (1/N) Σ_b softplus(ℓ_b(own) − ℓ_b(other)), ℓ_b a text's mean AE NLL,
+    `other` its neighbour's memory (texts 1-2, 3-4 trade). By hand from evaluation's per-text sums (Compressor.nll,
+    F.cross_entropy without chunks): own from the texts compressed as they are, other from the texts compressed in
+    the traded order; each text's decoder rows are its own. Off in every preset."""
+    model, tok = build_tiny()
+    comp = C.build(method, model.to(device), tok, mem=4, chunk_len=41, lora_r=8, lora_alpha=16)
+    tensors, _ = D.tokenize_corpus([DOC], [], "own-other-test", comp, str(tmp_path), with_qa=False)
+    examples = D.step_examples(tensors, D.Sampling("ae", "window", 8, 40, batch_size=4, seed=1), comp, 0)
+    batch = D.collate(examples)
+    batch.norm = D.step_normalizers(comp, "ae", examples)
+    assert len({len(t) for t in batch.ae}) > 1 and batch.norm["texts"] == 4
+    loss, parts = train.loss_ae_own_other(comp, batch, 0.3)
+    own, n = comp.nll(comp.compress(batch.context), "ae", batch.ae)
+    other, _ = comp.nll(comp.compress([batch.context[i] for i in (1, 0, 3, 2)]), "ae", batch.ae)
+    softplus = lambda x: math.log1p(math.exp(x))
+    term = sum(softplus(o / k - p / k) for o, p, k in zip(own, other, n)) / 4
+    assert abs(term - math.log(2)) > 1e-4                                # the memories already differ by text
+    assert parts["own_vs_other"].item() == pytest.approx(term, rel=1e-5)
+    assert parts["ae"].item() == pytest.approx(sum(own) / batch.norm["ae"], rel=1e-5)
+    torch.testing.assert_close(loss, parts["ae"] + 0.3 * parts["own_vs_other"])
+    with pytest.raises(ValueError, match="needs an even number of texts"):   # a text without a neighbour
+        comp.compress(batch.context[:3]).neighbours()
+    assert all(cli.parse_args(["--method", m]).own_other_weight == 0 for m in P.METHODS)
+
+
+def test_own_other_term_adds_up_over_micro_batches(tmp_path, run_train, device):
+    """The step's own/other term, its loss and gradient are the same at --micro-batch 2 as in one batch of 4: each
+    text's term over the step's texts, and pairs that a micro-batch holds whole (bounds: the micro-batch test's)."""
+    base = ["--model", "tiny", *OWN_OTHER, "--batch-size", "4", "--lr", "3e-3", "--warmup", "0", "--steps", "3",
+            "--seed", "1", "--eval-every", "0"]
+    run_train(base + ["--out", str(tmp_path / "whole")])
+    run_train(base + ["--out", str(tmp_path / "micro"), "--micro-batch", "2"])
+    whole, micro = log_rows(tmp_path / "whole"), log_rows(tmp_path / "micro")
+    for a, b in zip(whole, micro, strict=True):
+        for key in ("loss", "grad_norm", "ae", "own_vs_other"):
+            bound = 1e-5 if device.type == "cpu" else (3e-2 if key == "grad_norm" else 5e-3)
+            assert abs(a[key] - b[key]) <= bound * abs(a[key]), (a["step"], key, a[key], b[key])
+        assert abs(a["loss"] - (a["ae"] + 0.3 * a["own_vs_other"])) <= 1e-6 * a["loss"]
+    assert len({r["tokens"] for r in whole}) > 1   # texts of several lengths
+
+
 def test_warm_start_begins_where_the_other_run_ended(tmp_path, run_train, device, capsys):
     """--warm-start RUN: this run's compressor starts from RUN's trained tensors (here with another --chunk-len, a
     4x arm from a 1:1 arm); a compressor of another shape is one line, not a traceback."""
