@@ -39,8 +39,8 @@ def fail(message) -> None:
 
 # flags that may change when a run is continued with --resume; every other flag must match the checkpoint
 RUN_FLAGS = {"resume", "out", "steps", "stop_after", "save_every", "keep_every", "micro_batch", "compile",
-             "cuda_graphs", "grad_ckpt", "device", "frozen_dtype", "fsdp", "cache_dir", "eval_data", "eval_every", "eval_n",
-             "eval_bleu"}
+             "cuda_graphs", "grad_ckpt", "device", "frozen_dtype", "fsdp", "cache_dir", "eval_data", "eval_every",
+             "eval_n", "eval_bleu"}
 # how this command runs, never taken from the checkpoint: a run saved under FSDP or on a GPU continues in one process
 # or on the CPU, and the other way round
 PROCESS_FLAGS = ("device", "fsdp")

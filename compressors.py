@@ -942,7 +942,7 @@ class Compressor(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# the blocks a compressor runs (FSDP's units), and building one
+# the models and blocks a compressor runs (--compile's units, FSDP's), and building one
 
 def models(comp: Compressor) -> list:
     """Every distinct transformer the compressor runs: the encoder, the decoder, GMSA's LSA blocks (a LoRA encoder that

@@ -106,7 +106,7 @@ def compile_models(comp, cuda_graphs: bool = False, backend: str = "inductor"):
 def make_optimizer(comp, lr, betas, weight_decay, mem_lr, device, capturable: bool = False):
     """AdamW over the trainable tensors. Weight decay on matrices only (nanoGPT): decaying norms, biases or
     the [AE]/[LM] embeddings towards 0 would only fight the model. CompLLM's Adam is weight_decay = 0.
-    capturable (--cuda-graphs, CUDA): its step counts stay on the GPU, so that no step reads one back to the host."""
+    capturable (--cuda-graphs, CUDA): AdamW's state, its step counts included, stays on the GPU, as CUDA graphs need."""
     params = comp.trainable_parameters()
     # --mem-lr (ours): the memory tokens in a group of their own, at mem_lr / lr times every step's lr
     own = [comp.mem_tokens] if mem_lr is not None and comp.mem_tokens is not None else []
@@ -250,8 +250,8 @@ def train_step(run: Run, step_module, opt, params, batches: list, lr: float, ste
             # the last micro-batch's backward syncs the step's gradients over the processes (DDP, FSDP); the ones
             # before it only accumulate theirs
             with nullcontext() if m == len(batches) - 1 else parallel.no_gradient_sync(step_module):
-                if run.cuda_graphs:   # a new forward: the CUDA graphs may overwrite what the last one's replay output
-                    torch.compiler.cudagraph_mark_step_begin()
+                if run.cuda_graphs:   # a new iteration of the CUDA graphs: their replays may overwrite the last one's
+                    torch.compiler.cudagraph_mark_step_begin()   # outputs, which nothing reads any more
                 with run.autocast:
                     loss, part = step_module(batch)   # TrainStep.forward: the objective's loss (below)
                 # each loss is this micro-batch's share of the step's mean (step_normalizers): the gradients of the
