@@ -39,8 +39,8 @@ def fail(message) -> None:
 
 # flags that may change when a run is continued with --resume; every other flag must match the checkpoint
 RUN_FLAGS = {"resume", "out", "steps", "stop_after", "save_every", "keep_every", "micro_batch", "compile",
-             "grad_ckpt", "device", "frozen_dtype", "fsdp", "cache_dir", "eval_data", "eval_every", "eval_n",
-             "eval_bleu"}
+             "cuda_graphs", "grad_ckpt", "device", "frozen_dtype", "fsdp", "cache_dir", "eval_data", "eval_every",
+             "eval_n", "eval_bleu"}
 # how this command runs, never taken from the checkpoint: a run saved under FSDP or on a GPU continues in one process
 # or on the CPU, and the other way round
 PROCESS_FLAGS = ("device", "fsdp")
@@ -183,7 +183,11 @@ def add_run_flags(p: argparse.ArgumentParser):
                    "fine-tunes checkpoints taken during pretraining); default: only the newest is kept")
     g.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per transformer block "
                    "(encoder and decoder): less memory, about a third more compute")
-    g.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
+    g.add_argument("--compile", action="store_true", help="torch.compile each model's whole forward (the encoder's, "
+                   "the decoder's): one graph each, compiled at the first step for any length")
+    g.add_argument("--cuda-graphs", action="store_true", help="ours, with --compile on CUDA: record each graph once "
+                   "as a CUDA graph and replay it (reduce-overhead mode), with a capturable AdamW; for a run whose "
+                   "steps all have one shape (--crop head, fixed chunks, ae or pretrain: AOC's recipe)")
     g.add_argument("--device", help="cuda or cpu (default: cuda when available); under torchrun it sets the "
                    "backend too (cpu: gloo, cuda: nccl, one GPU per process)")
     g.add_argument("--fsdp", action="store_true", help="shard every weight over the torchrun processes with "
@@ -409,6 +413,7 @@ class Settings:
     keep_every: int | None
     grad_ckpt: bool
     compile: bool
+    cuda_graphs: bool           # ours: --compile's graphs replayed as CUDA graphs (static shapes, CUDA only)
     device: str | None
     fsdp: bool
     frozen_dtype: str           # the flag: auto, fp32 or bf16 (place() turns it into a dtype)
@@ -569,6 +574,23 @@ def config_of(flags: dict, shown: dict, typed: dict, init_cfg: CompressorConfig 
     return cfg
 
 
+def check_cuda_graphs(values: dict, cfg: CompressorConfig):
+    """--cuda-graphs (ours) replays each graph at the shapes it was recorded at: it needs --compile, and every step of
+    one shape, so it fails here, before any model is loaded, where a run's shapes vary from step to step (a length
+    drawn per text, CompLLM's sentences, several GMSA ratios, QA's questions and answers). place() refuses it off
+    CUDA."""
+    varies = ("--crop window (a length drawn per text)" if values["crop"] != "head" else
+              f"the {values['objective']} objective (questions and answers of their own lengths)"
+              if values["objective"] not in ("ae", "pretrain") else
+              "sentence chunks" if cfg.chunking != "fixed" else
+              f"a ratio drawn per text from {cfg.ratios}" if cfg.source == "group_mean" and len(cfg.ratios) > 1 else "")
+    if not values["compile"]:
+        fail("--cuda-graphs replays --compile's graphs: add --compile")
+    if varies:
+        fail(f"--cuda-graphs needs every step in one shape, and this run's shapes vary with {varies}: drop it, or "
+             "train as AOC's recipe does (--crop head, --objective ae or pretrain, fixed chunks)")
+
+
 # the config's own fields (the flags name the method and the model): a checkpoint's record takes them from the config
 CONFIG_ONLY = {f.name for f in fields(CompressorConfig)} - {"method", "model"}
 # the Settings fields that are not one flag's value
@@ -584,6 +606,8 @@ def settings_of(values: dict, cfg: CompressorConfig, shown: dict, changes: str, 
     if values["fsdp"] and values["objective"] == "distill" and not values["plan"]:
         # the teacher generates outside the step, on sharded weights
         fail("--fsdp does not run distill (its frozen teacher generates outside the training step): use DDP")
+    if values["cuda_graphs"]:
+        check_cuda_graphs(values, cfg)
     as_json = lambda d: {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}   # lists, as argparse's
     record = {**as_json(asdict(cfg)), **as_json({k: v for k, v in values.items() if k not in CONFIG_ONLY})}
     plain = {f.name for f in fields(Settings)} - set(DERIVED)
@@ -623,6 +647,7 @@ class Run:
     save_every: int
     keep_every: int | None
     grad_ckpt: bool         # activation checkpointing (an out-of-memory error suggests it when off)
+    cuda_graphs: bool       # --cuda-graphs (ours): a new CUDA-graph iteration is marked before every forward
     fsdp: bool
     eval_every: int         # the held-out check every N steps; 0: none (always under --fsdp)
 
@@ -642,6 +667,8 @@ def place(s: Settings, device: torch.device, rank: int, world: int, micro: int |
         fail(f"--own-other-weight trades memories between the texts of a micro-batch in pairs (1-2, 3-4, ...), so "
              f"a micro-batch of {micro} has a text without a neighbour: use an even --micro-batch"
              f"{' (or --batch-size)' if not s.micro_batch else ''}")
+    if s.cuda_graphs and device.type != "cuda":
+        fail(f"--cuda-graphs records CUDA graphs, and this run is on {device}: drop it, or run on a GPU")
     # --frozen-dtype auto: bf16 on CUDA (the EPL and AOC code's dtype), fp32 elsewhere. bf16 weights need autocast on
     # the CPU too (a matmul of fp32 activations with bf16 weights is an error outside it)
     frozen = torch.bfloat16 if s.frozen_dtype == "bf16" or (s.frozen_dtype == "auto" and
@@ -653,7 +680,8 @@ def place(s: Settings, device: torch.device, rank: int, world: int, micro: int |
                end=min(s.steps, s.stop_after or s.steps), steps=s.steps, lr=s.lr, warmup=s.warmup,
                schedule=s.schedule, clip=s.clip, sampling=sampling, answer_tokens=s.answer_tokens, frozen=frozen,
                bf16=bf16, autocast=torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext(),
-               out=s.out, save_every=s.save_every, keep_every=s.keep_every, grad_ckpt=s.grad_ckpt, fsdp=s.fsdp,
+               out=s.out, save_every=s.save_every, keep_every=s.keep_every, grad_ckpt=s.grad_ckpt,
+               cuda_graphs=s.cuda_graphs, fsdp=s.fsdp,
                eval_every=0 if s.fsdp else s.eval_every)   # rank 0 alone cannot score weights spread over every rank
 
 

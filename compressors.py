@@ -1004,16 +1004,23 @@ class Compressor(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# the blocks a compressor runs (FSDP's units), its initial values tensor by tensor, and building one
+# the models and blocks a compressor runs (--compile's units, FSDP's), its initial values tensor by tensor, and
+# building one
 
-def blocks(comp: Compressor) -> list:
-    """Every distinct transformer block the compressor runs: the encoder's, the decoder's, GMSA's LSA blocks (a
-    LoRA encoder that IS the decoder once). FSDP's units (parallel.shard), and what --plan --fsdp divides."""
+def models(comp: Compressor) -> list:
+    """Every distinct transformer the compressor runs: the encoder, the decoder, GMSA's LSA blocks (a LoRA encoder that
+    IS the decoder once). What --compile compiles, one graph each (train.compile_models)."""
     seen = {}
     for model in (comp.encoder, comp.decoder, getattr(comp.bridge, "lsa", None)):
-        for block in model.model.layers if model is not None else ():
-            seen.setdefault(id(block), block)
+        if model is not None:
+            seen.setdefault(id(model), model)
     return list(seen.values())
+
+
+def blocks(comp: Compressor) -> list:
+    """Every distinct transformer block the compressor runs, its models' (models). FSDP's units (parallel.shard), and
+    what --plan --fsdp divides."""
+    return [block for model in models(comp) for block in model.model.layers]
 
 
 def initial_values(comp: Compressor, frozen: torch.dtype, device: torch.device, read):

@@ -22,8 +22,6 @@ class LoRALinear(nn.Linear):
     the dropout acts on the LoRA branch only, as in PEFT. A subclass of nn.Linear holding the *same* weight/bias
     tensors, so the base keys stay `...q_proj.weight`."""
 
-    lora_enabled: bool = True  # lora_disabled() flips it: the module then acts as its base linear (ICAE decoder)
-
     def __init__(self, base: nn.Linear, r: int = 8, alpha: float = 16, dropout: float = 0.0):
         # built on meta so nn.Linear allocates (and randomly inits) nothing; the base tensors are reused below
         super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
@@ -33,6 +31,10 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=w.device, dtype=w.dtype))  # B = 0: exact
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()  # PEFT: Identity when p = 0
         self.r, self.scale = r, alpha / r
+        # lora_disabled() flips it: the module then acts as its base linear (ICAE decoder). An attribute of each module
+        # from the start, never a class default it shadows later: a compiled forward (train.py --compile) checks the
+        # same attribute before and after the first lora_disabled(), two graphs (on, off) and not a third
+        self.lora_enabled = True
 
     def forward(self, x):
         y = F.linear(x, self.weight, self.bias)  # (..., out): the frozen base, never dropped out

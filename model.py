@@ -396,7 +396,10 @@ class Attention(nn.Module):
             k, v = cache.write(k, v)            # (B, Hkv, S, D) each
         # mask: a boolean (.., T, S) mask, True = may attend; or None = plain causal (the fast kernel), which
         # forward() only passes with no prefix, or for a single new token (it may see every key: no mask at all).
-        y = sdpa(q, k, v, mask, is_causal=mask is None and T > 1, scale=self.scale)  # (B, H, T, D)
+        # Decided by a branch: compiled with dynamic shapes (train.py --compile), T > 1 is a symbolic bool, which SDPA
+        # refuses (a graph break), and a branch on it the compiler decides once and guards
+        is_causal = True if mask is None and T > 1 else False
+        y = sdpa(q, k, v, mask, is_causal=is_causal, scale=self.scale)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, H*D)
         return self.o_proj(y), (k, v)   # the cache keeps Hkv heads: sdpa's repeat is never stored
 

@@ -87,18 +87,25 @@ def warm_start(comp, run_dir):
                          "model)") from None
 
 
-def compile_blocks(comp):
-    """torch.compile every transformer block (the heavy part); the glue around them stays eager.
-    dynamic=True: lengths change every step, and a recompile per shape would cost more than it saves."""
-    for block in compressors.blocks(comp):   # (a LoRA encoder is the decoder: once)
-        block.compile(dynamic=True)
+def compile_models(comp, cuda_graphs: bool = False, backend: str = "inductor"):
+    """--compile: torch.compile each model's whole forward (compressors.models: the encoder, the decoder, GMSA's LSA
+    blocks), one graph each with no graph break in any preset (tests/test_step.py), so that RoPE, the masks, the norms
+    and the blocks fuse together. A forward that runs in another way is another graph of the same model: with LoRA on
+    and off (a LoRA encoder IS the decoder), without gradients (CompLLM's teacher), with a mask or none.
+    dynamic=True: the graphs take any length, so steps whose lengths change recompile nothing (tested).
+    cuda_graphs (ours, --cuda-graphs): static shapes (AOC: every text n tokens) in reduce-overhead mode, each graph
+    recorded once as a CUDA graph and replayed with one launch (cli.py allows it only on CUDA, where no length
+    varies). backend: the tests count graphs with a backend of their own."""
+    for model in compressors.models(comp):   # (a LoRA encoder is the decoder: once)
+        model.compile(backend=backend, dynamic=not cuda_graphs, mode="reduce-overhead" if cuda_graphs else None)
 
 # ---- optimizer ----
 
 
-def make_optimizer(comp, lr, betas, weight_decay, mem_lr, device):
+def make_optimizer(comp, lr, betas, weight_decay, mem_lr, device, capturable: bool = False):
     """AdamW over the trainable tensors. Weight decay on matrices only (nanoGPT): decaying norms, biases or
-    the [AE]/[LM] embeddings towards 0 would only fight the model. CompLLM's Adam is weight_decay = 0."""
+    the [AE]/[LM] embeddings towards 0 would only fight the model. CompLLM's Adam is weight_decay = 0.
+    capturable (--cuda-graphs, CUDA): AdamW's state, its step counts included, stays on the GPU, as CUDA graphs need."""
     params = comp.trainable_parameters()
     # --mem-lr (ours): the memory tokens in a group of their own, at mem_lr / lr times every step's lr
     own = [comp.mem_tokens] if mem_lr is not None and comp.mem_tokens is not None else []
@@ -113,7 +120,8 @@ def make_optimizer(comp, lr, betas, weight_decay, mem_lr, device):
     # fused: one kernel for all tensors. On the CPU the per-tensor loop (sqrt, div, lerp, addcdiv per tensor) is a
     # quarter of PCC's step on SmolLM2 (tests/bench_train.py --profile); fused gives the same losses to 1e-6
     # (tests/README.md, "Where a CPU training step goes")
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=device.type in ("cuda", "cpu"))
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=device.type in ("cuda", "cpu"),
+                             capturable=capturable)
 
 # ---- the log ----
 
@@ -210,7 +218,10 @@ def loop(run: Run, comp, step_module, opt, params, corpus: data.Corpus, check, l
 def held_out(run: Run, comp, check, log, step: int):
     """The held-out check at `step` (heldout.run_check); one that cannot score ends the run with one line."""
     try:
-        run_check(comp, check, log, step, run.device, run.autocast)
+        # eager under --compile: the check's passes (no gradient, greedy decoding on a growing cache) would each be a
+        # graph of its own, compiled for a check that runs every --eval-every steps
+        with torch.compiler.set_stance("force_eager"):
+            run_check(comp, check, log, step, run.device, run.autocast)
     except ValueError as e:
         fail(e)
 
@@ -238,6 +249,8 @@ def train_step(run: Run, step_module, opt, params, batches: list, lr: float, ste
             # the last micro-batch's backward syncs the step's gradients over the processes (DDP, FSDP); the ones
             # before it only accumulate theirs
             with nullcontext() if m == len(batches) - 1 else parallel.no_gradient_sync(step_module):
+                if run.cuda_graphs:   # a new iteration of the CUDA graphs: their replays may overwrite the last one's
+                    torch.compiler.cudagraph_mark_step_begin()   # outputs, which nothing reads any more
                 with run.autocast:
                     loss, part = step_module(batch)   # TrainStep.forward: the objective's loss (below)
                 # each loss is this micro-batch's share of the step's mean (step_normalizers): the gradients of the
@@ -274,8 +287,9 @@ def micro_batches(run: Run, comp, corpus: data.Corpus, step: int) -> list:
         first = (m * run.world + run.rank) * run.micro   # this rank's slice of the step's examples
         batch = data.collate(examples[first:first + run.micro])
         batch.norm = norm
-        if run.sampling.objective == "distill":   # the frozen LLM answers first (once per example, cached)
-            data.add_teacher_answers(comp, batch, corpus.answers, run.answer_tokens, run.autocast)
+        if run.sampling.objective == "distill":   # the frozen LLM answers first (once per example, cached), eager
+            with torch.compiler.set_stance("force_eager"):   # (as the held-out check: greedy decoding, no gradient)
+                data.add_teacher_answers(comp, batch, corpus.answers, run.answer_tokens, run.autocast)
         batch.inputs = step_inputs(comp, run.sampling.objective, batch, run.device)
         batches.append(batch)
     return batches
@@ -501,7 +515,7 @@ def main(argv=None):
         for model in (comp.encoder, comp.decoder):   # activation checkpointing per block (model.py)
             model.grad_ckpt = run.grad_ckpt
         if s.compile:
-            compile_blocks(comp)
+            compile_models(comp, s.cuda_graphs)
         step_module = parallel.wrap(comp, step_of(comp), run.fsdp, device, world, bf16=run.bf16)
         try:   # the trained tensors it starts from (--init, a one-process checkpoint, --warm-start), one at a time
             if run.fsdp:   # the base from its files, the trained init drawn from --seed as one process draws it
@@ -516,7 +530,7 @@ def main(argv=None):
             torch.manual_seed(run.seed)
         corpus = load_corpus(run, comp, s.data, s.cache_dir, state.get("data"), s.resume)
         params = comp.trainable_parameters()   # what compressors.py leaves trainable for this method and stage
-        opt = make_optimizer(comp, s.lr, s.betas, s.weight_decay, s.mem_lr, device)
+        opt = make_optimizer(comp, s.lr, s.betas, s.weight_decay, s.mem_lr, device, capturable=s.cuda_graphs)
         if state:
             restore(run, comp, opt, s.weights, state)
         lines = cli.first_lines(s.method, s.shown) + chunk_warning(comp, run.sampling)

@@ -230,13 +230,13 @@ def bench_shape(shape, method, device, steps, batch=4, frozen=torch.float32, com
     """AdamW steps of one preset around a random decoder of a paper model's shape in bf16 autocast:
     (seconds per step, tokens per step, model FLOPs per step: step_flops, on a meta-device copy). frozen: the frozen
     base weights' dtype, as train.py --frozen-dtype (trained tensors fp32); compile: train.py --compile
-    (torch.compile every block); fused: every step, and then a generation from one memory (evaluate.py's), inside
+    (torch.compile each model whole); fused: every step, and then a generation from one memory (evaluate.py's), inside
     fused_only(), so a math-path call raises."""
     torch.manual_seed(0)
     decoder, tok = build_shape(shape, device, dtype=frozen)   # ids below the tiny vocabulary: any tokenizer will do
     comp = C.build(method, decoder, tok).set_dtypes(frozen)
     if compile:
-        train.compile_blocks(comp)
+        train.compile_models(comp)
     recipe = P.PRESETS[method].recipe
     n = recipe.lengths[1] // (2 if recipe.objective == "pretrain" else 1)
     opt = torch.optim.AdamW(comp.trainable_parameters(), lr=1e-5, fused=device == "cuda")
@@ -279,7 +279,7 @@ def main():
     p.add_argument("--frozen-dtype", nargs="+", default=["fp32"], choices=("fp32", "bf16"), help="--shape: the "
                    "frozen weights' dtype(s) to time (train.py --frozen-dtype; trained ones stay fp32)")
     p.add_argument("--batch", type=int, default=4, help="--shape: examples per step (default 4)")
-    p.add_argument("--compile", action="store_true", help="--shape: torch.compile every block (train.py --compile)")
+    p.add_argument("--compile", action="store_true", help="--shape: torch.compile each model whole (train.py --compile)")
     p.add_argument("--attention", nargs="+", default=["now"], choices=("now", "before"), help="--shape: the "
                    "attention call(s) to time: now (model.sdpa: K/V repeated where a mask is given) and/or before "
                    "(a mask with enable_gqa: CUDA's math path)")

@@ -805,12 +805,12 @@ def test_no_sdpa_call_gets_a_mask_together_with_enable_gqa(method, tmp_path, run
 
 
 def test_compile_gives_aocs_losses(tmp_path):
-    """--compile (torch.compile of every transformer block, dynamic shapes) on AOC, the launch-bound preset, under
-    --fsdp (a process group of one: FSDP2's hooks around the compiled blocks): the same losses and gradient norms as
-    eager within 1e-4 relative (inductor fuses the elementwise ops and may sum in another order; measured: equal to 4
-    decimals over 4 steps). Its sharded checkpoint of step 2, resumed compiled without --fsdp, gives step 3 as the
-    uninterrupted run did within 1e-6. 2.5 minutes on 2 CPU cores with a cold inductor cache (compiling), 20 s with a
-    warm one."""
+    """--compile (torch.compile of each model's whole forward, dynamic shapes) on AOC, the launch-bound preset, under
+    --fsdp (a process group of one: FSDP2's hooks around every block, where the graphs break): the same losses and
+    gradient norms as eager within 1e-4 relative (inductor fuses the elementwise ops and may sum in another order;
+    measured: equal to 4 decimals over 4 steps). Its sharded checkpoint of step 2, resumed compiled without --fsdp
+    (one graph per model), gives step 3 as the uninterrupted run did within 1e-6. 2.5 minutes on 2 CPU cores with a
+    cold inductor cache (compiling), 20 s with a warm one."""
     flags = ["--method", "aoc", "--model", "tiny", "--mem", "4", "--batch-size", "2", "--steps", "3"]
     eager = run(flags, tmp_path / "eager")
     compiled = run(flags + ["--compile", "--fsdp", "--save-every", "2", "--keep-every", "2"], tmp_path / "compiled")

@@ -210,6 +210,28 @@ def test_head_crop_min_len_is_an_error_and_evaluate_lm_cuts_at_the_checkpoints_n
     assert [ex["context_tokens"] for ex in result["examples"]] == [n // 2] * 3
 
 
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")   # place() on CUDA builds its (idle) autocast
+def test_cuda_graphs_is_refused_where_it_cannot_replay(tmp_path, capsys, device):
+    """--cuda-graphs (ours) replays --compile's graphs at the shapes they were recorded at, on CUDA: each way it
+    cannot is one line, naming what to change: without --compile; with shapes that vary from step to step (a length
+    drawn per text, sentence chunks, several GMSA ratios, a QA objective); on a device other than CUDA. The tiny
+    demo's AOC (--crop head, one length) on CUDA is accepted."""
+    out = ["--out", str(tmp_path / "x"), "--steps", "1"]
+    for flags, message in (
+            (["--method", "aoc"], "add --compile"),
+            (["--method", "aoc", "--compile", "--crop", "window", "--min-len", "8"], "vary with --crop window"),
+            (["--method", "aoc", "--compile", "--objective", "qa"], "vary with the qa objective"),
+            (["--method", "compllm", "--compile"], "vary with sentence chunks"),
+            (["--method", "gmsa", "--compile", "--ratios", "2", "4"], "ratio drawn per text from (2, 4)")):
+        assert_one_line_error([*flags, "--cuda-graphs", *out], message, capsys, device)
+    s = cli.parse_args(["--method", "aoc", "--compile", "--cuda-graphs", *out])   # AOC's one shape: accepted
+    assert cli.place(s, torch.device("cuda"), 0, 1).cuda_graphs
+    if device.type != "cuda":
+        assert_one_line_error(["--method", "aoc", "--compile", "--cuda-graphs", *out],
+                              f"--cuda-graphs records CUDA graphs, and this run is on {device}", capsys, device)
+
+
 # ---- what the first log lines and --help say ----
 
 

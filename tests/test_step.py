@@ -10,6 +10,9 @@ apart from the model's (a CPU tensor reaching an op is one the host built there)
 The ops outside the transformer blocks (reading the memory off the encoder, padding it, building the decoder's rows,
 taking the loss) are one op per tensor whatever the batch: the aten ops of a step are the same in number at batch 4
 and batch 16 (the blocks' own are too, which makes the count of all of them the check).
+
+Under --compile (train.compile_models) each model's forward is one graph: no graph break in any preset's encoder or
+decoder forward (torch._dynamo.explain), no recompile once the first step has compiled, and the same losses as eager.
 """
 
 import os
@@ -18,6 +21,7 @@ from collections import Counter
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -60,17 +64,21 @@ class StepOps(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def build(method, device):
+def build(method, device, layers=TINY_CONFIG["num_hidden_layers"]):
     tok = build_tiny()[1]
     with torch.device(device):
-        decoder = Transformer(ModelConfig.from_hf(TINY_CONFIG))
+        decoder = Transformer(ModelConfig.from_hf({**TINY_CONFIG, "num_hidden_layers": layers}))
     return C.build(method, decoder, tok, **SETTINGS[method])
 
 
-def batch_of(comp, objective, n):
-    """A micro-batch of n contexts of 2 to 17 words (one or more chunks, so rows are padded) for `objective`."""
+def batch_of(comp, objective, n, lengths=None):
+    """A micro-batch of n contexts of 2 to 17 words (one or more chunks, so rows are padded) for `objective`; or, with
+    `lengths`, of that many contexts of these numbers of bytes."""
     tok = comp.tok
-    texts = [tok.encode(" ".join(WORDS[i % 5:i % 5 + 2 + (7 * i) % 16])) for i in range(n)]
+    text = tok.encode(" ".join(WORDS))
+    texts = [text[i:i + k] for i, k in enumerate(lengths)] if lengths else \
+        [tok.encode(" ".join(WORDS[i % 5:i % 5 + 2 + (7 * i) % 16])) for i in range(n)]
+    n = len(texts)
     qa = [comp.qa_parts("Ctx.", "Why?") for _ in texts]
     fields = dict(ae=dict(ae=[comp.ae_target(t) for t in texts]),
                   pretrain=dict(ae=[comp.ae_target(t) for t in texts], lm=[[7, 8, tok.eos_id]] * n,
@@ -127,3 +135,102 @@ def test_the_levers_against_the_collapse_never_wait_and_do_not_grow_with_the_bat
     comp = C.build("icae", *build_tiny(), **levers)
     at_4, at_16 = step_ops(comp, "ae", 4, 0.5).ops, step_ops(comp, "ae", 16, 0.5).ops
     assert at_4 == at_16, (at_16 - at_4, at_4 - at_16)
+
+
+# ---- --compile: one graph per model, compiled at the first step ----
+
+
+def step(comp, objective, batch):
+    """One step's forward and backward (train.TrainStep) over `batch`, its inputs built first; returns the loss."""
+    batch.inputs = train.step_inputs(comp, objective, batch, comp.device)
+    loss, _ = train.TrainStep(comp, objective, 0.5)(batch)
+    loss.backward()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("method", P.METHODS)
+def test_every_model_forward_of_a_step_is_one_graph(method):
+    """--compile compiles each model's whole forward with dynamic shapes (train.compile_models), so no forward may
+    break its graph: torch._dynamo.explain, with every dimension symbolic as there, finds one graph and no break in
+    every forward of a training step, the encoder's and the decoder's (and GMSA's LSA), on the tiny GQA model (4 query
+    heads over 2 K/V heads), each explained as it is called: with the step's arguments, its LoRA switched as then
+    (ICAE's encoder IS its decoder), under the step's gradient mode. A pretraining step of a 3- and a 4-byte text, so
+    that the decoder runs once with a mask (AE: rows of two lengths) and once without (LM: rows of one length); and
+    CompLLM's own objective, distillation (its teacher without gradients, its student with every layer's hidden
+    states). Each way a model runs is explained once, on 1 block (a break does not depend on the depth)."""
+    comp = build(method, "cpu", layers=1)
+    explained, seen = [], set()
+
+    def explain(model, args, kwargs):   # a forward pre-hook: dynamo traces the forward about to run
+        lora = tuple(m.lora_enabled for m in model.modules() if hasattr(m, "lora_enabled"))
+        way = (id(model), lora, torch.is_grad_enabled(), kwargs.get("attn_mask") is None,
+               kwargs.get("output_hidden_states", False))
+        if way not in seen:
+            seen.add(way)
+            with torch._dynamo.config.patch(assume_static_by_default=False):   # dynamic=True's shapes
+                explained.append(torch._dynamo.explain(model.forward)(*args, **kwargs))
+    hooks = [model.register_forward_pre_hook(explain, with_kwargs=True) for model in C.models(comp)]
+    try:
+        for objective in ("pretrain", "distill") if method == "compllm" else ("pretrain",):
+            step(comp, objective, batch_of(comp, objective, 2, [3, 4]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert {way[3] for way in seen} == {True, False}, seen   # a forward without a mask and one with
+    assert [(e.graph_count, e.graph_break_count) for e in explained] == [(1, 0)] * len(explained), \
+        [str(reason) for e in explained for reason in e.break_reasons]
+
+
+def test_a_compiled_step_recompiles_nothing_after_its_first():
+    """train.compile_models' graphs take any length (dynamic shapes): 5 steps of one shape compile at the first step
+    and never again; then 5 steps whose lengths all differ (rows of several chunks, padded) compile at most one graph
+    more per model, at the first of them (its first padded decoder rows: a mask where there was none), and none after
+    it; no graph breaks. Counted with a backend that counts what dynamo hands it, on AOC (2 blocks)."""
+    comp = build("aoc", "cpu", layers=2)
+    counter = CompileCounterWithBackend("eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()   # (reset() keeps the graph breaks seen before)
+    train.compile_models(comp, backend=counter)
+    graphs = []
+    for s in range(10):
+        lengths = [12] * 4 if s < 5 else [3 + (7 * s + 11 * i) % 37 for i in range(4)]   # of one shape, then not
+        step(comp, "pretrain", batch_of(comp, "pretrain", 4, lengths))
+        comp.zero_grad(set_to_none=True)
+        graphs.append(counter.frame_count)
+    models = len(C.models(comp))
+    assert graphs[0] == models and graphs[1:5] == [graphs[0]] * 4, graphs   # one shape: compiled once
+    assert graphs[5] <= graphs[0] + models and graphs[6:] == [graphs[5]] * 4, graphs   # lengths that vary
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def test_compiled_losses_are_eagers():
+    """The compiled step is the eager one: ICAE, whose LoRA encoder IS the decoder (run with LoRA off, a graph of its
+    own), with --grad-ckpt (each block recomputed in backward, inside the graph), over 3 AdamW steps of varying
+    lengths: the same losses and gradient norms within 1e-6 relative, from two graphs (LoRA on, LoRA off). The graphs
+    run on the eager backend (dynamo's capture, which a graph of the wrong LoRA state or a stale guard would break);
+    inductor's kernels, which fuse and may sum in another order, are checked within 1e-4 on AOC by
+    tests/test_scale.py."""
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        comp = build("icae", "cpu", layers=2)
+        for model in C.models(comp):
+            model.grad_ckpt = True
+        counter = CompileCounterWithBackend("eager")
+        if compiled:
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            train.compile_models(comp, backend=counter)
+        opt = torch.optim.AdamW(comp.trainable_parameters(), lr=1e-2)
+        rows = []
+        for s in range(3):
+            loss = step(comp, "pretrain", batch_of(comp, "pretrain", 3, [5 + 9 * s, 20, 9 + 3 * s]))
+            norm = torch.nn.utils.clip_grad_norm_(comp.trainable_parameters(), float("inf"))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            rows.append((loss.item(), norm.item()))
+        runs.append(rows)
+    assert counter.frame_count == 2   # the model with LoRA on (the encoder) and off (the decoder), at any length
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    for (loss, norm), (c_loss, c_norm) in zip(*runs, strict=True):
+        assert abs(c_loss - loss) <= 1e-6 * abs(loss) and abs(c_norm - norm) <= 1e-6 * norm, runs
