@@ -97,7 +97,7 @@ class Memory:
         however it is split. The two samples of a pair must have the same slots (their decoder rows are the same)."""
         B = self.valid.shape[0]
         if B % 2 or self.slots[0::2] != self.slots[1::2]:
-            raise ValueError(f"own/other pairs texts 1-2, 3-4, ... of a micro-batch, which needs an even number of "
+            raise UnpairedMemory(f"own/other pairs texts 1-2, 3-4, ... of a micro-batch, which needs an even number of "
                              f"texts with the same memory slots in each pair (got {B} texts, slots {self.slots}): use "
                              "an even --micro-batch and texts that compress to the same slots (--min-len = --max-len, "
                              "or one chunk each)")
@@ -106,6 +106,10 @@ class Memory:
         return Memory(embeds=None if self.embeds is None else swap(self.embeds),
                       kv=None if self.kv is None else [(swap(k), swap(v)) for k, v in self.kv],
                       valid=swap(self.valid), chunk_lens=trade(self.chunk_lens), slots=trade(self.slots))
+
+
+class UnpairedMemory(ValueError):
+    """Memory.neighbours on a batch whose texts do not pair (train.py's step_guard ends the run on it in one line)."""
 
 
 class Chunk(NamedTuple):

@@ -298,14 +298,14 @@ def micro_batches(run: Run, comp, corpus: data.Corpus, step: int) -> list:
 @contextmanager
 def step_guard(run: Run, step: int, batches: list):
     """A step that runs out of memory, ends with a non-finite loss or gradient norm (FloatingPointError), or draws a
-    batch the settings cannot train on (ValueError), ends the run with one line, before any optimizer step or save:
-    the last checkpoint in --out stays the last good state."""
+    batch the settings cannot train on (UnpairedMemory), ends the run with one line, before any optimizer step or
+    save: the last checkpoint in --out stays the last good state."""
     kept = f"the last good checkpoint in {run.out} is kept"
     try:
         yield
     except FloatingPointError as e:
         fail(f"{e}: stopping; {kept}")
-    except ValueError as e:   # a batch the settings cannot train on (--own-other-weight's pairs: Memory.neighbours)
+    except compressors.UnpairedMemory as e:   # a batch --own-other-weight cannot pair (Memory.neighbours)
         fail(f"step {step + 1}: {e}; {kept}")
     except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
         if not is_out_of_memory(e):

@@ -516,6 +516,17 @@ def test_own_other_term_adds_up_over_micro_batches(tmp_path, run_train, device):
     assert len({r["tokens"] for r in whole}) > 1   # texts of several lengths
 
 
+def test_a_pair_with_unequal_slots_ends_the_run_in_one_line(tmp_path, run_train):
+    """Texts cut into chunks of 8 (a 2- to 5-chunk text gets 4 slots a chunk) rarely pair: the step that draws such
+    a pair ends the run with one line naming it (train.step_guard), nothing saved past the last good state."""
+    argv = ["--model", "tiny", *OWN_OTHER, "--chunk-len", "8", "--batch-size", "4", "--steps", "2", "--seed", "1",
+            "--eval-every", "0", "--out", str(tmp_path / "run")]
+    with pytest.raises(SystemExit) as e:
+        run_train(argv)
+    assert "step 1: own/other pairs texts 1-2" in str(e.value) and "\n" not in str(e.value)
+    assert not list((tmp_path / "run").glob("ckpt-*"))
+
+
 def test_warm_start_begins_where_the_other_run_ended(tmp_path, run_train, device, capsys):
     """--warm-start RUN: this run's compressor starts from RUN's trained tensors (here with another --chunk-len, a
     4x arm from a 1:1 arm); a compressor of another shape is one line, not a traceback."""
