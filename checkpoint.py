@@ -63,7 +63,7 @@ def save(comp: compressors.Compressor, out_dir: str, extra: dict | None = None, 
     each atomically (temp file + rename), so an interrupted save never leaves a broken checkpoint.
     tensors=False: compressor.json alone (a sharded checkpoint holds the tensors in its sharded/ folder)."""
     os.makedirs(out_dir, exist_ok=True)
-    saved = {n: p for n, p in comp.named_parameters() if compressors.is_saved(comp.cfg, n)}
+    saved = saved_tensors(comp)
     if tensors:
         tmp = os.path.join(out_dir, "compressor.safetensors.tmp")
         save_file({n: p.detach().contiguous().cpu() for n, p in saved.items()}, tmp)

@@ -693,15 +693,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, lm_head: nn.Module, targets: tor
 
     if hidden.shape[0] * lm_head.weight.shape[0] * 4 < keep_below:
         return chunk_loss(hidden, targets)
-    if reduction == "none":
-        return torch.cat([torch.utils.checkpoint.checkpoint(chunk_loss, hidden[s:s + chunk], targets[s:s + chunk],
-                                                            use_reentrant=False)
-                          for s in range(0, hidden.shape[0], chunk)])
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for s in range(0, hidden.shape[0], chunk):
-        total = total + torch.utils.checkpoint.checkpoint(chunk_loss, hidden[s:s + chunk], targets[s:s + chunk],
-                                                          use_reentrant=False)
-    return total
+    parts = [torch.utils.checkpoint.checkpoint(chunk_loss, hidden[s:s + chunk], targets[s:s + chunk],
+                                               use_reentrant=False) for s in range(0, hidden.shape[0], chunk)]
+    # "none": the positions' losses in order; "sum": added chunk after chunk, from an fp32 zero
+    return torch.cat(parts) if reduction == "none" else sum(parts, hidden.new_zeros((), dtype=torch.float32))
 
 
 # ---------------------------------------------------------------------------- loading
