@@ -22,6 +22,7 @@ measure, tests/reading_guide.py).
 """
 
 import json
+import math
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -503,8 +504,28 @@ def main_at_the_levers_end():
     return [step, *scores(evals(MAIN)[step])] if last_step(RESULTS / MLP) == step else [None] * 4
 
 
+def own_vs_other_term(run):
+    """--own-other-weight's term along a run (its log's own_vs_other): its median, log 2 (a memory no better than
+    its neighbour's), the steps whose gradient norm passed 100, the steps, their largest norm, and the clip."""
+    rows = [r for r in log_rows(RESULTS / run) if "own_vs_other" in r]
+    norms = [r["grad_norm"] for r in rows]
+    return [median([r["own_vs_other"] for r in rows]), 2, math.log(2), 100, sum(n > 100 for n in norms), len(rows),
+            max(norms), args(run)["clip"]]
+
+
 # (README, the words around the numbers, one {} each, what the records give: a function of nothing)
 PROSE = [
+    ("recipes/README.md", "The term itself ([its log](results/ladder_collapse/icae_ownother_4x)) has a median of {} "
+                          "over the run, where log {}, {}, is a memory no better than its neighbour's, and the "
+                          "gradient's norm passed {} in {} of its {} steps (up to {}) before clipping at {}",
+     lambda: own_vs_other_term("ladder_collapse/icae_ownother_4x")),
+    ("recipes/README.md", "is [the ladder's](results/ladder/icae_4x) run again at a measured {} tokens per slot, "
+                          "where the ladder's ran at {} ({}-{}) (`--chunk-len 64` left each text's last token, after "
+                          "its [BOS], a chunk of its own): it ends as that one did, own/other "
+                          "[{}](results/ladder_collapse/icae_4x) against {}",
+     lambda: [scored(RESULTS / "ladder_collapse/icae_4x")["tokens_per_slot"]["mean"],
+              *(scored(RESULTS / "ladder/icae_4x")["tokens_per_slot"][k] for k in ("mean", "min", "max")),
+              own_other("ladder_collapse/icae_4x"), own_other("ladder/icae_4x")]),
     ("README.md", "([its record](recipes/results/first): {} s of training with its {} checks, {} s to evaluate, on",
      lambda: [(w := record(RESULTS / "first", "wall_time"))["train_s"],
               sum("eval" in r for r in log_rows(RESULTS / "first")), w["evaluate_s"]]),
