@@ -2,6 +2,7 @@
 
     python tests/bench_train.py [--steps 12] [--methods aoc icae ...]            # train.py on `tiny`, CPU (and CUDA)
     python tests/bench_train.py --shape llama-3.2-1b --device cuda [--peak-tflops 989]
+    python tests/bench_train.py --shape llama-3.2-1b --batch paper --micro-batch 16 --modes eager compile cuda-graphs
     python tests/bench_train.py --steps 8 --profile --method 500x --objective ae --model DIR ...   # where the time goes
     python tests/bench_train.py --profile --method aoc --model DIR --batch-size 4   # on CUDA: kernels vs launches
 
@@ -11,9 +12,9 @@ the steps after the first two is reported.
 tok/s counts every token a step reads: the compressed contexts plus every decoder sequence (train.py's log).
 
 --shape llama-3.2-1b|qwen3-4b: a randomly initialised model of that paper model's shape (no download), bf16 autocast on
-CUDA,
-each method's compressor at the paper's lengths and batch 4, timed over AdamW steps of its default objective
-(distill as AE for CompLLM: its teacher is a data step). Model FLOPs utilisation = achieved / peak, the step's FLOPs
+CUDA, each method's compressor at the paper's lengths and batch 4 (--batch paper: its recipe's), timed over AdamW
+steps of its default objective (distill as AE for CompLLM: its teacher is a data step), eager or compiled as
+train.py --compile runs them (--modes), with the CUDA kernels one step launches. Model FLOPs utilisation = achieved / peak, the step's FLOPs
 counted matrix product by matrix product from the step itself (step_flops, on a meta-device copy: nothing is
 allocated), peak = --peak-tflops (H100 SXM dense bf16: 989).
 """
@@ -226,47 +227,73 @@ def profile(argv, steps=6, skip=2, top=12):
         print(f"| {k} | {v} |")
 
 
-def bench_shape(shape, method, device, steps, batch=4, frozen=torch.float32, compile=False, fused=False):
+def kernels_per_step(step) -> float:
+    """The CUDA kernels one call of step() launches (torch.profiler's kernel events; a CUDA graph's replay counts the
+    kernels it holds where the profiler sees them), or nan off CUDA."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+
+
+def bench_shape(shape, method, device, steps, batch=4, frozen=torch.float32, mode="eager", fused=False, micro=None):
     """AdamW steps of one preset around a random decoder of a paper model's shape in bf16 autocast:
-    (seconds per step, tokens per step, model FLOPs per step: step_flops, on a meta-device copy). frozen: the frozen
-    base weights' dtype, as train.py --frozen-dtype (trained tensors fp32); compile: train.py --compile
-    (torch.compile each model whole); fused: every step, and then a generation from one memory (evaluate.py's), inside
-    fused_only(), so a math-path call raises."""
+    (seconds per step, tokens per step, model FLOPs per step: step_flops, on a meta-device copy, kernels per step:
+    kernels_per_step). frozen: the frozen base weights' dtype, as train.py --frozen-dtype (trained tensors fp32);
+    mode: eager, compile (train.py --compile: each model compiled whole) or cuda-graphs (train.py --compile
+    --cuda-graphs: static shapes, reduce-overhead, a capturable AdamW); micro: examples per forward and backward,
+    the step's gradients accumulated over batch / micro of them, as train.py --micro-batch; fused: every step, and
+    then a generation from one memory (evaluate.py's), inside fused_only(), so a math-path call raises."""
     torch.manual_seed(0)
     decoder, tok = build_shape(shape, device, dtype=frozen)   # ids below the tiny vocabulary: any tokenizer will do
     comp = C.build(method, decoder, tok).set_dtypes(frozen)
-    if compile:
-        train.compile_models(comp)
+    if mode != "eager":
+        train.compile_models(comp, cuda_graphs=mode == "cuda-graphs")
     recipe = P.PRESETS[method].recipe
     n = recipe.lengths[1] // (2 if recipe.objective == "pretrain" else 1)
-    opt = torch.optim.AdamW(comp.trainable_parameters(), lr=1e-5, fused=device == "cuda")
+    opt = train.make_optimizer(comp, 1e-5, (0.9, 0.999), 0.0, None, torch.device(device),
+                               capturable=mode == "cuda-graphs")
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(3, 250, (n,), generator=g).tolist() for _ in range(batch)]
+    micro = micro or batch
+    chunks = [ids[i:i + micro] for i in range(0, batch, micro)]
     autocast = torch.autocast(device, dtype=torch.bfloat16) if device == "cuda" or frozen == torch.bfloat16 else \
         contextlib.nullcontext()
-    ratios = [4] * batch if comp.cfg.source == "group_mean" else None
+    ratios = lambda chunk: [4] * len(chunk) if comp.cfg.source == "group_mean" else None
+
+    def step():
+        with fused_only() if fused else contextlib.nullcontext():   # (backward too: it runs the kernels' backward)
+            for chunk in chunks:
+                if mode == "cuda-graphs":   # as train.train_step: a new iteration of the graphs per forward
+                    torch.compiler.cudagraph_mark_step_begin()
+                with autocast:
+                    loss, memory = ae_step(comp, chunk, ratios(chunk))
+                (loss * len(chunk) / batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return memory
+
     times = []
-    for step in range(steps):
+    for _ in range(steps):
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with fused_only() if fused else contextlib.nullcontext():   # (backward too: it runs the kernels' backward)
-            with autocast:
-                loss, memory = ae_step(comp, ids, ratios)
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        memory = step()
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    kernels = kernels_per_step(step) if device == "cuda" else float("nan")
     if fused:   # the evaluation side: a memory and a few generated tokens, the math path still shut
         with torch.no_grad(), autocast, fused_only():
-            comp.generate(comp.compress(ids[:2], ratios=ratios and ratios[:2]), "ae", max_new_tokens=4)
+            comp.generate(comp.compress(ids[:2], ratios=ratios(ids[:2])), "ae", max_new_tokens=4)
     m = sum(memory.slots[0])
     enc_tokens, dec_tokens = batch * (n + m), batch * (n + 2 + (m if comp.cfg.carrier == "embeds" else 0))
     meta = C.build(method, build_shape(shape, "meta")[0], tok)   # the same step's shapes, nothing allocated
-    flops = sum(step_flops(lambda: ae_step(meta, ids, ratios)[0]))
-    return statistics.median(times[2:] or times), enc_tokens + dec_tokens, flops
+    flops = sum(sum(step_flops(lambda: ae_step(meta, chunk, ratios(chunk))[0])) for chunk in chunks)
+    return statistics.median(times[2:] or times), enc_tokens + dec_tokens, flops, kernels
 
 
 def main():
@@ -278,8 +305,13 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--frozen-dtype", nargs="+", default=["fp32"], choices=("fp32", "bf16"), help="--shape: the "
                    "frozen weights' dtype(s) to time (train.py --frozen-dtype; trained ones stay fp32)")
-    p.add_argument("--batch", type=int, default=4, help="--shape: examples per step (default 4)")
-    p.add_argument("--compile", action="store_true", help="--shape: torch.compile each model whole (train.py --compile)")
+    p.add_argument("--batch", default="4", help="--shape: examples per step (default 4), or paper: each preset's "
+                   "recipe batch")
+    p.add_argument("--micro-batch", type=int, help="--shape: examples per forward and backward (train.py "
+                   "--micro-batch; default: the whole batch)")
+    p.add_argument("--modes", nargs="+", default=["eager"], choices=("eager", "compile", "cuda-graphs"),
+                   help="--shape: how each step runs: eager, compile (train.py --compile: each model whole) and/or "
+                   "cuda-graphs (train.py --compile --cuda-graphs, CUDA only)")
     p.add_argument("--attention", nargs="+", default=["now"], choices=("now", "before"), help="--shape: the "
                    "attention call(s) to time: now (model.sdpa: K/V repeated where a mask is given) and/or before "
                    "(a mask with enable_gqa: CUDA's math path)")
@@ -295,28 +327,39 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
           + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
     if a.shape:
-        print(f"\n{a.shape} shape, bf16 autocast on {a.device}, batch {a.batch}, the paper's lengths"
-              f"{', --compile' if a.compile else ''}\n")
-        print("| method | frozen | attention | ms/step | tokens/step | tok/s | TFLOP/s | MFU | peak GiB |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        if "cuda-graphs" in a.modes and a.device != "cuda":
+            p.error("--modes cuda-graphs: CUDA graphs need --device cuda")
+        if a.batch != "paper" and not a.batch.isdigit():
+            p.error(f"--batch {a.batch}: a number of examples, or paper")
+        print(f"\n{a.shape} shape, bf16 autocast on {a.device}, the paper's lengths, batch {a.batch}"
+              f"{f' in micro-batches of {a.micro_batch}' if a.micro_batch else ''}; MFU from the step's own FLOPs "
+              "(step_flops)\n")
+        print("| method | frozen | attention | mode | batch | ms/step | tokens/step | tok/s | TFLOP/s | MFU | "
+              "kernels/step | peak GiB |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         now = M.sdpa
         for method in a.methods:
+            batch = P.PRESETS[method].recipe.batch_size if a.batch == "paper" else int(a.batch)
             for name in a.frozen_dtype:
                 for attention in a.attention:
-                    if a.device == "cuda":
-                        torch.cuda.empty_cache()
-                        torch.cuda.reset_peak_memory_stats()
-                    M.sdpa = now if attention == "now" else sdpa_mask_with_gqa
-                    try:
-                        dt, tokens, flops = bench_shape(a.shape, method, a.device, a.steps, a.batch,
-                                                        torch.bfloat16 if name == "bf16" else torch.float32,
-                                                        a.compile, a.fused_only)
-                    finally:
-                        M.sdpa = now
-                    peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else float("nan")
-                    print(f"| {method} | {name} | {attention} | {dt * 1000:.0f} | {tokens} | {tokens / dt:,.0f} | "
-                          f"{flops / dt / 1e12:.1f} | {100 * flops / dt / 1e12 / a.peak_tflops:.1f}% | {peak:.1f} |",
-                          flush=True)
+                    for mode in a.modes:
+                        if a.device == "cuda":
+                            torch.cuda.empty_cache()
+                            torch.cuda.reset_peak_memory_stats()
+                        M.sdpa = now if attention == "now" else sdpa_mask_with_gqa
+                        try:
+                            dt, tokens, flops, kernels = bench_shape(
+                                a.shape, method, a.device, a.steps, batch,
+                                torch.bfloat16 if name == "bf16" else torch.float32, mode, a.fused_only,
+                                a.micro_batch)
+                        finally:
+                            M.sdpa = now
+                        torch._dynamo.reset()   # the next preset compiles its own graphs
+                        peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else float("nan")
+                        print(f"| {method} | {name} | {attention} | {mode} | {batch} | {dt * 1000:.0f} | {tokens} | "
+                              f"{tokens / dt:,.0f} | {flops / dt / 1e12:.1f} | "
+                              f"{100 * flops / dt / 1e12 / a.peak_tflops:.1f}% | {kernels:,.0f} | {peak:.1f} |",
+                              flush=True)
         if a.fused_only:
             print(f"\nevery step and generation above ran with SDPA's math path shut ({', '.join(a.methods)})")
         return

@@ -14,6 +14,10 @@
 #     c  FSDP at world size 1 with a mid-run save (save every 2 of 6 steps), and resumed both ways
 #     e  the memory plan against the measured peak (torch.cuda.max_memory_allocated), aoc, icae, pcc
 #     f  the CUDA tests: bf16 training, micro-batches, resume, --grad-ckpt, the SDPA spy
+#   calls 3 and 4 (issue 54, item 7; timeouts 580 s and 560 s; not run on a GPU yet)
+#     g  every preset's step at its paper batch (micro-batches of 16), Llama-3.2-1B shape, bf16 frozen weights,
+#        eager against --compile (each model compiled whole), and AOC with --cuda-graphs: ms/step, tokens/s, the MFU
+#        of the step's own FLOPs, kernels per step; call 3: icae, 500x, aoc; call 4 (section h): pcc, pic, compllm, gmsa
 #
 # Sections can be picked: bash tests/gpu_check.sh a b. bf16 runs are compared within bf16 tolerances (the tests say
 # which); nothing here compares a bf16 number with fp32's 1e-4.
@@ -24,7 +28,9 @@ PY=python3
 case "${1:-}" in
   1) SECTIONS="a b d" ;;
   2) SECTIONS="c e f" ;;
-  "") SECTIONS="a b c d e f" ;;
+  3) SECTIONS="g" ;;
+  4) SECTIONS="h" ;;
+  "") SECTIONS="a b c d e f g h" ;;
   *) SECTIONS="$*" ;;
 esac
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -73,5 +79,17 @@ if want f; then
   # (-k also matches a module's name: "resume_" and its kin pick the resume tests, not all of test_resume.py)
   timeout 80 $PY -m pytest -q tests/test_train.py tests/test_resume.py tests/test_heldout.py --device cuda \
     -p no:cacheprovider -k "bf16 or micro_batches or resume_ or resumes or after_resume or grad_ckpt"
+fi
+# g, h: eager against compiled, one preset per command (a hung compile costs its own preset); the first compiled
+# steps compile, and the median is over the steps after the first two
+G="$B --steps 5 --frozen-dtype bf16 --batch paper --micro-batch 16"
+if want g; then
+  section "g. eager against --compile at the paper batch (icae, 500x, aoc; aoc with CUDA graphs), Llama-3.2-1B shape"
+  for m in icae 500x; do timeout 160 $G --methods $m --modes eager compile; done
+  timeout 260 $G --methods aoc --modes eager compile cuda-graphs
+fi
+if want h; then
+  section "h. eager against --compile at the paper batch (pcc, pic, compllm, gmsa), Llama-3.2-1B shape"
+  for m in pcc pic compllm gmsa; do timeout 140 $G --methods $m --modes eager compile; done
 fi
 echo; echo "=== done ($(date +%T))"
