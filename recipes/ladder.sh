@@ -165,7 +165,7 @@ if [[ " ${RUNGS:-1x 4x} " == *" 1x "* && -n "${ARMS// }" ]]; then   # ARMS="": t
 fi
 ALL="$(for rung in ${RUNGS:-1x 4x}; do for arm in $ARMS $([ $rung = 1x ] && echo $DIAG_ARMS); do echo ${arm}_$rung; done; done) ${LEVER_ARMS:-}"
 $PY recipes/summarize.py --out "$OUT" --arms $ALL --curves \
-  --title "The ladder: every preset, one protocol (AE on held-out texts, batch 4, $STEPS steps)" \
+  --title "The ladder: every preset, one protocol (AE on held-out texts, batch 4, $STEPS steps${LEVER_ARMS:+; a lever arm: the steps and batch its levers set})" \
   --metric "first step at own/other 0.5=curve:first_at_threshold" --metric "own/other=ae:loss.own_other_ratio" "${TOKENS_PER_SLOT[@]}" \
   --metric "BLEU-4 (words)=ae:scores.compressed.bleu4_words" --metric "ROUGE-L=ae:scores.compressed.rougeL" \
   --metric "AE loss own=ae:loss.own" --metric "no memory=ae:loss.none" --metric "trained parameters=params:" \
