@@ -130,7 +130,11 @@ def chunk_warning(comp, sampling) -> list:
     """A warning line (ours) where a text the AE objective trains on ends in a chunk with more memory slots than
     tokens, so it is compressed less than asked: ICAE's [BOS] + 64 tokens at --chunk-len 64 are cut 64 + 1, 32 slots,
     a measured 2x where 4x was asked; a text shorter than --mem gets --mem slots. The run says so in its first lines,
-    with the longest such text as the example."""
+    with the longest such text as the example. ICAE's code counts the [BOS] too, and cuts no 1-token chunk: its
+    window of model_max_length tokens holds the [BOS] (training_utils.py, pretrain_tokenize_function), and a context
+    of L tokens is cut into ceil(L / (m * rate)) segments of equal length, m slots each (modeling_icae_multi_span.py,
+    compute_num_segments and forward): [BOS] + 64 tokens at m 16, rate 4 are 33 + 32 tokens in 32 slots, 2x as
+    well. Ours adds the [BOS] to --max-len text tokens, so one chunk is --chunk-len n + 1 (recipes/ladder.sh)."""
     if sampling.objective != "ae":
         return []
     bos = len(comp.context_bos)
