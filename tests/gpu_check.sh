@@ -14,7 +14,7 @@
 #     c  FSDP at world size 1 with a mid-run save (save every 2 of 6 steps), and resumed both ways
 #     e  the memory plan against the measured peak (torch.cuda.max_memory_allocated), aoc, icae, pcc
 #     f  the CUDA tests: bf16 training, micro-batches, resume, --grad-ckpt, the SDPA spy
-#   calls 3 and 4 (issue 54, item 7; timeouts 580 s and 560 s; not run on a GPU yet)
+#   calls 3 and 4 (issue 54, item 7; timeouts 540 s each; not run on a GPU yet)
 #     g  every preset's step at its paper batch (micro-batches of 16), Llama-3.2-1B shape, bf16 frozen weights,
 #        eager against --compile (each model compiled whole), and AOC with --cuda-graphs: ms/step, tokens/s, the MFU
 #        of the step's own FLOPs, kernels per step; call 3: icae, 500x, aoc; call 4 (section h): pcc, pic, compllm, gmsa
@@ -85,11 +85,11 @@ fi
 G="$B --steps 5 --frozen-dtype bf16 --batch paper --micro-batch 16"
 if want g; then
   section "g. eager against --compile at the paper batch (icae, 500x, aoc; aoc with CUDA graphs), Llama-3.2-1B shape"
-  for m in icae 500x; do timeout 160 $G --methods $m --modes eager compile; done
-  timeout 260 $G --methods aoc --modes eager compile cuda-graphs
+  for m in icae 500x; do timeout 150 $G --methods $m --modes eager compile; done
+  timeout 240 $G --methods aoc --modes eager compile cuda-graphs
 fi
 if want h; then
   section "h. eager against --compile at the paper batch (pcc, pic, compllm, gmsa), Llama-3.2-1B shape"
-  for m in pcc pic compllm gmsa; do timeout 140 $G --methods $m --modes eager compile; done
+  for m in pcc pic compllm gmsa; do timeout 135 $G --methods $m --modes eager compile; done
 fi
 echo; echo "=== done ($(date +%T))"

@@ -850,9 +850,9 @@ def test_gpu_check_parses_names_python3_and_each_call_fits_600_s():
     code = [line.split("#")[0] for line in text.splitlines()]
     assert not [line for line in code if re.search(r"(^|[\s;(=])python(\s|$)", line)], "call python3, not python"
     calls = dict(re.findall(r'^\s*(\d)\) SECTIONS="([a-z ]+)"', text, re.M))
-    assert set(calls) == {"1", "2"} and sorted(" ".join(calls.values()).split()) == list("abcdef")
+    assert set(calls) == {"1", "2", "3", "4"} and sorted(" ".join(calls.values()).split()) == list("abcdefgh")
     blocks = dict(re.findall(r"^if want ([a-z]); then\n(.*?)^fi$", text, re.M | re.S))
-    assert set(blocks) == set("abcdef")
+    assert set(blocks) == set("abcdefgh")
 
     def seconds(block):
         loop = re.search(r"for \w+ in ([^;]+); do(.*?)done", block, re.S)
