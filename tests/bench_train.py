@@ -14,9 +14,9 @@ tok/s counts every token a step reads: the compressed contexts plus every decode
 --shape llama-3.2-1b|qwen3-4b: a randomly initialised model of that paper model's shape (no download), bf16 autocast on
 CUDA, each method's compressor at the paper's lengths and batch 4 (--batch paper: its recipe's), timed over AdamW
 steps of its default objective (distill as AE for CompLLM: its teacher is a data step), eager or compiled as
-train.py --compile runs them (--modes), with the CUDA kernels one step launches. Model FLOPs utilisation = achieved / peak, the step's FLOPs
-counted matrix product by matrix product from the step itself (step_flops, on a meta-device copy: nothing is
-allocated), peak = --peak-tflops (H100 SXM dense bf16: 989).
+train.py --compile runs them (--modes), with the CUDA kernels one step launches. Model FLOPs utilisation = achieved /
+peak, the step's FLOPs counted matrix product by matrix product from the step itself (step_flops, on a meta-device
+copy: nothing is allocated), peak = --peak-tflops (H100 SXM dense bf16: 989).
 """
 
 import argparse
@@ -216,7 +216,7 @@ def profile(argv, steps=6, skip=2, top=12):
             ("self CPU time in aten ops per step", f"{total / n / 1000:.1f} ms (the rest of the CPU's time: Python, "
                                                    "the dispatcher, the framework)")]
     if cuda:   # kernel events: their count and the time the GPU spent in them
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = cuda_kernels(prof)
         busy = sum(e.time_range.elapsed_us() for e in kernels) / n / 1e3   # ms per step in kernels
         rows += [("CUDA kernels per step", f"{len(kernels) / n:,.0f}"), ("GPU time in kernels per step",
                  f"{busy:.1f} ms ({100 * busy / (per_step * 1000):.0f}% of the step: the rest the GPU waits on "
@@ -227,16 +227,19 @@ def profile(argv, steps=6, skip=2, top=12):
         print(f"| {k} | {v} |")
 
 
-def kernels_per_step(step) -> float:
-    """The CUDA kernels one call of step() launches (torch.profiler's kernel events; a CUDA graph's replay counts the
-    kernels it holds where the profiler sees them), or nan off CUDA."""
-    if not torch.cuda.is_available():
-        return float("nan")
+def cuda_kernels(prof) -> list:
+    """The CUDA kernel events a torch.profiler run recorded (a CUDA graph's replay: the kernels it holds, where the
+    profiler sees them)."""
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernels_per_step(step) -> int:
+    """The CUDA kernels one call of step() launches (a step on CUDA)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+    return len(cuda_kernels(prof))
 
 
 def bench_shape(shape, method, device, steps, batch=4, frozen=torch.float32, mode="eager", fused=False, micro=None):

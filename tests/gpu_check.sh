@@ -14,7 +14,7 @@
 #     c  FSDP at world size 1 with a mid-run save (save every 2 of 6 steps), and resumed both ways
 #     e  the memory plan against the measured peak (torch.cuda.max_memory_allocated), aoc, icae, pcc
 #     f  the CUDA tests: bf16 training, micro-batches, resume, --grad-ckpt, the SDPA spy
-#   calls 3 and 4 (issue 54, item 7; timeouts 540 s each; not run on a GPU yet)
+#   calls 3 and 4 (timeouts 540 s each; not run on a GPU yet)
 #     g  every preset's step at its paper batch (micro-batches of 16), Llama-3.2-1B shape, bf16 frozen weights,
 #        eager against --compile (each model compiled whole), and AOC with --cuda-graphs: ms/step, tokens/s, the MFU
 #        of the step's own FLOPs, kernels per step; call 3: icae, 500x, aoc; call 4 (section h): pcc, pic, compllm, gmsa

@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import compressors as C  # noqa: E402
-from bench_train import ae_step, step_flops  # noqa: E402
-from model import TINY_CONFIG, ModelConfig, Transformer, build_tiny  # noqa: E402
+from bench_train import ae_step, bench_shape, step_flops  # noqa: E402
+from model import SHAPES, TINY_CONFIG, ModelConfig, Transformer, build_tiny  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -106,10 +106,8 @@ def test_bench_shape_counts_a_micro_batched_step_as_its_whole_batch(monkeypatch)
     """bench_train --micro-batch: a step of 4 texts run as 2 micro-batches of 2 is the same step, so its tokens and
     FLOPs (what MFU divides) are the whole batch's, twice a batch of 2's; a count of one micro-batch only, or of
     every micro-batch at the whole batch's size, fails. AOC at its paper lengths (96 tokens) on a 2-layer tiny Llama."""
-    import bench_train
-    import model as M
-    monkeypatch.setitem(M.SHAPES, "two-layer tiny", {**TINY_CONFIG, "num_hidden_layers": 2})
-    run = lambda batch, micro: bench_train.bench_shape("two-layer tiny", "aoc", "cpu", 1, batch=batch, micro=micro)
+    monkeypatch.setitem(SHAPES, "two-layer tiny", {**TINY_CONFIG, "num_hidden_layers": 2})
+    run = lambda batch, micro: bench_shape("two-layer tiny", "aoc", "cpu", 1, batch=batch, micro=micro)
     _, tokens, flops, _ = run(4, 2)
     _, whole_tokens, whole_flops, _ = run(4, None)
     _, half_tokens, half_flops, _ = run(2, None)

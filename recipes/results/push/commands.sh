@@ -14,8 +14,7 @@ ARM=(--method 500x --model "$MODEL" --data "$CORPUS/train.jsonl" --eval-data "$C
 # longer (the main arm, constant lr 2e-4): the record's first 300 steps are the seed-1 ladder arm
 # (SEED=1 RUNGS=4x ARMS=lora bash recipes/ladder.sh), continued with --resume --steps 3000 --eval-bleu and stopped
 # at step 1,500 (--stop-after 1500). The same two commands here: --steps 300 first sets the warmup (10% of the run:
-# 30 steps), which the resume keeps; one run of --steps 3000 would warm up over 300 and train another arm (rerun so
-# on 2026-11-28 to step 633, its losses and checks are the record's: 0.5115 at 200, 0.1417 at 600)
+# 30 steps), which the resume keeps; one run of --steps 3000 would warm up over 300 and train another arm
 python train.py "${ARM[@]}" --steps 300 --out "$OUT/lora_long_4x"
 python train.py --resume "$OUT/lora_long_4x" --steps 3000 --stop-after 1500
 mkdir -p "$OUT/at1500" && cp "$OUT"/lora_long_4x/{args.json,compressor.json,compressor.safetensors} "$OUT/at1500/"
