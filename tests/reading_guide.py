@@ -25,6 +25,7 @@ import ast
 import contextlib
 import functools
 import io
+import os
 import sys
 import tempfile
 from collections import defaultdict
@@ -77,18 +78,26 @@ def statements(path):
     return spans, conds
 
 
+def by_path(files):
+    """files (path -> name) as a lookup of a code object's file name: a module imported by another path to the same
+    file (recipes/../runlog.py, once the recipes put their parent on sys.path) is that file."""
+    return functools.lru_cache(maxsize=None)(lambda f: files.get(os.path.normpath(f)))
+
+
 def line_tracer(files, runs, also=None):
     """A sys.settrace tracer that adds each line run in `files` (path -> name) to runs[(name, function)], and calls
     also(name, line) for it."""
+    named = by_path(files)
+
     def tracer(frame, event, arg):
-        f = frame.f_code.co_filename
-        if f not in files:
+        name = named(frame.f_code.co_filename)
+        if name is None:
             return None
         if event == "line":
             # a comprehension or lambda is read as part of the function that holds it
-            runs[(files[f], frame.f_code.co_qualname.split(".<locals>")[0])].add(frame.f_lineno)
+            runs[(name, frame.f_code.co_qualname.split(".<locals>")[0])].add(frame.f_lineno)
             if also:
-                also(files[f], frame.f_lineno)
+                also(name, frame.f_lineno)
         return tracer
     return tracer
 
@@ -142,16 +151,18 @@ def traced_run(method) -> tuple:
     first called there). One traced run serves whole_run and step_path."""
     import train
     modules = {str(p): p.name for p in ROOT.glob("*.py")}
+    # a module imported by another path (recipes/../runlog.py, from the recipes' sys.path) is the same file
+    named = by_path(modules)
     seen, step, inside = {}, {}, []   # dicts as ordered sets; the train_step frames now running
 
     def tracer(frame, event, arg):
         code = frame.f_code
-        if event != "call" or code.co_filename not in modules:
+        if event != "call" or named(code.co_filename) is None:
             return None
         if code is train.train_step.__code__:
             inside.append(frame)
         if "<" not in code.co_qualname.rpartition(".")[2]:
-            key = (modules[code.co_filename], code.co_qualname)
+            key = (named(code.co_filename), code.co_qualname)
             seen.setdefault(key)
             if inside:
                 step.setdefault(key)
