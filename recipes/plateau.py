@@ -27,10 +27,10 @@ import json
 import os
 import sys
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from verdict import combine, noise_floor, per_example, read_json  # noqa: E402
-
-import numpy as np  # noqa: E402
 
 
 def checks(out, run, task, start=None):
@@ -74,7 +74,8 @@ def rule(b_a, c_b, c_a):
 
 
 def arm_table(out, label, run, spec, start):
-    """One arm's checks, the intervals of its last three, and its verdict: (markdown lines, entry)."""
+    """One arm's checks, the intervals of its last three, and its verdict: (its table row, its JSON entry, its
+    per-example values by step)."""
     found = checks(out, run, spec.partition(":")[0], start)
     if len(found) < 3:
         raise SystemExit(f"plateau.py: arm {label} has {len(found)} checks ({os.path.join(out, run)}/ckpt-*/eval_*.json"
