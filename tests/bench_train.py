@@ -45,7 +45,7 @@ import model as M  # noqa: E402
 from model import SHAPES, build_shape  # noqa: E402
 
 def sdpa_mask_with_gqa(q, k, v, mask, is_causal, scale):
-    """The attention call --attention before times: a mask together with enable_gqa, which CUDA's fused kernels do not
+    """The attention call --attention mask-gqa times: a mask together with enable_gqa, which CUDA's fused kernels do not
     take (flash takes no mask, memory-efficient and cuDNN no GQA), so SDPA runs its math path (model.sdpa repeats K/V
     where a mask is given instead)."""
     return M.F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
@@ -315,9 +315,9 @@ def main():
     p.add_argument("--modes", nargs="+", default=["eager"], choices=("eager", "compile", "cuda-graphs"),
                    help="--shape: how each step runs: eager, compile (train.py --compile: each model whole) and/or "
                    "cuda-graphs (train.py --compile --cuda-graphs, CUDA only)")
-    p.add_argument("--attention", nargs="+", default=["now"], choices=("now", "before"), help="--shape: the "
-                   "attention call(s) to time: now (model.sdpa: K/V repeated where a mask is given) and/or before "
-                   "(a mask with enable_gqa: CUDA's math path)")
+    p.add_argument("--attention", nargs="+", default=["repeat-kv"], choices=("repeat-kv", "mask-gqa"), help="--shape: "
+                   "the attention call(s) to time: repeat-kv (model.sdpa: K/V repeated where a mask is given) and/or "
+                   "mask-gqa (a mask with enable_gqa: CUDA's math path)")
     p.add_argument("--fused-only", action="store_true", help="--shape: run every step and a generation with SDPA's "
                    "math path shut (flash, memory-efficient, cuDNN only): a call that needs it raises")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the accelerator's dense bf16 peak (H100: 989)")
@@ -340,7 +340,7 @@ def main():
         print("| method | frozen | attention | mode | batch | ms/step | tokens/step | tok/s | TFLOP/s | MFU | "
               "kernels/step | peak GiB |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        now = M.sdpa
+        repeat_kv = M.sdpa
         for method in a.methods:
             batch = P.PRESETS[method].recipe.batch_size if a.batch == "paper" else int(a.batch)
             for name in a.frozen_dtype:
@@ -349,14 +349,14 @@ def main():
                         if a.device == "cuda":
                             torch.cuda.empty_cache()
                             torch.cuda.reset_peak_memory_stats()
-                        M.sdpa = now if attention == "now" else sdpa_mask_with_gqa
+                        M.sdpa = repeat_kv if attention == "repeat-kv" else sdpa_mask_with_gqa
                         try:
                             dt, tokens, flops, kernels = bench_shape(
                                 a.shape, method, a.device, a.steps, batch,
                                 torch.bfloat16 if name == "bf16" else torch.float32, mode, a.fused_only,
                                 a.micro_batch)
                         finally:
-                            M.sdpa = now
+                            M.sdpa = repeat_kv
                         torch._dynamo.reset()   # the next preset compiles its own graphs
                         peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else float("nan")
                         print(f"| {method} | {name} | {attention} | {mode} | {batch} | {dt * 1000:.0f} | {tokens} | "

@@ -6,9 +6,9 @@
 #
 #   call 1 (timeouts 420 s; on an H200 on 2026-11-27 a took 40 s, b 32 s, d one batch 40 s)
 #     a  the fused-kernel check: one training step and a generation of every preset around a random Llama-3.2-1B,
-#        with SDPA's math path shut (flash, memory-efficient, cuDNN only): a masked GQA call raises (issue 45)
-#     b  bench_train's MFU table, every preset, Llama-3.2-1B shape, batch 4, bf16 frozen weights: the attention
-#        before issue 45 (a mask with enable_gqa: the math path) and now (K/V repeated where a mask is given)
+#        with SDPA's math path shut (flash, memory-efficient, cuDNN only): a masked GQA call raises
+#     b  bench_train's MFU table, every preset, Llama-3.2-1B shape, batch 4, bf16 frozen weights: two attention calls,
+#        a mask with enable_gqa (mask-gqa: the math path) and K/V repeated where a mask is given (repeat-kv: model.sdpa)
 #     d  AOC's step through train.py under the profiler: kernels per step, GPU busy share (batch 4 and 16)
 #   call 2 (timeouts 530 s; measured: c about 60 s a case, e 95 s, f 50 s for 12 of its tests)
 #     c  FSDP at world size 1 with a mid-run save (save every 2 of 6 steps), and resumed both ways
@@ -45,8 +45,8 @@ if want a; then
 fi
 
 if want b; then
-  section "b. MFU, every preset, Llama-3.2-1B shape, batch 4, bf16 frozen weights: attention before issue 45 and now"
-  timeout 150 $B --steps 6 --frozen-dtype bf16 --attention before now
+  section "b. MFU, every preset, Llama-3.2-1B shape, batch 4, bf16 frozen weights: attention mask-gqa and repeat-kv"
+  timeout 150 $B --steps 6 --frozen-dtype bf16 --attention mask-gqa repeat-kv
 fi
 
 if want c; then
