@@ -23,7 +23,7 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import figures  # noqa: E402
 from records import portable  # noqa: E402
 from runlog import read_log  # noqa: E402

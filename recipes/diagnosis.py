@@ -38,7 +38,7 @@ from dataclasses import replace
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoint  # noqa: E402
 import compressors as C  # noqa: E402
 import evaluate as E  # noqa: E402

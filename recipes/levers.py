@@ -21,7 +21,7 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import presets as P  # noqa: E402
 import figures  # noqa: E402
 import summarize  # noqa: E402

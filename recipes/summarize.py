@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import curve  # noqa: E402
 from metrics import tokens_per_slot  # noqa: E402
 from runlog import read_log  # noqa: E402

@@ -80,7 +80,7 @@ def statements(path):
 
 def by_path(files):
     """files (path -> name) as a lookup of a code object's file name: a module imported by another path to the same
-    file (recipes/../runlog.py, once the recipes put their parent on sys.path) is that file."""
+    file (a/../runlog.py, from a sys.path entry written so) is that file."""
     return functools.lru_cache(maxsize=None)(lambda f: files.get(os.path.normpath(f)))
 
 
@@ -151,7 +151,6 @@ def traced_run(method) -> tuple:
     first called there). One traced run serves whole_run and step_path."""
     import train
     modules = {str(p): p.name for p in ROOT.glob("*.py")}
-    # a module imported by another path (recipes/../runlog.py, from the recipes' sys.path) is the same file
     named = by_path(modules)
     seen, step, inside = {}, {}, []   # dicts as ordered sets; the train_step frames now running
 

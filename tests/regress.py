@@ -23,7 +23,7 @@ import tempfile
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import presets as P  # noqa: E402
 import evaluate as E  # noqa: E402
 import runlog  # noqa: E402

@@ -351,7 +351,7 @@ def calls_given_the_flags():
     seen = []
 
     def profile(frame, event, arg):
-        # normpath: a module imported by another path to its file (recipes/../runlog.py) is still the project's
+        # normpath: a module imported by another path to its file (a/../runlog.py) is still the project's
         if event != "call" or os.path.normpath(frame.f_code.co_filename) not in PROJECT:
             return
         name = f"{Path(frame.f_code.co_filename).stem}.{frame.f_code.co_qualname}"
