@@ -100,7 +100,12 @@ def main(argv=None):
     p.add_argument("--arm", nargs=2, action="append", required=True, metavar=("LABEL", "RUN"))
     p.add_argument("--start", help="the run every arm started from: its record is each arm's step 0")
     a = p.parse_args(argv)
+    if not os.path.isdir(a.out):   # one line, not a traceback
+        raise SystemExit(f"plateau.py: --out {a.out} is no folder: pass the folder that holds the arms")
     name, _, spec = a.metric.partition("=")
+    if not name or spec.count(":") != 1:
+        raise SystemExit(f"plateau.py: --metric {a.metric!r} is not NAME=TASK:PATH: e.g. "
+                         "'BLEU-4 (words)=ae:scores.compressed.bleu4_words'")
     lines = [f"### {name}: the last three checks of each arm", "",
              "| arm | run | the metric at each step | 95% intervals (paired bootstrap over the examples) | verdict |",
              "|---|---|---|---|---|"]

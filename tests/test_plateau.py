@@ -71,6 +71,10 @@ def test_a_control_is_read_beside_its_arm_at_every_step_both_checked(tmp_path):
 
 
 def test_what_it_refuses(tmp_path):
+    with pytest.raises(SystemExit, match=r"^plateau.py: --out .* is no folder"):
+        run(tmp_path / "missing", ("a", "a"))
+    with pytest.raises(SystemExit, match=r"^plateau.py: --metric 'ae:bleu' is not NAME=TASK:PATH"):
+        P.main(["--out", str(tmp_path), "--metric", "ae:bleu", "--arm", "a", "a"])
     write_arm(tmp_path, "two", {200: BASE, 400: BASE})
     with pytest.raises(SystemExit, match=r"^plateau.py: arm two has 2 checks .*: three are needed"):
         run(tmp_path, ("two", "two"))
