@@ -84,11 +84,12 @@ def arm_table(out, label, run, spec, start):
     a, b, c = sorted(rows)[-3:]
     noise = {(x, y): noise_floor([rows[y]], [rows[x]]) for x, y in ((a, b), (b, c), (a, c))}
     verdict = rule(*noise.values())
-    lines = [f"| {label} | {run} | " + ", ".join(f"{s}: {metric(rows[s]):.4f}" for s in sorted(rows)) + " | "
+    means = {s: metric(rows[s]) for s in sorted(rows)}
+    lines = [f"| {label} | {run} | " + ", ".join(f"{s}: {m:.4f}" for s, m in means.items()) + " | "
              + "; ".join(f"{y} - {x} in [{lo:+.4f}, {hi:+.4f}]" for (x, y), (lo, hi, _) in noise.items())
              + f" | {verdict} |"]
-    entry = dict(label=label, run=run, checks={s: metric(rows[s]) for s in sorted(rows)}, verdict=verdict,
-                 examples=len(rows[a]), intervals={f"{y}-{x}": [lo, hi] for (x, y), (lo, hi, _) in noise.items()})
+    entry = dict(label=label, run=run, checks=means, verdict=verdict, examples=len(rows[a]),
+                 intervals={f"{y}-{x}": [lo, hi] for (x, y), (lo, hi, _) in noise.items()})
     return lines, entry, rows
 
 
@@ -116,10 +117,10 @@ def main(argv=None):
         entries.append(entry)
         arms.append((label, rows))
     (first, base), beside = arms[0], []
-    for label, rows in arms[1:]:   # the control beside the arm, at every step both checked
+    for (label, rows), entry in zip(arms[1:], entries[1:]):   # the control beside the arm, at every step both checked
         for step in sorted(set(rows) & set(base)):
             low, high, n = noise_floor([rows[step]], [base[step]])
-            beside.append(f"| {label} - {first} | {step} | {metric(rows[step]) - metric(base[step]):+.4f} | "
+            beside.append(f"| {label} - {first} | {step} | {entry['checks'][step] - entries[0]['checks'][step]:+.4f} | "
                           f"[{low:+.4f}, {high:+.4f}] over {n} |")
     if beside:
         lines += ["", "| arms | step | difference | 95% interval |", "|---|---|---|---|", *beside]
