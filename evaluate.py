@@ -267,13 +267,14 @@ def memory_nll(comp, task, enc, follow, group_size=None, cache=None, **nll_args)
 
 @torch.no_grad()
 def run_ae(comp, examples, max_new_tokens=None, proto=None, batch_size=8, group_size=None, generate=True,
-           modes=("compressed", "full", "none")):
+           modes=MODES):
     """Reconstruction: compress each text, regenerate it greedily from its memory (ICAE's AE task, AOC §3, EPL Table
     6), in batches. Default budget: the compressed length for a head-cropped checkpoint (AOC code: n; after
     pretraining ⌊n/2⌋), else the reference length + 8. Also the teacher-forced AE loss on the text and its EOS with
     the own memory, another text's memory and none (EPL Table 9 reports the AE loss and its perplexity).
     generate=False: the losses only ({"protocol", "loss"}, no regeneration), as recipes/curve.py scores every kept
-    checkpoint; modes: which regenerations (train.py --eval-bleu's check: only "compressed", from the memory)."""
+    checkpoint; modes: which regenerations (train.py --eval-bleu's check and evaluate.py --no-baselines: only
+    "compressed", from the memory)."""
     tok, plain = comp.tok, PlainLLM(comp)
     proto = proto or protocol()
     pairs = texts_as_trained(comp, [ex["text"] for ex in examples], proto)
@@ -366,7 +367,7 @@ def concatenated(examples, k):
 
 @torch.no_grad()
 def run_qa(comp, examples, max_new_tokens=None, batch_size=8, group_size=None, concat=1, reuse=True, max_len=None,
-           generate=True, score=qa_scores, losses=True):
+           generate=True, score=qa_scores, losses=True, modes=MODES):
     """Answer from memory + question (PIC/PCC SQuAD, EPL, CompLLM, GMSA KEFT), with the checkpoint's template
     (Compressor.qa_parts) in all three rows. The whole generation up to EOS is scored, as the papers' scripts do, by
     score(generation, answer) -> {name: value} (default qa_scores; needle: the passkey). concat > 1: CompLLM's long
@@ -374,7 +375,7 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, group_size=None, c
     losses (ours: the papers score generations only): also the teacher-forced loss of the reference answer (the
     first, QA training's target, without its EOS) after its own memory, another document's, no context and the full
     context. max_len: contexts cut as QA training cuts them. generate=False: the losses only ({"loss"}), as
-    train.py's held-out check scores itself."""
+    train.py's held-out check scores itself; modes: which rows regenerate (evaluate.py --no-baselines: "compressed")."""
     tok, plain = comp.tok, PlainLLM(comp)
     n_new = max_new_tokens or QA_BUDGET.get(comp.cfg.method, 64)
     examples = concatenated(examples, concat) if concat > 1 else examples
@@ -400,8 +401,10 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, group_size=None, c
             nll_other = other and memory_nll(comp, "qa", [parts[other[i]]["enc_context"] for i in idx], follow,
                                              group_size, cache, n_supervised=n_ans, prefix=prefix)[1]
             nll_none, nll_full = plain.nll(none, ans), plain.nll(full, ans)
-        outs = {"compressed": comp.generate(memory, "qa", prompt=prompt, max_new_tokens=n_new, prefix=prefix),
-                "full": plain.generate(full, n_new), "none": plain.generate(none, n_new)} if generate else {}
+        regenerate = {"compressed": lambda: comp.generate(memory, "qa", prompt=prompt, max_new_tokens=n_new,
+                                                          prefix=prefix),
+                      "full": lambda: plain.generate(full, n_new), "none": lambda: plain.generate(none, n_new)}
+        outs = {mode: regenerate[mode]() for mode in modes} if generate else {}
         for j, i in enumerate(idx):
             ex = examples[i]
             row = {"context": ex["context"], "question": ex["question"], "answer": ex["answer"],
@@ -416,7 +419,7 @@ def run_qa(comp, examples, max_new_tokens=None, batch_size=8, group_size=None, c
     if not generate:
         return memory_losses(rows)
     return summarize(rows, {"max_new_tokens": n_new, "concat": concat, "reuse": reuse,
-                            **(memory_losses(rows) if losses else {})})
+                            **(memory_losses(rows) if losses else {})}, modes)
 
 
 def markdown_table(header, rows):
@@ -740,6 +743,9 @@ def parse_args(argv=None):
                    "context and ask each question against it (CompLLM §4); default 1")
     p.add_argument("--no-reuse", action="store_true", help="qa: compress every context anew (default: a chunk's "
                    "memory is kept and reused, CompLLM's reusability)")
+    p.add_argument("--no-baselines", action="store_true", help="ae, qa: regenerate from the memory only, not with "
+                   "the plain LLM (full, none: they depend on the base model and the texts, not on the checkpoint; "
+                   "for scoring many checkpoints of one run)")
     p.add_argument("--lengths", help="needle: context lengths in tokens, comma-separated (default: those of "
                    f"{','.join(map(str, NEEDLE_LENGTHS))} the model's positions allow)")
     p.add_argument("--seed", type=int, default=0, help="needle: seeds the passkeys and the haystacks (default 0)")
@@ -791,13 +797,15 @@ class Task(NamedTuple):
 
 TASKS = {   # a: the parsed arguments, ex: the examples, out: the results' path without .json
     "ae": Task("regenerate each text from its memory: bleu4_ids, bleu4_words, prefix_em, token_accuracy, rouge1/2/L",
-               True, lambda a, comp, ex, proto, out: run_ae(comp, ex, a.max_new_tokens, proto, a.batch_size, a.ratio),
+               True, lambda a, comp, ex, proto, out: run_ae(comp, ex, a.max_new_tokens, proto, a.batch_size, a.ratio,
+                                                            modes=a.modes),
                report_text),
     "lm": Task("the perplexity of each text's second half (cut at len/2, EPL) given the memory of its first half",
                True, lambda a, comp, ex, proto, out: run_lm(comp, ex, a.batch_size, a.ratio, proto["n"]), report_text),
     "qa": Task("answer from memory + question (5 built-in): squad_f1/em, exact_match, token_f1, substring_acc, rouge1",
                True, lambda a, comp, ex, proto, out: run_qa(comp, ex, a.max_new_tokens, a.batch_size, a.ratio,
-                                                            a.concat, not a.no_reuse, a.max_len), report_text),
+                                                            a.concat, not a.no_reuse, a.max_len, modes=a.modes),
+               report_text),
     "needle": Task("passkey retrieval: a 5-digit key in --data haystacks, a depth x --lengths grid, its PNG by --out",
                    True, lambda a, comp, ex, proto, out: run_needle(comp, ex, a.lengths, a.n, a.seed, a.max_new_tokens,
                                                                     a.batch_size, a.ratio, png=out + ".png"),
@@ -838,6 +846,10 @@ def main(argv=None):
         if args.lengths and min(args.lengths) < 1:
             raise ValueError(f"--lengths must be positive, got {args.lengths}")
         task = TASKS[args.task]
+        if args.no_baselines and args.task not in ("ae", "qa"):
+            raise ValueError(f"--no-baselines applies to ae and qa (the tasks that regenerate), not {args.task}: "
+                             "leave it out")
+        args.modes = ("compressed",) if args.no_baselines else MODES
         n = None if args.task == "needle" else args.n   # needle: --n counts samples per cell, not texts
         text_task = args.task in ("ae", "lm")   # scored at the trained length (at_trained_length)
         examples = load_examples(args.data, args.task, None if text_task else n) if task.examples and (

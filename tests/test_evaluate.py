@@ -163,6 +163,24 @@ def test_qa_runs_on_the_builtin_set_and_scores_the_whole_generation(ckpt, capsys
             assert ex[mode]["scores"] == M.qa_scores(ex[mode]["text"], ex["answer"])
 
 
+@pytest.mark.parametrize("method,task", [("aoc", "ae"), ("icae", "qa")])
+def test_no_baselines_regenerates_from_the_memory_only_and_the_same(method, task, ckpt, tmp_path, capsys, device):
+    """--no-baselines leaves out the plain LLM's rows (full, none) and changes nothing in the memory's row."""
+    argv = ["--ckpt", ckpt[method], "--task", task, "--n", 2, "--max-new-tokens", 8]
+    whole = run([*argv, "--out", tmp_path / "whole.json"], device, capsys)[0]   # its stdout read and set aside
+    lean, out = run([*argv, "--out", tmp_path / "lean.json", "--no-baselines"], device, capsys)
+    assert set(whole["scores"]) == {"compressed", "full", "none"} and set(lean["scores"]) == {"compressed"}
+    assert lean["scores"]["compressed"] == whole["scores"]["compressed"] and lean["loss"] == whole["loss"]
+    for a, b in zip(lean["examples"], whole["examples"], strict=True):
+        assert "full" not in a and "none" not in a and a["compressed"] == b["compressed"]
+    assert "| compressed |" in out and "| full |" not in out
+
+
+def test_no_baselines_is_refused_where_nothing_regenerates(ckpt, one_line_error):
+    assert "--no-baselines applies to ae and qa" in one_line_error(
+        ["--ckpt", ckpt["aoc"], "--task", "lm", "--no-baselines"])
+
+
 def test_qa_right_answer_scores_one_and_what_follows_it_counts(monkeypatch, device):
     comp = random_comp("icae", device, mem=4, chunk_len=64, lora_r=4, lora_alpha=8)
     ex = D.EVAL_QA[4]   # answer "away from the Sun"
