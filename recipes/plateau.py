@@ -14,10 +14,13 @@ The rule, per arm, on its last three checks a < b < c (by step):
     unsettled    neither: one step clears the noise, the span does not
 
 The noise is how much the choice of held-out texts moves the metric between two checks of the same texts. Greedy
-regeneration is deterministic: a checkpoint scored twice gives the same number, so the texts are the noise.
-What it refuses, each with one line: an arm with fewer than three checks, a check without per-example rows, and
+regeneration is deterministic: a checkpoint scored twice gives the same number, so within one run the texts are the
+noise. What it refuses, each with one line: an arm with fewer than three checks, a check without per-example rows, and
 checks that scored different examples. With more than one arm, each later arm beside the first at every step both
-checked (the later minus the first, and its interval): a matched control beside its arm. Appends the tables to
+checked (the later minus the first, and its interval): a matched control beside its arm. Two arms are two runs, and
+two runs of one command differ by more than the texts' noise (float rounding grows over the steps: the BLEU push's
+rebuild, recipes/README.md); --rerun A B gives that gap, measured on a run and its rerun, and a difference between
+arms is read as one only beyond both (without --rerun the table says the gap is unmeasured). Appends the tables to
 OUT/plateau.md and OUT/plateau.json.
 """
 
@@ -93,6 +96,26 @@ def arm_table(out, label, run, spec, start):
     return lines, entry, rows
 
 
+def reading(low, high, diff, gap):
+    """A difference between two arms, its text interval (low, high), against a rerun's gap (None: not measured)."""
+    if low <= 0 <= high:
+        return "within the texts' noise"
+    if gap is None:
+        return "beyond the texts' noise; a rerun's gap unmeasured (--rerun)"
+    return f"within a rerun's gap ({gap:.4f})" if abs(diff) <= gap else "beyond the texts' noise and a rerun's gap"
+
+
+def rerun_gap(paths, spec, examples):
+    """|A - B| of two runs of one command (folders holding eval_TASK.json), with its text interval; SystemExit where
+    they scored other examples than the arms."""
+    rows = [per_example("", path, spec) for path in paths]
+    if any(r is None or set(r) != examples for r in rows):
+        raise SystemExit(f"plateau.py: --rerun {' '.join(paths)}: each needs per-example rows for {spec} on the "
+                         "arms' examples: score both with evaluate.py on the same --data")
+    low, high, _ = noise_floor([rows[0]], [rows[1]])
+    return abs(metric(rows[0]) - metric(rows[1])), (low, high)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="the folder that holds the arms")
@@ -100,6 +123,8 @@ def main(argv=None):
                    "(BLEU-4 (words)=ae:scores.compressed.bleu4_words)")
     p.add_argument("--arm", nargs=2, action="append", required=True, metavar=("LABEL", "RUN"))
     p.add_argument("--start", help="the run every arm started from: its record is each arm's step 0")
+    p.add_argument("--rerun", nargs=2, metavar=("A", "B"), help="two runs of one command (a rerun beside its record), "
+                   "folders holding eval_TASK.json: their gap is the training's own noise, which the texts' is not")
     a = p.parse_args(argv)
     if not os.path.isdir(a.out):   # one line, not a traceback
         raise SystemExit(f"plateau.py: --out {a.out} is no folder: pass the folder that holds the arms")
@@ -116,18 +141,27 @@ def main(argv=None):
         lines += arm_lines
         entries.append(entry)
         arms.append((label, rows))
-    (first, base), beside = arms[0], []
+    (first, base), beside, read = arms[0], [], []
+    gap, gap_interval = rerun_gap(a.rerun, spec, set(next(iter(base.values())))) if a.rerun else (None, None)
+    if a.rerun:
+        lines += ["", f"a rerun's gap: |{a.rerun[0]} - {a.rerun[1]}| = {gap:.4f}, 95% interval of the difference "
+                  f"[{gap_interval[0]:+.4f}, {gap_interval[1]:+.4f}] (the texts')"]
     for (label, rows), entry in zip(arms[1:], entries[1:]):   # the control beside the arm, at every step both checked
         for step in sorted(set(rows) & set(base)):
             low, high, n = noise_floor([rows[step]], [base[step]])
-            beside.append(f"| {label} - {first} | {step} | {entry['checks'][step] - entries[0]['checks'][step]:+.4f} | "
-                          f"[{low:+.4f}, {high:+.4f}] over {n} |")
+            diff = entry["checks"][step] - entries[0]["checks"][step]
+            read.append(dict(arms=f"{label} - {first}", step=step, difference=diff, interval=[low, high],
+                             reading=reading(low, high, diff, gap)))
+            beside.append(f"| {label} - {first} | {step} | {diff:+.4f} | [{low:+.4f}, {high:+.4f}] over {n} | "
+                          f"{read[-1]['reading']} |")
     if beside:
-        lines += ["", "| arms | step | difference | 95% interval |", "|---|---|---|---|", *beside]
+        lines += ["", "| arms | step | difference | 95% interval (the texts') | reading |", "|---|---|---|---|---|",
+                  *beside]
     record = read_json(os.path.join(a.out, "plateau.json"), {"tables": []})
     with open(os.path.join(a.out, "plateau.json"), "w") as f:
-        json.dump({"tables": record["tables"] + [dict(metric=name, spec=spec, start=a.start, arms=entries)]}, f,
-                  indent=1)
+        json.dump({"tables": record["tables"] + [dict(metric=name, spec=spec, start=a.start, arms=entries,
+                                                      rerun=a.rerun and dict(runs=a.rerun, gap=gap), beside=read)]},
+                  f, indent=1)
     md = os.path.join(a.out, "plateau.md")
     with open(md, "a") as f:
         f.write("\n".join(lines) + "\n\n")

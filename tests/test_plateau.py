@@ -66,8 +66,40 @@ def test_a_control_is_read_beside_its_arm_at_every_step_both_checked(tmp_path):
     write_arm(tmp_path, "constant", {200: BASE, 400: BASE + 0.01, 600: BASE + 0.01})
     run(tmp_path, ("decay", "decay"), ("constant", "constant"))
     md = (tmp_path / "plateau.md").read_text()
-    assert "| constant - decay | 600 | -0.0400 | [-0.0400, -0.0400] over 229 |" in md   # every text down 0.04
-    assert "| constant - decay | 200 | +0.0000 |" in md
+    assert "| constant - decay | 600 | -0.0400 | [-0.0400, -0.0400] over 229 | beyond the texts' noise; a rerun's " \
+           "gap unmeasured (--rerun) |" in md   # every text down 0.04
+    assert "| constant - decay | 200 | +0.0000 | [+0.0000, +0.0000] over 229 | within the texts' noise |" in md
+
+
+def write_record(folder, bleu, texts=N):
+    """evaluate.py's record of a run's last weights: RUN/eval_ae.json."""
+    folder.mkdir(parents=True)
+    rows = [{"text": f"text {i}", "compressed": {"scores": {"bleu4_words": float(b)}}} for i, b in enumerate(bleu[:texts])]
+    (folder / "eval_ae.json").write_text(json.dumps({"task": "ae", "step": 400, "examples": rows}))
+
+
+@pytest.mark.parametrize("rerun_gap, reading", [(0.05, "within a rerun's gap (0.0500)"),
+                                                (0.01, "beyond the texts' noise and a rerun's gap")])
+def test_a_difference_between_arms_counts_only_beyond_a_reruns_gap(tmp_path, rerun_gap, reading):
+    """Two arms are two runs: a difference that clears the texts' noise but not what one command moved between two
+    runs of it decides nothing."""
+    write_arm(tmp_path, "decay", {200: BASE, 400: BASE + 0.04, 600: BASE + 0.05})
+    write_arm(tmp_path, "constant", {200: BASE, 400: BASE + 0.01, 600: BASE + 0.01})
+    write_record(tmp_path / "record", BASE)
+    write_record(tmp_path / "rerun", shuffled(BASE, 4) + rerun_gap)
+    P.main(["--out", str(tmp_path), "--metric", SPEC, "--arm", "decay", "decay", "--arm", "constant", "constant",
+            "--rerun", str(tmp_path / "rerun"), str(tmp_path / "record")])
+    table = json.loads((tmp_path / "plateau.json").read_text())["tables"][-1]
+    assert table["rerun"]["gap"] == pytest.approx(rerun_gap)
+    by_step = {row["step"]: row for row in table["beside"]}
+    assert by_step[600]["difference"] == pytest.approx(-0.04) and by_step[600]["reading"] == reading
+    assert by_step[200]["reading"] == "within the texts' noise"
+    assert f"| constant - decay | 600 | -0.0400 | [-0.0400, -0.0400] over 229 | {reading} |" in \
+        (tmp_path / "plateau.md").read_text()
+    write_record(tmp_path / "fewer", BASE, texts=N - 1)
+    with pytest.raises(SystemExit, match=r"^plateau.py: --rerun .*fewer .* on the arms' examples"):
+        P.main(["--out", str(tmp_path), "--metric", SPEC, "--arm", "decay", "decay", "--arm", "constant", "constant",
+                "--rerun", str(tmp_path / "fewer"), str(tmp_path / "record")])
 
 
 def test_what_it_refuses(tmp_path):
