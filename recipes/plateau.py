@@ -141,7 +141,7 @@ def main(argv=None):
         lines += arm_lines
         entries.append(entry)
         arms.append((label, rows))
-    (first, base), beside, read = arms[0], [], []
+    (first, base), read = arms[0], []
     gap, gap_interval = rerun_gap(a.rerun, spec, set(next(iter(base.values())))) if a.rerun else (None, None)
     if a.rerun:
         lines += ["", f"a rerun's gap: |{a.rerun[0]} - {a.rerun[1]}| = {gap:.4f}, 95% interval of the difference "
@@ -151,12 +151,11 @@ def main(argv=None):
             low, high, n = noise_floor([rows[step]], [base[step]])
             diff = entry["checks"][step] - entries[0]["checks"][step]
             read.append(dict(arms=f"{label} - {first}", step=step, difference=diff, interval=[low, high],
-                             reading=reading(low, high, diff, gap)))
-            beside.append(f"| {label} - {first} | {step} | {diff:+.4f} | [{low:+.4f}, {high:+.4f}] over {n} | "
-                          f"{read[-1]['reading']} |")
-    if beside:
+                             examples=n, reading=reading(low, high, diff, gap)))
+    if read:
         lines += ["", "| arms | step | difference | 95% interval (the texts') | reading |", "|---|---|---|---|---|",
-                  *beside]
+                  *(f"| {r['arms']} | {r['step']} | {r['difference']:+.4f} | [{r['interval'][0]:+.4f}, "
+                    f"{r['interval'][1]:+.4f}] over {r['examples']} | {r['reading']} |" for r in read)]
     record = read_json(os.path.join(a.out, "plateau.json"), {"tables": []})
     with open(os.path.join(a.out, "plateau.json"), "w") as f:
         json.dump({"tables": record["tables"] + [dict(metric=name, spec=spec, start=a.start, arms=entries,

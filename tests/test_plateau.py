@@ -23,14 +23,17 @@ def shuffled(values, seed):
     return np.random.default_rng(seed).permutation(values)
 
 
+def write_record(folder, bleu, texts=N, step=400):
+    """evaluate.py's record of one set of weights (FOLDER/eval_ae.json): the per-text BLEU of its first `texts`."""
+    folder.mkdir(parents=True)
+    rows = [{"text": f"text {i}", "compressed": {"scores": {"bleu4_words": float(b)}}} for i, b in enumerate(bleu[:texts])]
+    (folder / "eval_ae.json").write_text(json.dumps({"task": "ae", "step": step, "examples": rows}))
+
+
 def write_arm(root, run, checks, texts=N):
     """An arm as train.py --keep-every and evaluate.py leave it: ckpt-STEP/eval_ae.json for each {step: per-text BLEU}."""
     for step, bleu in checks.items():
-        folder = root / run / f"ckpt-{step:06d}"
-        folder.mkdir(parents=True)
-        rows = [{"text": f"text {i}", "compressed": {"scores": {"bleu4_words": float(b)}}} for i, b in
-                enumerate(bleu[:texts])]
-        (folder / "eval_ae.json").write_text(json.dumps({"task": "ae", "step": step, "examples": rows}))
+        write_record(root / run / f"ckpt-{step:06d}", bleu, texts, step)
 
 
 def run(root, *arms):
@@ -69,13 +72,6 @@ def test_a_control_is_read_beside_its_arm_at_every_step_both_checked(tmp_path):
     assert "| constant - decay | 600 | -0.0400 | [-0.0400, -0.0400] over 229 | beyond the texts' noise; a rerun's " \
            "gap unmeasured (--rerun) |" in md   # every text down 0.04
     assert "| constant - decay | 200 | +0.0000 | [+0.0000, +0.0000] over 229 | within the texts' noise |" in md
-
-
-def write_record(folder, bleu, texts=N):
-    """evaluate.py's record of a run's last weights: RUN/eval_ae.json."""
-    folder.mkdir(parents=True)
-    rows = [{"text": f"text {i}", "compressed": {"scores": {"bleu4_words": float(b)}}} for i, b in enumerate(bleu[:texts])]
-    (folder / "eval_ae.json").write_text(json.dumps({"task": "ae", "step": 400, "examples": rows}))
 
 
 @pytest.mark.parametrize("rerun_gap, reading", [(0.05, "within a rerun's gap (0.0500)"),
