@@ -42,6 +42,8 @@ NOT_RESULTS = {
                                       "with records",
     "| preset | lever |": "the lever table: test_the_lever_table_matches_its_records",
     "| full context: depth": "the needle grid: test_the_needle_grid_matches_its_record",
+    "| arm | run | the metric at each step": "plateau.py's tables: test_the_continuations_plateau_tables_are_their_records",
+    "| arms | step | difference": "plateau.py's tables: test_the_continuations_plateau_tables_are_their_records",
 }
 # columns that name, describe or judge rather than measure (a "seed N" in them is checked against args.json; the tiny
 # demo's "n (bytes)" and "m" are checked against the code: test_the_tiny_demo_table_states_each_presets_n_m_and_steps)
@@ -541,8 +543,36 @@ def rerun_gap():
             *(e["loss"]["own_other_ratio"] for e in ends), 95, low, high)
 
 
+def continuation():
+    """The continuation's steps, batch, lr and warmup, from the decay arm's args.json; None where the control's
+    differ (it is matched only where they agree)."""
+    keys = ("steps", "batch_size", "lr", "warmup")
+    decay, control = (args(f"push/lora_cont_{arm}_4x") for arm in ("decay", "const"))
+    return [decay[k] if decay[k] == control[k] else None for k in keys]
+
+
+def continued():
+    """plateau.py's record of the continuation: BLEU-4 at the start and at each arm's last check, that step, each
+    end's own/other and tokens per slot, the control minus the decay there, its interval and texts, the rerun's gap."""
+    table = json.loads((RESULTS / "push" / "plateau.json").read_text())["tables"][-1]
+    decay, const = table["arms"]
+    last = max(decay["checks"], key=int)
+    ends = [json.loads((RESULTS / "push" / arm["run"] / f"ckpt-{int(last):06d}" / "eval_ae.json").read_text())
+            for arm in (decay, const)]
+    beside = table["beside"][-1]
+    return [decay["checks"]["0"], decay["checks"][last], const["checks"][last], int(last),
+            *(e["loss"]["own_other_ratio"] for e in ends), ends[0]["tokens_per_slot"]["mean"], beside["difference"],
+            *beside["interval"], beside["examples"], table["rerun"]["gap"]]
+
+
 # (README, the words around the numbers, one {} each, what the records give: a function of nothing)
 PROSE = [
+    ("recipes/README.md", "from BLEU-4 {} at the start to {} with the decay and {} at a constant lr at step {} (own/other {} and {}, {} tokens per "
+                          "slot), and the constant lr ends {} above the decay, a {}% interval of [{}, {}] over {} "
+                          "texts, beyond a rerun's gap ({})",
+     lambda: (lambda v: v[:8] + [95] + v[8:])(continued())),
+    ("recipes/README.md", "its weights kept), {} steps at batch {} from lr {} with {} warmup steps, [decaying",
+     lambda: continuation()),
     ("recipes/README.md", "ends at BLEU-4 {} against [the record's](results/push/lora_b16long2_4x) {} on the same {} "
                           "texts (own/other {} and {}), a {}% interval of [{}, {}]: float rounding",
      lambda: list(rerun_gap())),
@@ -880,3 +910,30 @@ def test_the_push_curves_are_their_records():
                                                ("push/lora_b16long2_4x", 500))
            for s, e in sorted(evals(run).items()) if s > 0]
     assert curve("push curve b16") == line(b16)
+
+
+# ---- the push's continuation: recipes/plateau.py's tables, as the records give them ----
+
+PLATEAU = ["--out", "recipes/results/push", "--metric", "BLEU-4 (words)=ae:scores.compressed.bleu4_words",
+           "--start", "../push_rebuild/lora_b16long2_4x", "--arm", "decay", "lora_cont_decay_4x",
+           "--arm", "constant", "lora_cont_const_4x",
+           "--rerun", "recipes/results/push_rebuild/lora_b16long2_4x", "recipes/results/push/lora_b16long2_4x"]
+
+
+def test_the_continuations_plateau_tables_are_their_records(tmp_path, monkeypatch, capsys):
+    """recipes/plateau.py run again on the continuation's records (each kept checkpoint's eval_ae.json, the start's)
+    prints the tables recipes/results/push/plateau.md keeps and recipes/README.md shows between <!-- push plateau -->
+    markers: a number edited in either, or a record changed under them, fails here."""
+    import plateau
+    for run in ("push/lora_cont_decay_4x", "push/lora_cont_const_4x", "push/lora_b16long2_4x", "push_rebuild"):
+        (tmp_path / "recipes/results" / run).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "recipes/results" / run).symlink_to(RESULTS / run)
+    monkeypatch.chdir(tmp_path)
+    plateau.main(PLATEAU)
+    fresh = (tmp_path / "recipes/results/push/plateau.md").read_text().strip()
+    assert (RESULTS / "push" / "plateau.md").read_text().strip() == fresh
+    assert (json.loads((RESULTS / "push" / "plateau.json").read_text())
+            == json.loads((tmp_path / "recipes/results/push/plateau.json").read_text()))
+    text = (REPO / "recipes" / "README.md").read_text()
+    shown = re.search(r"<!-- push plateau -->\s*\n(.*?)\n\s*<!-- /push plateau -->", text, re.S).group(1).strip()
+    assert shown == fresh
