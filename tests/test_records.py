@@ -42,7 +42,8 @@ NOT_RESULTS = {
                                       "with records",
     "| preset | lever |": "the lever table: test_the_lever_table_matches_its_records",
     "| full context: depth": "the needle grid: test_the_needle_grid_matches_its_record",
-    "| arm | run | the metric at each step": "plateau.py's tables: test_the_continuations_plateau_tables_are_their_records",
+    "| arm | run | the metric at each step": "plateau.py's tables: "
+                                           "test_the_continuations_plateau_tables_are_their_records",
     "| arms | step | difference": "plateau.py's tables: test_the_continuations_plateau_tables_are_their_records",
 }
 # columns that name, describe or judge rather than measure (a "seed N" in them is checked against args.json; the tiny
@@ -557,8 +558,7 @@ def continued():
     table = json.loads((RESULTS / "push" / "plateau.json").read_text())["tables"][-1]
     decay, const = table["arms"]
     last = max(decay["checks"], key=int)
-    ends = [json.loads((RESULTS / "push" / arm["run"] / f"ckpt-{int(last):06d}" / "eval_ae.json").read_text())
-            for arm in (decay, const)]
+    ends = [scored(RESULTS / "push" / arm["run"] / f"ckpt-{int(last):06d}") for arm in (decay, const)]
     beside = table["beside"][-1]
     return [decay["checks"]["0"], decay["checks"][last], const["checks"][last], int(last),
             *(e["loss"]["own_other_ratio"] for e in ends), ends[0]["tokens_per_slot"]["mean"], beside["difference"],
@@ -567,12 +567,12 @@ def continued():
 
 # (README, the words around the numbers, one {} each, what the records give: a function of nothing)
 PROSE = [
-    ("recipes/README.md", "from BLEU-4 {} at the start to {} with the decay and {} at a constant lr at step {} (own/other {} and {}, {} tokens per "
-                          "slot), and the constant lr ends {} above the decay, a {}% interval of [{}, {}] over {} "
+    ("recipes/README.md", "from BLEU-4 {} at the start to {} with the decay and {} at a constant lr at step {} "
+                          "(own/other {} and {}, {} tokens per slot), and the constant lr ends {} above the decay, a {}% interval of [{}, {}] over {} "
                           "texts, beyond a rerun's gap ({})",
      lambda: (lambda v: v[:8] + [95] + v[8:])(continued())),
     ("recipes/README.md", "its weights kept), {} steps at batch {} from lr {} with {} warmup steps, [decaying",
-     lambda: continuation()),
+     continuation),
     ("recipes/README.md", "ends at BLEU-4 {} against [the record's](results/push/lora_b16long2_4x) {} on the same {} "
                           "texts (own/other {} and {}), a {}% interval of [{}, {}]: float rounding",
      lambda: list(rerun_gap())),
@@ -892,24 +892,25 @@ def test_the_reading_guides_sentence_states_its_tables_numbers(tmp_path):
 
 # ---- the push section's curves: its records' checks, as recipes/README.md prints them ----
 
+def marked(tag):
+    """recipes/README.md's text between <!-- tag --> and <!-- /tag -->, stripped."""
+    text = (REPO / "recipes" / "README.md").read_text()
+    return re.search(rf"<!-- {tag} -->\s*\n(.*?)\n\s*<!-- /{tag} -->", text, re.S).group(1).strip()
+
+
 def test_the_push_curves_are_their_records():
     """The two curves between <!-- push curve --> markers: each step's own/other, BLEU-4, ROUGE-L, from the checks
     the runs logged (the batch-16 curve counts from the main arm's step 1,500: lora_b16_4x, then lora_b16long_4x from
     step 100, then lora_b16long2_4x from step 500)."""
-    text = (REPO / "recipes" / "README.md").read_text()
-
-    def curve(tag):
-        return re.search(rf"<!-- {tag} -->\s*\n(.*?)\n\s*<!-- /{tag} -->", text, re.S).group(1).strip()
-
     def line(points):
         return "; ".join(f"{s:,}: " + ", ".join("-" if e.get(k) is None else f"{e[k]:.3f}"
                                                  for k in ("own_other", "bleu4_words", "rougeL")) for s, e in points)
     main = evals("push/lora_long_4x")
-    assert curve("push curve") == line((s, main[s]) for s in sorted(main) if s >= 300 and s % 100 == 0)
+    assert marked("push curve") == line((s, main[s]) for s in sorted(main) if s >= 300 and s % 100 == 0)
     b16 = [(s + offset, e) for run, offset in (("push/lora_b16_4x", 0), ("push/lora_b16long_4x", 100),
                                                ("push/lora_b16long2_4x", 500))
            for s, e in sorted(evals(run).items()) if s > 0]
-    assert curve("push curve b16") == line(b16)
+    assert marked("push curve b16") == line(b16)
 
 
 # ---- the push's continuation: recipes/plateau.py's tables, as the records give them ----
@@ -920,7 +921,7 @@ PLATEAU = ["--out", "recipes/results/push", "--metric", "BLEU-4 (words)=ae:score
            "--rerun", "recipes/results/push_rebuild/lora_b16long2_4x", "recipes/results/push/lora_b16long2_4x"]
 
 
-def test_the_continuations_plateau_tables_are_their_records(tmp_path, monkeypatch, capsys):
+def test_the_continuations_plateau_tables_are_their_records(tmp_path, monkeypatch):
     """recipes/plateau.py run again on the continuation's records (each kept checkpoint's eval_ae.json, the start's)
     prints the tables recipes/results/push/plateau.md keeps and recipes/README.md shows between <!-- push plateau -->
     markers: a number edited in either, or a record changed under them, fails here."""
@@ -934,6 +935,4 @@ def test_the_continuations_plateau_tables_are_their_records(tmp_path, monkeypatc
     assert (RESULTS / "push" / "plateau.md").read_text().strip() == fresh
     assert (json.loads((RESULTS / "push" / "plateau.json").read_text())
             == json.loads((tmp_path / "recipes/results/push/plateau.json").read_text()))
-    text = (REPO / "recipes" / "README.md").read_text()
-    shown = re.search(r"<!-- push plateau -->\s*\n(.*?)\n\s*<!-- /push plateau -->", text, re.S).group(1).strip()
-    assert shown == fresh
+    assert marked("push plateau") == fresh

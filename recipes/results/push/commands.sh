@@ -41,8 +41,8 @@ python train.py "${ARM[@]}" --warm-start "$OUT/lora_b16_4x" --batch-size 16 --sc
 # 400 more the same way from its end: batch 16, the lr warming up again and decaying linearly to 0 from 2e-4
 python train.py "${ARM[@]}" --warm-start "$OUT/lora_b16long_4x" --batch-size 16 --schedule linear --steps 400 \
   --eval-every 50 --save-every 25 --keep-every 100 --out "$OUT/lora_b16long2_4x"
-# issue 56: the chain's end continued without a restart (no warmup, from lr 5e-5: a quarter of its peak, ours), 600
-# steps at batch 16, with a matched control (the same start, steps and texts, a constant lr against the decay). The
+# the chain's end continued without a restart (no warmup, from lr 5e-5: a quarter of its peak, ours), 600 steps at
+# batch 16, with a matched control (the same start, steps and texts, a constant lr against the decay). The
 # start is this file's lora_b16long2_4x as run again on this CPU (recipes/results/push_rebuild/lora_b16long2_4x, whose
 # weights were kept); each kept checkpoint (200, 400, 600) scored on all held-out texts, and plateau.py reads them
 CONT=(--warm-start "$OUT/lora_b16long2_4x" --batch-size 16 --warmup 0 --lr 5e-5 --steps 600 --save-every 25
@@ -51,7 +51,8 @@ python train.py "${ARM[@]}" "${CONT[@]}" --schedule linear --out "$OUT/lora_cont
 python train.py "${ARM[@]}" "${CONT[@]}" --schedule constant --out "$OUT/lora_cont_const_4x"
 python evaluate.py --ckpt "$OUT/lora_b16long2_4x" --task ae --data "$CORPUS/heldout.jsonl" --no-baselines
 for arm in decay const; do for s in 200 400 600; do
-  python evaluate.py --ckpt "$OUT/lora_cont_${arm}_4x/ckpt-000$s" --task ae --data "$CORPUS/heldout.jsonl" --no-baselines
+  python evaluate.py --ckpt "$OUT/lora_cont_${arm}_4x/ckpt-000$s" --task ae --data "$CORPUS/heldout.jsonl" \
+    --no-baselines
 done; done
 python recipes/plateau.py --out "$OUT" --metric "BLEU-4 (words)=ae:scores.compressed.bleu4_words" \
   --start lora_b16long2_4x --arm decay lora_cont_decay_4x --arm constant lora_cont_const_4x
