@@ -451,6 +451,8 @@ def test_the_needle_grid_matches_its_record():
 
 RESULTS = REPO / "recipes" / "results"
 MAIN, MLP, R128, B16L2 = "push/lora_long_4x", "push/lora_mlp_4x", "push/lora_r128_4x", "push/lora_b16long2_4x"
+COLLAPSE = ("ladder_collapse/icae_4x", "ladder_collapse/icae_ownother_4x", "ladder_collapse/icae_memfromtext_4x")
+AOC_H200, AOC_H100 = "ladder_h200/aoc_long+batch16_4x", "ladder/aoc_long+batch16_4x"   # AOC at 4x on the GPUs
 B16L = "push/lora_b16long_4x"
 NUMBER = re.compile(r"(?<![\w.])(?<![A-Za-z]-)(?:\d+(?:\.\d+)?e-?\d+|\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)(?!\w)")
 RECORD_LINK = re.compile(r"\]\(((?:\.\./)*(?:recipes/)?results/[^)\s]*)\)")
@@ -483,10 +485,30 @@ def median(values):
     return (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
 
 
+def shared(runs, read):
+    """What `read` gives for every one of the runs, the one value they share (None where they differ)."""
+    found = {read(run) for run in runs}
+    return found.pop() if len(found) == 1 else None
+
+
 def seeds(*runs):
     """The one seed the runs share (None where they differ)."""
     found = {args(run)["seed"] for run in runs}
     return found.pop() if len(found) == 1 else None
+
+
+def collapse_protocol():
+    """The collapse levers' protocol, each value the one all three arms share (None where they differ): text length,
+    slots, tokens per slot (where every text has the same), steps, batch, seed, checked texts, check interval, and
+    the diagnosis's texts and step."""
+    def uniform(run):
+        tps = scored(RESULTS / run)["tokens_per_slot"]
+        return tps["mean"] if tps["min"] == tps["max"] else None
+    return [shared(COLLAPSE, read) for read in (
+        lambda r: args(r)["max_len"], lambda r: args(r)["mem"], uniform, lambda r: last_step(RESULTS / r),
+        lambda r: args(r)["batch_size"], lambda r: args(r)["seed"], lambda r: len(scored(RESULTS / r)["examples"]),
+        lambda r: args(r)["eval_every"], lambda r: record(RESULTS / r, "diagnosis")["texts"],
+        lambda r: record(RESULTS / r, "diagnosis")["step"])]
 
 
 def b16long2():
@@ -672,6 +694,57 @@ PROSE = [
               if last_step(RESULTS / "gmsa/gmsa_1x_s0") == last_step(RESULTS / "gmsa/gmsa_1x_s1") else None,
               own_other("gmsa/gmsa_1x_s0"),
               own_other("gmsa/gmsa_1x_s1")]),
+    # ICAE's capacity probe at 1:1, 1,000 steps: its loss at four steps, its last, the probe's lr and own/other
+    ("recipes/README.md", "[its record](results/ladder/capacity_icae_1000.md)) goes on falling, {} at {}, {} at {}, {} "
+                          "at {}, {} at {} ({} at {}: Adam at lr {} overshoots), own/other {} at the end",
+     lambda: (lambda p, loss: [v for s in (300, 500, 700, 950) for v in (loss[s], s)]
+              + [loss[max(loss)], max(loss), p["lr"], p["own_other"]])(
+         (p := json.loads((RESULTS / "ladder/capacity_icae_1000.json").read_text())[0]),
+         {c["step"]: c["loss"] for c in p["curve"]})),
+    # what the decoder sees of CompLLM's CEs (recipes/diagnosis.py): at init and after training
+    ("recipes/README.md", "{} held-out texts of {} tokens, as no held-out paragraph reaches the run's {}; [its record]"
+                          "(results/compllm/compllm_s0/diagnosis.json)): the CEs sit at {} times the token embeddings' "
+                          "norm at init and {} after {} steps; their key spread across texts rises from {} to {}, and "
+                          "the decoder's attention on them in layers {}-{} / {}-{} from {} / {} to {} / {}",
+     lambda: (lambda d: [d["texts"], d["n"], args("compllm/compllm_s0")["max_len"], d["init"]["embed_norm_ratio"],
+                         d["trained"]["embed_norm_ratio"], d["step"],
+                         *(sum(x["spread"] for x in d[s]["layers"]) / len(d[s]["layers"]) for s in ("init", "trained")),
+                         *(bound for g in (2, 3) for bound in   # groups_of's third and fourth fifths of the layers
+                           (g * len(d["init"]["layers"]) // 5, (g + 1) * len(d["init"]["layers"]) // 5 - 1)),
+                         *(groups_of([x["attention"] for x in d[s]["layers"]])[g] for s in ("init", "trained")
+                           for g in (2, 3))])(record(RESULTS / "compllm/compllm_s0", "diagnosis"))),
+    ("recipes/README.md", "own/other {} on the answers ([its record](results/compllm/compllm_s0/eval_qa.json); {} on "
+                          "the AE loss, which this run never trained)",
+     lambda: [record(RESULTS / "compllm/compllm_s0", "eval_qa")["loss"]["own_other_ratio"],
+              record(RESULTS / "compllm/compllm_s0", "diagnosis")["trained"]["own_other"]]),
+    # the collapse levers' protocol: what the three arms share (None where they differ)
+    ("recipes/README.md", "one protocol: {}-token texts in one chunk with their [BOS] (`--chunk-len 65`), {} slots, so {} "
+                          "tokens per slot for every text; {} steps at batch {}, seed {}, {} held-out texts checked "
+                          "every {} steps; then `recipes/diagnosis.py` on {} held-out texts at init and at step {} "
+                          "([the records](results/ladder_collapse/))",
+     collapse_protocol),
+    # AOC at 4x on the GPUs: the H200's checks, its end, and the H100's end
+    ("recipes/README.md", "On the H200 ([its record](results/ladder_h200/aoc_long+batch16_4x): `long+batch16`, planned "
+                          "{} steps, its lr warmed up over the AOC code's {}, stopped by the deadline at {}) AOC's "
+                          "held-out check was {} at step {} and {} at step {}, and `evaluate.py` scored the last "
+                          "checkpoint (step {}) at **{}** at {}, slower than [the H100 run's]"
+                          "(results/ladder/aoc_long+batch16_4x) {} at {} after {} steps ({} warm-up steps",
+     lambda: [args(AOC_H200)["steps"], args(AOC_H200)["warmup"], last_step(RESULTS / AOC_H200),
+              evals(AOC_H200)[600]["own_other"], 600, evals(AOC_H200)[1400]["own_other"], 1400,
+              last_step(RESULTS / AOC_H200), own_other(AOC_H200), scored(RESULTS / AOC_H200)["tokens_per_slot"]["mean"],
+              own_other(AOC_H100), scored(RESULTS / AOC_H100)["tokens_per_slot"]["mean"],
+              last_step(RESULTS / AOC_H100), args(AOC_H100)["warmup"]]),
+    # the 8x rung's LoRA arm: its texts, slots and compression, each logged check and its end
+    ("recipes/README.md", "At 8x ({}-token texts into {} slots, {} tokens per slot on {} held-out texts of >= {} "
+                          "tokens) the LoRA baseline does not carry within {} steps but falls fast: {} / {} / {} / {} "
+                          "/ {} / **{}** at {}-{} ([its record](results/ladder_8x/lora_8x), its logged checks; scored "
+                          "at the end, {} at {})",
+     lambda: [(e := scored(RESULTS / "ladder_8x/lora_8x"))["protocol"]["n"], args("ladder_8x/lora_8x")["mem"],
+              e["tokens_per_slot"]["mean"], len(e["examples"]), e["protocol"]["min"],
+              last_step(RESULTS / "ladder_8x/lora_8x"),
+              *(c["own_other"] for s, c in sorted(evals("ladder_8x/lora_8x").items()) if s),
+              min(s for s in evals("ladder_8x/lora_8x") if s), max(evals("ladder_8x/lora_8x")),
+              own_other("ladder_8x/lora_8x"), e["tokens_per_slot"]["mean"]]),
     ("recipes/README.md", "Records: `results/ladder/{{pcc,pic}}_kv_4x` (seed {}), `results/ladder_s1/` (seed {})",
      lambda: [seeds("ladder/pcc_kv_4x", "ladder/pic_kv_4x"), seeds("ladder_s1/pcc_kv_4x", "ladder_s1/pic_kv_4x")]),
 ]
