@@ -717,6 +717,9 @@ PROSE = [
                           "the AE loss, which this run never trained)",
      lambda: [record(RESULTS / "compllm/compllm_s0", "eval_qa")["loss"]["own_other_ratio"],
               record(RESULTS / "compllm/compllm_s0", "diagnosis")["trained"]["own_other"]]),
+    ("recipes/README.md", "On SmolLM2-135M-Instruct, {} samples per cell, seed {} "
+                          "([its record](results/needle/smollm2_500x_1step.json)",
+     lambda: [(d := read(str(RESULTS / "needle" / "smollm2_500x_1step.json")))["n"], d["seed"]]),
     # the collapse levers' protocol: what the three arms share (None where they differ)
     ("recipes/README.md", "one protocol: {}-token texts in one chunk with their [BOS] (`--chunk-len 65`), {} slots, so {} "
                           "tokens per slot for every text; {} steps at batch {}, seed {}, {} held-out texts checked "
