@@ -618,6 +618,21 @@ PROSE = [
     ("README.md", "([its record](recipes/results/first): {} s of training with its {} checks, {} s to evaluate, on",
      lambda: [(w := record(RESULTS / "first", "wall_time"))["train_s"],
               sum("eval" in r for r in log_rows(RESULTS / "first")), w["evaluate_s"]]),
+    # the first real result: its own/other as a loss ratio, compression and BLEU-4 against the plain LLM's
+    ("README.md", "Each memory carries its own text (another text's memory: a [{}×](recipes/results/first) higher "
+                  "loss) at a measured {} tokens per slot; it gives back the gist, not the text (BLEU-4 {}; the plain "
+                  "LLM reading it {})",
+     lambda: [(e := scored(RESULTS / "first"))["loss"]["other"] / e["loss"]["own"], e["tokens_per_slot"]["mean"],
+              e["scores"]["compressed"]["bleu4_words"], e["scores"]["full"]["bleu4_words"]]),
+    ("README.md", "At {}:{} the same settings reach [{}](recipes/results/ladder/lora_1x)",
+     lambda: [scored(RESULTS / "ladder/lora_1x")["tokens_per_slot"]["mean"], 1, own_other("ladder/lora_1x")]),
+    ("README.md", "BLEU-4 at 4x stops near [{}](recipes/results/push/lora_long_4x) at batch {} and "
+                  "rises slowly at batch {}, to [{}](recipes/results/push/lora_cont_const_4x/ckpt-000600) (all {} "
+                  "held-out texts, own/other {}), not {}",
+     lambda: [evals(MAIN)[max(evals(MAIN))]["bleu4_words"], args(MAIN)["batch_size"],
+              args("push/lora_cont_const_4x")["batch_size"],
+              (e := scored(RESULTS / "push/lora_cont_const_4x/ckpt-000600"))["scores"]["compressed"]["bleu4_words"],
+              len(e["examples"]), e["loss"]["own_other_ratio"], 0.5]),
     ("README.md", "text at {} bytes a slot (another text's memory: a [{}×](recipes/results/tiny/aoc_mem4) "
                   "higher loss)",
      lambda: [scored(RESULTS / "tiny/aoc_mem4")["tokens_per_slot"]["mean"],      # a ratio: the loss other / own
