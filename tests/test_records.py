@@ -453,6 +453,8 @@ RESULTS = REPO / "recipes" / "results"
 MAIN, MLP, R128, B16L2 = "push/lora_long_4x", "push/lora_mlp_4x", "push/lora_r128_4x", "push/lora_b16long2_4x"
 COLLAPSE = ("ladder_collapse/icae_4x", "ladder_collapse/icae_ownother_4x", "ladder_collapse/icae_memfromtext_4x")
 AOC_H200, AOC_H100 = "ladder_h200/aoc_long+batch16_4x", "ladder/aoc_long+batch16_4x"   # AOC at 4x on the GPUs
+AOC_CPU, AOC_CPU_WARM = "ladder_cpu_aoc/aoc_fp32_4x", "ladder_cpu_aoc/aoc_fp32_warm54_4x"    # and on the CPU, in fp32
+AOC_CPU_OLD = "ladder_cpu_aoc/aoc_oldcode_4x"   # the H100 run's command on its own code, on the CPU
 B16L = "push/lora_b16long_4x"
 NUMBER = re.compile(r"(?<![\w.])(?<![A-Za-z]-)(?:\d+(?:\.\d+)?e-?\d+|\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)(?!\w)")
 RECORD_LINK = re.compile(r"\]\(((?:\.\./)*(?:recipes/)?results/[^)\s]*)\)")
@@ -735,6 +737,24 @@ PROSE = [
     ("recipes/README.md", "On SmolLM2-135M-Instruct, {} samples per cell, seed {} "
                           "([its record](results/needle/smollm2_500x_1step.json)",
      lambda: [(d := read(str(RESULTS / "needle" / "smollm2_500x_1step.json")))["n"], d["seed"]]),
+    # AOC at 4x on the CPU: the three arms' lead
+    ("recipes/README.md", "nothing else (`tests/test_records.py`); a step at batch {} takes {} s here (the median of "
+                          "its {})",
+     lambda: [args(AOC_CPU)["batch_size"], median(dts := [r["dt"] for r in log_rows(RESULTS / AOC_CPU) if "dt" in r]),
+              len(dts)]),
+    ("recipes/README.md", "the one training setting in which the H100's and the H200's records differ (tested), with a "
+                          "check every {} steps",
+     lambda: [args(AOC_CPU_WARM)["eval_every"]]),
+    ("recipes/README.md", "whose held-out check also scores texts shorter than {} tokens ({} tokens per slot when "
+                          "`evaluate.py` scored the H100 arm)",
+     lambda: [args(AOC_CPU_OLD)["max_len"], scored(RESULTS / AOC_H100)["tokens_per_slot"]["mean"]]),
+    ("recipes/README.md", "At equal steps today's code stays at [{}](results/ladder_cpu_aoc/aoc_fp32_warm54_4x) at "
+                          "step {} with the H100's warmup too, where [the H100's code on this CPU]"
+                          "(results/ladder_cpu_aoc/aoc_oldcode_4x) falls as the H100 did ({} and {} at steps {} and {}; "
+                          "the H100's {} and {})",
+     lambda: [evals(AOC_CPU_WARM)[200]["own_other"], 200, evals(AOC_CPU_OLD)[90]["own_other"],
+              evals(AOC_CPU_OLD)[180]["own_other"], 90, 180, evals(AOC_H100)[90]["own_other"],
+              evals(AOC_H100)[180]["own_other"]]),
     # the collapse levers' protocol: what the three arms share (None where they differ)
     ("recipes/README.md", "one protocol: {}-token texts in one chunk with their [BOS] (`--chunk-len 65`), {} slots, so {} "
                           "tokens per slot for every text; {} steps at batch {}, seed {}, {} held-out texts checked "
@@ -1027,3 +1047,51 @@ def test_the_continuations_plateau_tables_are_their_records(tmp_path, monkeypatc
     assert (json.loads((RESULTS / "push" / "plateau.json").read_text())
             == json.loads((tmp_path / "recipes/results/push/plateau.json").read_text()))
     assert marked("push plateau") == fresh
+
+
+# ---- AOC at 4x on the CPU beside the H200: what the two arms changed ----
+
+def test_the_cpu_aoc_arm_changes_only_the_frozen_dtype_against_the_h200s():
+    """recipes/README.md says the CPU's AOC arm is the H200's with `--frozen-dtype fp32`: their compressors' configs
+    are the same but for the model folder's name (and options added since, where the H200's names none), and their
+    training settings differ, where both name one, only in the dtype and where the files are."""
+    a, b = (record(RESULTS / run, "compressor") for run in (AOC_H200, AOC_CPU))
+    config = {k for k in a["config"].keys() | b["config"].keys()
+              if a["config"].get(k) is not None and a["config"].get(k) != b["config"].get(k)}
+    assert config == {"model"}, config
+    flags = {k for k in a["train_args"].keys() & b["train_args"].keys()
+             if None not in (a["train_args"][k], b["train_args"][k]) and a["train_args"][k] != b["train_args"][k]}
+    assert flags == {"frozen_dtype", "data", "eval_data", "model", "out"}, flags
+    assert (a["train_args"]["frozen_dtype"], b["train_args"]["frozen_dtype"]) == ("auto", "fp32")
+    assert record(RESULTS / AOC_H200, "eval_ae")["accelerator"].startswith("NVIDIA")   # auto: bf16 on CUDA
+
+
+def test_the_h100_and_h200_aoc_arms_differ_in_training_only_in_the_warmup():
+    """recipes/README.md says the warmup is the one training setting (besides the dtype, which the H100's record does
+    not name) in which the H100's and the H200's AOC 4x arms differ: the planned steps (a constant lr after the
+    warmup: the plan changes no step), the checks' and saves' cadence and the paths aside."""
+    a, b = (record(RESULTS / run, "compressor") for run in (AOC_H100, AOC_H200))
+    assert {k for k in a["config"].keys() | b["config"].keys() if a["config"].get(k) != b["config"].get(k)} == set()
+    flags = {k for k in a["train_args"].keys() & b["train_args"].keys()
+             if None not in (a["train_args"][k], b["train_args"][k]) and a["train_args"][k] != b["train_args"][k]}
+    assert flags - {"data", "eval_data", "out", "resume", "save_every", "eval_every", "steps"} == {"warmup"}, flags
+    assert {a["train_args"]["schedule"], b["train_args"]["schedule"]} == {"constant"}
+
+
+def test_the_cpu_warmup_arm_changes_only_the_warmup_against_the_cpu_aoc_arm():
+    a, b = (record(RESULTS / run, "compressor") for run in (AOC_CPU, AOC_CPU_WARM))
+    assert {k for k in a["config"].keys() | b["config"].keys() if a["config"].get(k) != b["config"].get(k)} == set()
+    flags = {k for k in a["train_args"].keys() | b["train_args"].keys()
+             if a["train_args"].get(k) != b["train_args"].get(k)}
+    assert flags - {"out", "save_every", "eval_every", "keep_every"} == {"warmup"}, flags
+    assert record(RESULTS / AOC_CPU_WARM, "args")["warmup"] == args(AOC_H100)["warmup"]
+
+
+def test_the_cpu_old_code_arm_is_the_h100_runs_command():
+    """The CPU's run of the H100's code is the H100 arm's command: the same compressor and training settings, the
+    planned steps (a constant lr after the same 54 warm-up steps), the paths and the resume aside."""
+    a, b = (record(RESULTS / run, "compressor") for run in (AOC_H100, AOC_CPU_OLD))
+    assert {k for k in a["config"].keys() | b["config"].keys() if a["config"].get(k) != b["config"].get(k)} == {"model"}
+    flags = {k for k in a["train_args"].keys() | b["train_args"].keys()
+             if a["train_args"].get(k) != b["train_args"].get(k)}
+    assert flags - {"data", "eval_data", "out", "resume", "steps", "model"} == set(), flags
