@@ -742,7 +742,8 @@ PROSE = [
                           "its {})",
      lambda: [args(AOC_CPU)["batch_size"], median(dts := [r["dt"] for r in log_rows(RESULTS / AOC_CPU) if "dt" in r]),
               len(dts)]),
-    ("recipes/README.md", "the one training setting in which the H100's and the H200's records differ (tested), with a "
+    ("recipes/README.md", "the one training setting besides the dtype in which the H100's and the H200's records differ "
+                          "(tested), with a "
                           "check every {} steps",
      lambda: [args(AOC_CPU_WARM)["eval_every"]]),
     ("recipes/README.md", "whose held-out check also scores texts shorter than {} tokens ({} tokens per slot when "
