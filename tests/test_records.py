@@ -115,11 +115,9 @@ def own_other(run):
 def carrier_arms(runs, seeds=False):
     """[tokens per slot, 1, steps] the runs share (None where they differ), with seeds=True the seeds (the first
     two runs'), then each run's own/other."""
-    per_slot = {scored(RESULTS / r)["tokens_per_slot"]["mean"] for r in runs}
-    steps = {last_step(RESULTS / r) for r in runs}
-    one = lambda values: values.pop() if len(values) == 1 else None
     seed = [record(RESULTS / r, "args")["seed"] for r in runs[:2]] if seeds else []
-    return [one(per_slot), 1, one(steps), *seed, *map(own_other, runs)]
+    return [shared(runs, lambda r: scored(RESULTS / r)["tokens_per_slot"]["mean"]), 1,
+            shared(runs, lambda r: last_step(RESULTS / r)), *seed, *map(own_other, runs)]
 
 
 def scored(run):
@@ -495,8 +493,7 @@ def shared(runs, read):
 
 def seeds(*runs):
     """The one seed the runs share (None where they differ)."""
-    found = {args(run)["seed"] for run in runs}
-    return found.pop() if len(found) == 1 else None
+    return shared(runs, lambda run: args(run)["seed"])
 
 
 def collapse_protocol():
@@ -743,8 +740,7 @@ PROSE = [
      lambda: [args(AOC_CPU)["batch_size"], median(dts := [r["dt"] for r in log_rows(RESULTS / AOC_CPU) if "dt" in r]),
               len(dts)]),
     ("recipes/README.md", "the one training setting besides the dtype in which the H100's and the H200's records differ "
-                          "(tested), with a "
-                          "check every {} steps",
+                          "(tested), with a check every {} steps",
      lambda: [args(AOC_CPU_WARM)["eval_every"]]),
     ("recipes/README.md", "whose held-out check also scores texts shorter than {} tokens ({} tokens per slot when "
                           "`evaluate.py` scored the H100 arm)",
@@ -1052,18 +1048,20 @@ def test_the_continuations_plateau_tables_are_their_records(tmp_path, monkeypatc
 
 # ---- AOC at 4x on the CPU beside the H200: what the two arms changed ----
 
+def differ(run_a, run_b, part, named=False):
+    """The keys of compressor.json's `part` (config, train_args) in which two runs' records differ; named=True: only
+    where both name a value (an older record leaves a preset's own settings, or an option added since, as null)."""
+    a, b = (record(RESULTS / run, "compressor")[part] for run in (run_a, run_b))
+    return {k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not (named and None in (a.get(k), b.get(k)))}
+
+
 def test_the_cpu_aoc_arm_changes_only_the_frozen_dtype_against_the_h200s():
     """recipes/README.md says the CPU's AOC arm is the H200's with `--frozen-dtype fp32`: their compressors' configs
     are the same but for the model folder's name (and options added since, where the H200's names none), and their
     training settings differ, where both name one, only in the dtype and where the files are."""
-    a, b = (record(RESULTS / run, "compressor") for run in (AOC_H200, AOC_CPU))
-    config = {k for k in a["config"].keys() | b["config"].keys()
-              if a["config"].get(k) is not None and a["config"].get(k) != b["config"].get(k)}
-    assert config == {"model"}, config
-    flags = {k for k in a["train_args"].keys() & b["train_args"].keys()
-             if None not in (a["train_args"][k], b["train_args"][k]) and a["train_args"][k] != b["train_args"][k]}
-    assert flags == {"frozen_dtype", "data", "eval_data", "model", "out"}, flags
-    assert (a["train_args"]["frozen_dtype"], b["train_args"]["frozen_dtype"]) == ("auto", "fp32")
+    assert differ(AOC_H200, AOC_CPU, "config", named=True) == {"model"}
+    assert differ(AOC_H200, AOC_CPU, "train_args", named=True) == {"frozen_dtype", "data", "eval_data", "model", "out"}
+    assert (args(AOC_H200)["frozen_dtype"], args(AOC_CPU)["frozen_dtype"]) == ("auto", "fp32")
     assert record(RESULTS / AOC_H200, "eval_ae")["accelerator"].startswith("NVIDIA")   # auto: bf16 on CUDA
 
 
@@ -1071,19 +1069,17 @@ def test_the_h100_and_h200_aoc_arms_differ_in_training_only_in_the_warmup():
     """recipes/README.md says the warmup is the one training setting (besides the dtype, which the H100's record does
     not name) in which the H100's and the H200's AOC 4x arms differ: the planned steps (a constant lr after the
     warmup: the plan changes no step), the checks' and saves' cadence and the paths aside."""
-    a, b = (record(RESULTS / run, "compressor") for run in (AOC_H100, AOC_H200))
-    assert {k for k in a["config"].keys() | b["config"].keys() if a["config"].get(k) != b["config"].get(k)} == set()
-    flags = {k for k in a["train_args"].keys() & b["train_args"].keys()
-             if None not in (a["train_args"][k], b["train_args"][k]) and a["train_args"][k] != b["train_args"][k]}
+    assert differ(AOC_H100, AOC_H200, "config") == set()
+    flags = differ(AOC_H100, AOC_H200, "train_args", named=True)
     assert flags - {"data", "eval_data", "out", "resume", "save_every", "eval_every", "steps"} == {"warmup"}, flags
-    assert {a["train_args"]["schedule"], b["train_args"]["schedule"]} == {"constant"}
+    assert {args(AOC_H100)["schedule"], args(AOC_H200)["schedule"]} == {"constant"}
 
 
 def test_the_cpu_warmup_arm_changes_only_the_warmup_against_the_cpu_aoc_arm():
-    a, b = (record(RESULTS / run, "compressor") for run in (AOC_CPU, AOC_CPU_WARM))
-    assert {k for k in a["config"].keys() | b["config"].keys() if a["config"].get(k) != b["config"].get(k)} == set()
-    flags = {k for k in a["train_args"].keys() | b["train_args"].keys()
-             if a["train_args"].get(k) != b["train_args"].get(k)}
+    """recipes/README.md's second CPU arm is the first with the H100's warmup: nothing else differs but the cadence
+    of its checks and saves and where its files are."""
+    assert differ(AOC_CPU, AOC_CPU_WARM, "config") == set()
+    flags = differ(AOC_CPU, AOC_CPU_WARM, "train_args")
     assert flags - {"out", "save_every", "eval_every", "keep_every"} == {"warmup"}, flags
     assert record(RESULTS / AOC_CPU_WARM, "args")["warmup"] == args(AOC_H100)["warmup"]
 
@@ -1091,8 +1087,6 @@ def test_the_cpu_warmup_arm_changes_only_the_warmup_against_the_cpu_aoc_arm():
 def test_the_cpu_old_code_arm_is_the_h100_runs_command():
     """The CPU's run of the H100's code is the H100 arm's command: the same compressor and training settings, the
     planned steps (a constant lr after the same 54 warm-up steps), the paths and the resume aside."""
-    a, b = (record(RESULTS / run, "compressor") for run in (AOC_H100, AOC_CPU_OLD))
-    assert {k for k in a["config"].keys() | b["config"].keys() if a["config"].get(k) != b["config"].get(k)} == {"model"}
-    flags = {k for k in a["train_args"].keys() | b["train_args"].keys()
-             if a["train_args"].get(k) != b["train_args"].get(k)}
+    assert differ(AOC_H100, AOC_CPU_OLD, "config") == {"model"}
+    flags = differ(AOC_H100, AOC_CPU_OLD, "train_args")
     assert flags - {"data", "eval_data", "out", "resume", "steps", "model"} == set(), flags
